@@ -1,0 +1,11 @@
+"""meshfold: Mixture-of-Experts training with MoE Parallel Folding, DeviceMesh/DTensor-native.
+
+The attention layers of a model see the ranks as a ``(pp, dp, cp, tp)`` mesh and the MoE layers
+see the same ranks as ``(pp, edp, ep, etp)``; :class:`FoldSpec` describes such a layout and
+:func:`fold` builds both views as named DeviceMeshes.
+"""
+
+from meshfold.mesh import FoldedMesh, FoldSpec, fold, valid_folds
+
+__all__ = ["FoldSpec", "FoldedMesh", "fold", "valid_folds"]
+__version__ = "0.1.0"

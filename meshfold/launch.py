@@ -1,0 +1,288 @@
+"""Run a function on several local ranks (CPU, gloo), or on the ranks torchrun already started.
+
+Two entry points:
+
+* :func:`spawn` runs ``fn(rank, world_size, *args)`` once on ``world_size`` fresh processes and
+  returns the per-rank results. Under ``torchrun`` (the default process group already exists, or
+  ``RANK``/``WORLD_SIZE`` are set) it runs ``fn`` in the current process instead, unchanged.
+* :class:`World` keeps ``world_size`` processes with an initialised process group alive and runs many
+  functions on them, so a test suite pays the start-up cost (a torch import per process) once.
+
+Both bind every socket to loopback: the rendezvous store listens on ``127.0.0.1`` (a socket we bind
+ourselves and hand to ``TCPStore``) and gloo is pinned to the ``lo`` interface.
+
+If a rank raises, the caller gets :class:`RankError` naming the rank, with its traceback, promptly:
+the remaining ranks are terminated rather than left blocked in a collective. Collectives time out
+after ``timeout`` seconds, so a rank stuck in a collective fails instead of hanging forever.
+
+Example::
+
+    >>> from meshfold.launch import spawn
+    >>> def hello(rank, world_size):
+    ...     import torch, torch.distributed as dist
+    ...     t = torch.tensor([rank])
+    ...     dist.all_reduce(t)
+    ...     return int(t)
+    >>> spawn(hello, 2)      # doctest: +SKIP  (fn must be importable by the child processes)
+    [1, 1]
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["RankError", "World", "spawn"]
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankError(RuntimeError):
+    """A rank raised: ``rank`` is its number and ``remote_traceback`` its formatted traceback."""
+
+    def __init__(self, rank: int, remote_traceback: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} raised:\n{remote_traceback}")
+
+
+def _loopback_listener() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    return sock
+
+
+def _under_torchrun() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _run_under_torchrun(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
+    import torch
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    try:
+        if dist.get_world_size() != world_size:
+            raise ValueError(f"spawn(world_size={world_size}) but torchrun started "
+                             f"{dist.get_world_size()} ranks; pass world_size={dist.get_world_size()}")
+        result = fn(dist.get_rank(), world_size, *args)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, result)
+        if created:
+            dist.barrier()  # nobody tears the group down while a peer still uses it
+        return gathered
+    finally:
+        if created:  # we made the group, so we tear it down (gloo aborts at exit otherwise)
+            dist.destroy_process_group()
+
+
+def _init_worker(rank: int, world_size: int, port: int, timeout: float) -> None:
+    # Gloo's own sockets follow GLOO_SOCKET_IFNAME; pin them to loopback like the store.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # W processes on a few cores: avoid oversubscription
+    td = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=td)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=td)
+
+
+def _spawn_entry(rank, world_size, port, timeout, fn, args, results) -> None:
+    try:
+        _init_worker(rank, world_size, port, timeout)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        results.put((rank, False, traceback.format_exc()))
+        sys.exit(1)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _world_entry(rank, world_size, port, timeout, tasks, results) -> None:
+    try:
+        _init_worker(rank, world_size, port, timeout)
+    except BaseException:  # noqa: BLE001
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException:  # noqa: BLE001
+            results.put((rank, False, traceback.format_exc()))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+class _Procs:
+    """Processes plus the result queue, with prompt failure detection and teardown."""
+
+    def __init__(self, target, world_size: int, timeout: float, extra_args) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        listener = _loopback_listener()
+        port = listener.getsockname()[1]
+        import torch.distributed as dist
+
+        # The parent hosts the rendezvous store on the loopback socket it bound itself.
+        self.store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+                                   wait_for_workers=False, master_listen_fd=listener.fileno(),
+                                   timeout=datetime.timedelta(seconds=timeout))
+        listener.detach()  # the store's server owns the socket from here on
+        self.results = self.ctx.Queue()
+        self.procs = []
+        for rank in range(world_size):
+            p = self.ctx.Process(target=target, daemon=True,
+                                 args=(rank, world_size, port, timeout, *extra_args(rank), self.results))
+            p.start()
+            self.procs.append(p)
+
+    def collect(self, deadline: float, what: str) -> list[Any]:
+        """One result per rank; raises RankError on the first failure, TimeoutError at deadline."""
+        out: dict[int, Any] = {}
+        while len(out) < self.world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=0.05)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(self.procs)
+                        if r not in out and p.exitcode is not None and p.exitcode != 0]
+                if dead:
+                    # Give its own error report a moment to arrive before calling it a crash.
+                    try:
+                        rank, ok, value = self.results.get(timeout=1.0)
+                    except queue_mod.Empty:
+                        self.terminate()
+                        raise RankError(dead[0], f"process exited with code "
+                                                 f"{self.procs[dead[0]].exitcode} without a "
+                                                 f"Python traceback (killed or crashed)") from None
+                elif time.monotonic() > deadline:
+                    self.terminate()
+                    missing = sorted(set(range(self.world_size)) - set(out))
+                    raise TimeoutError(f"{what}: ranks {missing} did not finish in time "
+                                       f"(all ranks terminated)") from None
+                else:
+                    continue
+            if not ok:
+                self.terminate()
+                raise RankError(rank, value)
+            out[rank] = value
+        return [out[r] for r in range(self.world_size)]
+
+    def terminate(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.store = None  # closes the rendezvous server
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return each rank's result.
+
+    Locally this starts ``world_size`` CPU processes with the gloo backend, rendezvous on a free
+    loopback port. Under torchrun it runs ``fn`` in the current process on the existing group.
+    ``fn`` and ``args`` must be picklable (a module-level function). ``timeout`` bounds each
+    collective and the whole run; a rank that raises makes this raise :class:`RankError` with that
+    rank's number and traceback, after the other ranks are terminated.
+    """
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if _under_torchrun():
+        return _run_under_torchrun(fn, world_size, args, timeout)
+    procs = _Procs(_spawn_entry, world_size, timeout, lambda rank: (fn, args))
+    try:
+        # Start-up (a torch import per process) is not collective time: allow for it on top.
+        results = procs.collect(time.monotonic() + timeout + 60.0, f"spawn({fn.__name__})")
+    finally:
+        procs.terminate()
+    return results
+
+
+class World:
+    """A pool of ``world_size`` ranks with a live gloo process group, reused across many runs.
+
+    ``world.run(fn, *args)`` runs ``fn(rank, world_size, *args)`` on every rank and returns the
+    list of results. After a failure (a rank raised or timed out) the processes are torn down, the
+    error is raised, and the next ``run`` starts a fresh world: a half-finished collective would
+    leave the old process group out of step.
+    """
+
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT_S):
+        if not (isinstance(world_size, int) and world_size >= 1):
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self._procs: _Procs | None = None
+        self._tasks: list = []
+
+    def _start(self) -> _Procs:
+        if self._procs is None:
+            ctx = mp.get_context("spawn")
+            self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+            procs = _Procs(_world_entry, self.world_size, self.timeout,
+                           lambda rank: (self._tasks[rank],))
+            procs.collect(time.monotonic() + self.timeout + 60.0, "World start-up")
+            self._procs = procs
+        return self._procs
+
+    def run(self, fn: Callable, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; raise RankError if any rank raises."""
+        procs = self._start()
+        for q in self._tasks:
+            q.put((fn, args))
+        try:
+            return procs.collect(time.monotonic() + (timeout or self.timeout) + 5.0,
+                                 f"World.run({getattr(fn, '__name__', fn)})")
+        except BaseException:
+            self._procs = None  # torn down by collect(); restart lazily
+            raise
+
+    def close(self) -> None:
+        if self._procs is not None:
+            for q in self._tasks:
+                q.put(None)
+            deadline = time.monotonic() + 10
+            for p in self._procs.procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._procs.terminate()
+            self._procs = None
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,323 @@
+"""Where ranks are: one rank layout seen as an attention mesh and as an MoE mesh.
+
+MoE Parallel Folding (arXiv 2504.14960) lays the same ``world_size`` ranks out twice:
+
+* attention view ``attn``: dims ``(pp, dp, cp, tp)``
+* MoE view ``moe``:        dims ``(pp, edp, ep, etp)``
+
+Dims are listed leftmost slowest, so rank ``r`` has attention coordinates given by
+``r = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i``. This is Megatron-Core's default order
+"tp-cp-ep-dp-pp" read from fastest to slowest, so a Megatron-Core layout ports unchanged. The
+only coupling between the views is that their ``pp`` groups are identical; inside one pipeline
+stage the ``dp * cp * tp`` attention ranks are re-read as ``edp * ep * etp`` expert ranks.
+
+Example (16 ranks, attention tp2 x cp2 x dp2 x pp2, experts ep8)::
+
+    >>> spec = FoldSpec(16, tp=2, cp=2, pp=2, ep=8)
+    >>> spec.dp, spec.edp
+    (2, 1)
+    >>> spec.groups("attn", "tp")[:2]
+    [[0, 1], [2, 3]]
+    >>> spec.groups("moe", "ep")
+    [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+
+:class:`FoldSpec` is pure Python (no process group needed); :func:`fold` builds the two named
+:class:`~torch.distributed.device_mesh.DeviceMesh` views over an initialised process group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+__all__ = ["ATTN_DIMS", "MOE_DIMS", "VIEWS", "FoldSpec", "FoldedMesh", "fold", "valid_folds"]
+
+ATTN_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+MOE_DIMS: tuple[str, ...] = ("pp", "edp", "ep", "etp")
+VIEWS: dict[str, tuple[str, ...]] = {"attn": ATTN_DIMS, "moe": MOE_DIMS}
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class FoldSpec:
+    """A validated rank layout seen as an attention view and an MoE view.
+
+    Args:
+        world_size: number of ranks.
+        tp, cp, dp, pp: attention tensor, context, data and pipeline sizes. ``dp`` is derived as
+            ``world_size // (tp * cp * pp)`` when omitted.
+        etp, ep, edp: expert tensor, expert and expert-data sizes. ``edp`` is derived as
+            ``world_size // (etp * ep * pp)`` when omitted.
+
+    Attention dims are ``(pp, dp, cp, tp)`` and MoE dims ``(pp, edp, ep, etp)``, leftmost slowest
+    (Megatron-Core's "tp-cp-ep-dp-pp" order, tp fastest). Both views share ``pp``, hence identical
+    pipeline groups. Raises ``ValueError`` naming the offending numbers for an invalid layout.
+    """
+
+    world_size: int
+    tp: int = 1
+    cp: int = 1
+    dp: int | None = None
+    pp: int = 1
+    etp: int = 1
+    ep: int = 1
+    edp: int | None = None
+    _strides: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        W = self.world_size
+        if not _is_size(W):
+            raise ValueError(f"world_size must be a positive integer, got {W!r}")
+        for name in ("tp", "cp", "pp", "etp", "ep"):
+            v = getattr(self, name)
+            if not _is_size(v):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("dp", "edp"):
+            v = getattr(self, name)
+            if v is not None and not _is_size(v):
+                raise ValueError(f"{name} must be a positive integer or None (derived), got {v!r}")
+        object.__setattr__(self, "dp", self._resolve("attn", "dp", ("tp", "cp", "pp")))
+        object.__setattr__(self, "edp", self._resolve("moe", "edp", ("etp", "ep", "pp")))
+        strides = {}
+        for view, dims in VIEWS.items():
+            stride, s = {}, 1
+            for d in reversed(dims):
+                stride[d] = s
+                s *= getattr(self, d)
+            strides[view] = stride
+        object.__setattr__(self, "_strides", strides)
+
+    def _resolve(self, view: str, free: str, fixed: tuple[str, ...]) -> int:
+        """Derive or check the data-parallel size of one view so the view covers the world."""
+        W = self.world_size
+        sizes = {d: getattr(self, d) for d in fixed}
+        prod = math.prod(sizes.values())
+        named = "*".join(fixed)
+        given = ", ".join(f"{d}={v}" for d, v in sizes.items())
+        if W % prod:
+            raise ValueError(
+                f"{view} {named} = {prod} does not divide world size {W}, so {free} would not be "
+                f"an integer ({given}; the product must be one of the divisors of {W}: "
+                f"{_divisors(W)})")
+        derived = W // prod
+        value = getattr(self, free)
+        if value is None:
+            return derived
+        if value * prod != W:
+            raise ValueError(
+                f"{view} {named}*{free} = {prod * value} but world size is {W} "
+                f"(valid {free} for {given}: {derived})")
+        return value
+
+    @classmethod
+    def from_views(cls, world_size: int, attn: Mapping[str, int], moe: Mapping[str, int]) -> "FoldSpec":
+        """Build a spec from the two views given separately, each with its own ``pp``.
+
+        The folding rule requires identical pipeline groups, so the two ``pp`` must agree.
+        ``attn`` takes keys from ``tp, cp, dp, pp`` and ``moe`` from ``etp, ep, edp, pp``.
+        """
+        for view, given in (("attn", attn), ("moe", moe)):
+            unknown = sorted(set(given) - set(VIEWS[view]))
+            if unknown:
+                raise ValueError(f"{view} view has no dims {unknown}; valid dims: {list(VIEWS[view])}")
+        attn_pp, moe_pp = attn.get("pp", 1), moe.get("pp", 1)
+        if attn_pp != moe_pp:
+            raise ValueError(
+                f"pp differs between views: attn pp = {attn_pp}, moe pp = {moe_pp}; folding needs "
+                f"identical pipeline groups, so both must be equal (e.g. pp={attn_pp} in both)")
+        kwargs = {k: v for k, v in attn.items()}
+        kwargs.update({k: v for k, v in moe.items() if k != "pp"})
+        return cls(world_size, **kwargs)
+
+    # ---- reading the layout -------------------------------------------------------------
+    def sizes(self, view: str) -> dict[str, int]:
+        """``{dim: size}`` of one view, in layout order (leftmost slowest)."""
+        return {d: getattr(self, d) for d in self._dims(view)}
+
+    def shape(self, view: str) -> tuple[int, ...]:
+        """Mesh shape of one view, e.g. ``(pp, dp, cp, tp)`` for ``"attn"``."""
+        return tuple(self.sizes(view).values())
+
+    def coords(self, rank: int) -> dict[str, dict[str, int]]:
+        """A rank's coordinates in both views: ``{"attn": {"pp":..,...}, "moe": {...}}``."""
+        self._check_rank(rank)
+        out = {}
+        for view, dims in VIEWS.items():
+            st = self._strides[view]
+            out[view] = {d: (rank // st[d]) % getattr(self, d) for d in dims}
+        return out
+
+    def rank(self, view: str, **coords: int) -> int:
+        """The rank at the given coordinates of one view (inverse of :meth:`coords`)."""
+        dims = self._dims(view)
+        if set(coords) != set(dims):
+            raise ValueError(f"{view} coordinates need exactly {list(dims)}, got {sorted(coords)}")
+        r = 0
+        for d in dims:
+            c = coords[d]
+            if not (isinstance(c, int) and 0 <= c < getattr(self, d)):
+                raise ValueError(f"{view} coordinate {d}={c!r} out of range [0, {getattr(self, d)})")
+            r += c * self._strides[view][d]
+        return r
+
+    def groups(self, view: str, dims: str | Sequence[str]) -> list[list[int]]:
+        """Every group of ranks that varies only along ``dims`` of ``view``.
+
+        ``dims`` is one dim name or a tuple of them (e.g. ``("dp", "cp")`` for gradient reduction,
+        ``("ep", "etp")``). Returns the groups as sorted rank lists, sorted by their first rank.
+        Within a group ranks are ordered by rank number, which for a tuple in layout order is the
+        row-major order of the sub-mesh.
+        """
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        all_dims = self._dims(view)
+        bad = [d for d in names if d not in all_dims]
+        if bad or not names or len(set(names)) != len(names):
+            raise ValueError(f"{view} view has dims {list(all_dims)}; got {list(names)!r}")
+        st = self._strides[view]
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.world_size):
+            key = tuple((r // st[d]) % getattr(self, d) for d in all_dims if d not in names)
+            buckets.setdefault(key, []).append(r)
+        return sorted(buckets.values())
+
+    def group_of(self, rank: int, view: str, dims: str | Sequence[str]) -> list[int]:
+        """The group of ``groups(view, dims)`` that contains ``rank``."""
+        self._check_rank(rank)
+        return next(g for g in self.groups(view, dims) if rank in g)
+
+    def _dims(self, view: str) -> tuple[str, ...]:
+        if view not in VIEWS:
+            raise ValueError(f"unknown view {view!r}; valid views: {list(VIEWS)}")
+        return VIEWS[view]
+
+    def _check_rank(self, rank: int) -> None:
+        if not (isinstance(rank, int) and 0 <= rank < self.world_size):
+            raise ValueError(f"rank {rank!r} out of range [0, {self.world_size})")
+
+    # ---- presentation ---------------------------------------------------------------------
+    def describe(self) -> str:
+        """Human-readable table of both views: which ranks share each dim."""
+        lines = [f"FoldSpec: {self.world_size} ranks"]
+        for view, dims in VIEWS.items():
+            sizes = " x ".join(f"{d}{getattr(self, d)}" for d in dims)
+            lines.append(f"\n{view} view ({sizes}), dims leftmost slowest")
+            width = max(len(d) for d in dims)
+            for d in dims:
+                groups = self.groups(view, d)
+                shown = " ".join(_fmt_group(g) for g in groups[:8])
+                more = f" ... ({len(groups)} groups)" if len(groups) > 8 else ""
+                lines.append(f"  {d:<{width}} size {getattr(self, d):>3}: {shown}{more}")
+        lines.append("\nrank  " + "  ".join(f"{view}({','.join(dims)})" for view, dims in VIEWS.items()))
+        for r in range(min(self.world_size, 32)):
+            c = self.coords(r)
+            cells = "  ".join(
+                ("(" + ",".join(str(c[v][d]) for d in VIEWS[v]) + ")").ljust(len(v) + 2 + 3 * len(VIEWS[v]))
+                for v in VIEWS)
+            lines.append(f"{r:>4}  {cells}")
+        if self.world_size > 32:
+            lines.append(f"  ... ({self.world_size - 32} more ranks)")
+        return "\n".join(lines)
+
+
+def _fmt_group(group: list[int]) -> str:
+    if len(group) > 2 and group == list(range(group[0], group[-1] + 1)):
+        return f"[{group[0]}-{group[-1]}]"
+    return "[" + ",".join(map(str, group)) + "]"
+
+
+@dataclass
+class FoldedMesh:
+    """Two named DeviceMesh views of the same ranks.
+
+    ``attn`` has dims ``("pp", "dp", "cp", "tp")`` and ``moe`` has ``("pp", "edp", "ep", "etp")``.
+    ``num_process_groups`` counts the process groups this fold created (over all ranks);
+    ``num_process_groups_unshared`` is what building each view on its own would have created.
+    """
+
+    spec: FoldSpec
+    attn: object  # DeviceMesh
+    moe: object  # DeviceMesh
+    num_process_groups: int
+    num_process_groups_unshared: int
+    _owned_groups: list = field(default_factory=list, repr=False)
+
+    @property
+    def device_type(self) -> str:
+        return self.attn.device_type
+
+    def destroy(self) -> None:
+        """Destroy the process groups this fold created (call on every rank, when done)."""
+        import torch.distributed as dist
+
+        for pg in self._owned_groups:
+            dist.destroy_process_group(pg)
+        self._owned_groups.clear()
+
+    def view(self, name: str):
+        """The DeviceMesh for ``"attn"`` or ``"moe"``."""
+        if name not in VIEWS:
+            raise ValueError(f"unknown view {name!r}; valid views: {list(VIEWS)}")
+        return getattr(self, name)
+
+
+def fold(spec: FoldSpec, device_type: str = "cpu") -> FoldedMesh:
+    """Build the attention and MoE DeviceMesh views of ``spec`` over the default process group.
+
+    Every rank must call this (it creates process groups collectively). A dim whose rank groups
+    already exist for another dim (for instance ``etp`` when ``etp == tp``, ``pp`` in both views, or
+    every size-1 dim) reuses the existing process group instead of creating a duplicate; this is
+    done by building the groups with ``torch.distributed.new_subgroups_by_enumeration`` and the
+    meshes with the public ``DeviceMesh.from_group``.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("fold() needs an initialised default process group; use "
+                           "meshfold.launch.spawn or torchrun first")
+    if dist.get_world_size() != spec.world_size:
+        raise ValueError(f"spec.world_size = {spec.world_size} but the process group has "
+                         f"{dist.get_world_size()} ranks")
+    created: dict[tuple[tuple[int, ...], ...], object] = {}
+    owned = []
+    unshared = 0
+    views = {}
+    for view, dims in VIEWS.items():
+        my_groups = []
+        for d in dims:
+            partition = tuple(tuple(g) for g in spec.groups(view, d))
+            unshared += len(partition)
+            if partition not in created:
+                if len(partition) == 1:
+                    pg = dist.group.WORLD  # the whole world: reuse the default group
+                else:
+                    pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in partition])
+                    owned.append(pg)
+                created[partition] = pg
+            my_groups.append(created[partition])
+        mesh = torch.arange(spec.world_size, dtype=torch.int).reshape(spec.shape(view))
+        views[view] = DeviceMesh.from_group(my_groups, device_type, mesh=mesh, mesh_dim_names=dims)
+    created_count = sum(len(p) for p, pg in created.items() if pg in owned)
+    return FoldedMesh(spec, views["attn"], views["moe"], created_count, unshared, owned)
+
+
+def valid_folds(world_size: int, pp: Iterable[int] | None = None) -> list[FoldSpec]:
+    """Every valid FoldSpec of ``world_size`` ranks (all factorizations of both views)."""
+    out = []
+    for p in _divisors(world_size) if pp is None else pp:
+        inner = world_size // p
+        for tp in _divisors(inner):
+            for cp in _divisors(inner // tp):
+                for etp in _divisors(inner):
+                    for ep in _divisors(inner // etp):
+                        out.append(FoldSpec(world_size, tp=tp, cp=cp, pp=p, etp=etp, ep=ep))
+    return out
