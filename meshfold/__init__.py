@@ -7,5 +7,14 @@ see the same ranks as ``(pp, edp, ep, etp)``; :class:`FoldSpec` describes such a
 
 from meshfold.mesh import FoldedMesh, FoldSpec, fold, valid_folds
 
-__all__ = ["FoldSpec", "FoldedMesh", "fold", "valid_folds"]
+__all__ = ["FoldSpec", "FoldedMesh", "fold", "redistribute", "valid_folds"]
+
+
+def __getattr__(name):
+    # Lazy, so that `meshfold layout` and FoldSpec do not import torch.distributed.tensor.
+    if name == "redistribute":
+        from meshfold.placements import redistribute
+
+        return redistribute
+    raise AttributeError(f"module 'meshfold' has no attribute {name!r}")
 __version__ = "0.1.0"

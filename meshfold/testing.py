@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec
 
-__all__ = ["divisors", "fold_specs", "invalid_fold_kwargs", "split_sizes"]
+__all__ = ["divisors", "fold_specs", "invalid_fold_kwargs", "placements", "ragged_shards",
+           "split_sizes"]
 
 
 def divisors(n: int) -> list[int]:
@@ -83,3 +84,33 @@ def split_sizes(n_ranks: int, max_total: int = 64) -> st.SearchStrategy[list[int
         return sizes
 
     return st.one_of(uniform, all_to_one(), skewed(), st.just([0] * n_ranks))
+
+
+def ragged_shards(n_ranks: int, dim: int = 0, max_total: int = 64):
+    """``RaggedShard(dim, sizes)`` with sizes from :func:`split_sizes`."""
+    from meshfold.placements import RaggedShard
+
+    return split_sizes(n_ranks, max_total).map(lambda sizes: RaggedShard(dim, sizes))
+
+
+def placements(mesh_ndim: int, tensor_ndim: int, partial: bool = False):
+    """One DTensor placement per mesh dim (Replicate, Shard(d), optionally Partial), each tensor
+    dim sharded over at most one mesh dim (the layouts meshfold's redistribute handles)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    @st.composite
+    def draw_placements(draw):
+        out, used = [], set()
+        for _ in range(mesh_ndim):
+            free = [d for d in range(tensor_ndim) if d not in used]
+            kinds = ["replicate"] + (["shard"] if free else []) + (["partial"] if partial else [])
+            kind = draw(st.sampled_from(kinds))
+            if kind == "shard":
+                d = draw(st.sampled_from(free))
+                used.add(d)
+                out.append(Shard(d))
+            else:
+                out.append(Replicate() if kind == "replicate" else Partial())
+        return out
+
+    return draw_placements()

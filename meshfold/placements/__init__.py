@@ -1,0 +1,17 @@
+"""How tensors are laid out over a mesh and moved: ragged placements and variable-size collectives.
+
+* :class:`RaggedShard` / :class:`RaggedTensor`: per-rank variable sizes (routed tokens).
+* :func:`all_to_all_v`, :func:`all_gather_v`, :func:`reduce_scatter_v`: autograd collectives over
+  one named mesh dim; :func:`exchange_splits` learns receive counts (the one host sync).
+* :func:`redistribute`: layout changes that keep the global tensor, including moves between the
+  folded ``attn`` and ``moe`` views.
+"""
+
+from meshfold.placements.collectives import (all_gather_v, all_to_all_v, exchange_splits,
+                                             reduce_scatter_v, set_debug_checks)
+from meshfold.placements.ragged import RaggedShard, RaggedTensor, chunk_sizes
+from meshfold.placements.redistribute import redistribute, resplit_sizes
+
+__all__ = ["RaggedShard", "RaggedTensor", "all_gather_v", "all_to_all_v", "chunk_sizes",
+           "exchange_splits", "reduce_scatter_v", "redistribute", "resplit_sizes",
+           "set_debug_checks"]

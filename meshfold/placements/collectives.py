@@ -1,0 +1,224 @@
+"""Variable-size collectives over one named mesh dim, with autograd.
+
+Each collective moves rows (dim 0) between the ranks of one mesh dim. Split sizes are host ints
+that every rank already knows; the only device-to-host sync is in :func:`exchange_splits`, which a
+dispatcher calls once to learn how many rows it will receive (one ``.tolist()`` of a [group] int64
+tensor).
+
+=====================  =============================================  =========================
+forward                meaning                                        backward
+=====================  =============================================  =========================
+``all_to_all_v``       rank i sends ``input_splits[j]`` rows to j      all-to-all, splits swapped
+``all_gather_v``       every rank gets the concat of all ranks' rows  reduce-scatter-v
+``reduce_scatter_v``   rank i gets rows ``sizes[i]`` of the sum        all-gather-v
+=====================  =============================================  =========================
+
+All three are built on ``all_to_all_single``, which gloo and NCCL both support with unequal splits
+and every dtype (gloo has no uneven all-gather). ``reduce_scatter_v`` sums the received pieces
+locally in rank order (deterministic; half-precision inputs are summed in fp32 and rounded once).
+Byte counts equal the ring algorithms' (each rank receives ``(group - 1) * rows`` for the
+reduce-scatter, the other ranks' rows for the gather); NCCL's native ring collectives would
+overlap transfer and reduction better, which is left for a GPU-tuned path.
+
+Set ``MESHFOLD_DEBUG_SPLITS=1`` (or call :func:`set_debug_checks`) to compare split metadata across
+ranks before every collective: a rank whose view of the splits disagrees with its peers then gets a
+``ValueError`` naming both views, instead of a hang or silently shuffled rows.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_to_all_v", "all_gather_v", "reduce_scatter_v", "exchange_splits",
+           "set_debug_checks", "debug_checks_enabled"]
+
+_DEBUG = os.environ.get("MESHFOLD_DEBUG_SPLITS", "") not in ("", "0")
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Turn the cross-rank split-metadata check on or off (costs one all-gather per collective)."""
+    global _DEBUG
+    _DEBUG = bool(enabled)
+
+
+def debug_checks_enabled() -> bool:
+    return _DEBUG
+
+
+_GROUPS: dict = {}
+
+
+def _group(mesh, dim: str):
+    """(process group, group size, my position) of a named mesh dim, cached: DeviceMesh lookups
+    cost microseconds that add up on a per-layer hot path."""
+    key = (id(mesh), dim)
+    hit = _GROUPS.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    names = mesh.mesh_dim_names or ()
+    if dim not in names:
+        raise ValueError(f"mesh has no dim {dim!r}; its dims are {list(names)}")
+    value = (mesh.get_group(dim), mesh.size(names.index(dim)), mesh.get_local_rank(dim))
+    _GROUPS[key] = (mesh, value)
+    return value
+
+
+def _check_splits(name: str, splits: Sequence[int], group_size: int, total: int | None,
+                  what: str) -> list[int]:
+    splits = [int(s) for s in splits]
+    if len(splits) != group_size:
+        raise ValueError(f"{name}: {what} has {len(splits)} entries but the mesh dim has "
+                         f"{group_size} ranks: {splits}")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"{name}: {what} must be non-negative, got {splits}")
+    if total is not None and sum(splits) != total:
+        raise ValueError(f"{name}: {what} sum to {sum(splits)} but the local tensor has {total} "
+                         f"rows (dim 0): {splits}")
+    return splits
+
+
+def _gather_meta(values: list[int], group, group_size: int) -> list[list[int]]:
+    t = torch.tensor(values, dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    out = [torch.empty_like(t) for _ in range(group_size)]
+    dist.all_gather(out, t, group=group)
+    return [o.tolist() for o in out]
+
+
+def _a2a(x: torch.Tensor, input_splits: list[int], output_splits: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_splits,
+                           input_split_sizes=input_splits, group=group)
+    return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, input_splits, output_splits, group):
+        ctx.splits = (input_splits, output_splits)
+        ctx.group = group
+        return _a2a(x, input_splits, output_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input_splits, output_splits = ctx.splits
+        return _a2a(grad, output_splits, input_splits, ctx.group), None, None, None
+
+
+def _gather_v(x, sizes, rank, group):
+    # Send my rows to every rank: input_splits = [n_me] * G, output_splits = sizes.
+    G = len(sizes)
+    x = x.contiguous()
+    send = x.unsqueeze(0).expand(G, *x.shape).reshape(G * x.shape[0], *x.shape[1:])
+    return _a2a(send, [sizes[rank]] * G, sizes, group)
+
+
+def _scatter_v(x, sizes, rank, group):
+    # Send rows sizes[j] to rank j, receive G copies of my slice, sum them in rank order.
+    G = len(sizes)
+    pieces = _a2a(x, sizes, [sizes[rank]] * G, group)
+    pieces = pieces.reshape(G, sizes[rank], *x.shape[1:])
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return pieces.float().sum(0).to(x.dtype)
+    return pieces.sum(0)
+
+
+class _AllGatherV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, rank, group):
+        ctx.meta = (sizes, rank, group)
+        return _gather_v(x, sizes, rank, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes, rank, group = ctx.meta
+        return _scatter_v(grad, sizes, rank, group), None, None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, rank, group):
+        ctx.meta = (sizes, rank, group)
+        return _scatter_v(x, sizes, rank, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes, rank, group = ctx.meta
+        return _gather_v(grad, sizes, rank, group), None, None, None
+
+
+def all_to_all_v(x: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int],
+                 mesh, dim: str) -> torch.Tensor:
+    """Variable-size all-to-all over mesh dim ``dim``: x [sum(input_splits), ...] ->
+    [sum(output_splits), ...]; rows ``input_splits[j]`` go to the j-th rank of the dim, and the
+    rows from rank j arrive in order at offset ``sum(output_splits[:j])``. Differentiable."""
+    group, G, me = _group(mesh, dim)
+    ins = _check_splits("all_to_all_v", input_splits, G, x.shape[0], "input_splits")
+    outs = _check_splits("all_to_all_v", output_splits, G, None, "output_splits")
+    if _DEBUG:
+        # Every rank checks the whole send/receive matrix, so all ranks raise together (no rank
+        # is left waiting in the all-to-all for a peer that raised).
+        views = _gather_meta(ins + outs, group, G)
+        for i in range(G):
+            for j in range(G):
+                if views[i][j] != views[j][G + i]:
+                    raise ValueError(
+                        f"all_to_all_v over {dim!r}: rank {i} sends {views[i][j]} rows to rank {j}, "
+                        f"but rank {j} expects {views[j][G + i]} from rank {i} (this is rank {me})")
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return _a2a(x, ins, outs, group)  # no graph to record: skip the autograd wrapper
+    return _AllToAllV.apply(x, ins, outs, group)
+
+
+def all_gather_v(x: torch.Tensor, sizes: Sequence[int], mesh, dim: str) -> torch.Tensor:
+    """Concatenate every rank's x [sizes[r], ...] along dim 0, over mesh dim ``dim``, on every
+    rank: -> [sum(sizes), ...]. Backward is :func:`reduce_scatter_v`."""
+    group, G, me = _group(mesh, dim)
+    sizes = _check_splits("all_gather_v", sizes, G, None, "sizes")
+    if x.shape[0] != sizes[me]:
+        raise ValueError(f"all_gather_v: sizes[{me}] = {sizes[me]} but this rank's tensor has "
+                         f"{x.shape[0]} rows (dim 0); sizes = {sizes}")
+    if _DEBUG:
+        _check_agreement("all_gather_v", dim, sizes, group, G, me)
+    return _AllGatherV.apply(x, sizes, me, group)
+
+
+def reduce_scatter_v(x: torch.Tensor, sizes: Sequence[int], mesh, dim: str) -> torch.Tensor:
+    """Sum x [sum(sizes), ...] over the ranks of mesh dim ``dim`` and give rank r rows
+    ``sizes[r]`` of the sum: -> [sizes[r], ...]. Backward is :func:`all_gather_v`."""
+    group, G, me = _group(mesh, dim)
+    sizes = _check_splits("reduce_scatter_v", sizes, G, x.shape[0], "sizes")
+    if _DEBUG:
+        _check_agreement("reduce_scatter_v", dim, sizes, group, G, me)
+    return _ReduceScatterV.apply(x, sizes, me, group)
+
+
+def _check_agreement(name, dim, sizes, group, G, me):
+    views = _gather_meta(sizes, group, G)
+    for j, v in enumerate(views):
+        if v != views[0]:
+            raise ValueError(f"{name} over {dim!r}: ranks disagree on sizes: rank 0 has {views[0]}, "
+                             f"rank {j} has {v} (this is rank {me})")
+
+
+def exchange_splits(input_splits: Sequence[int] | torch.Tensor, mesh, dim: str) -> list[int]:
+    """How many rows each rank of ``dim`` will send me, given how many I send each of them.
+
+    Accepts host ints or a device tensor of counts; this is the one device-to-host sync of a
+    dispatch (the ``.tolist()`` at the end), done on a [group]-sized int64 tensor.
+    """
+    group, G, _ = _group(mesh, dim)
+    counts = torch.as_tensor(input_splits, dtype=torch.int64).reshape(-1)
+    if counts.numel() != G:
+        raise ValueError(f"exchange_splits: {counts.numel()} counts for a mesh dim of {G} ranks")
+    if dist.get_backend(group) == "nccl":
+        counts = counts.cuda()
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out.tolist()

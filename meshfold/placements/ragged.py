@@ -1,0 +1,163 @@
+"""``RaggedShard``: a tensor dim split over a mesh dim with a different size on every rank.
+
+Routed tokens are ragged: after the dispatch all-to-all, EP rank 0 may hold 5 rows, rank 1 none and
+rank 2 nine. DTensor (torch 2.13) cannot say that: its ``Shard`` means ``torch.chunk`` sizes, custom
+``Shard`` subclasses fail inside ``DTensorSpec`` and there is no hook for custom redistribute steps
+(pytorch/pytorch#169320). So meshfold keeps ragged data in a small type of its own:
+
+* :class:`RaggedShard` ``(dim, sizes)``: tensor dim ``dim`` is split over one mesh dim, the rank at
+  position ``j`` of that mesh dim holding ``sizes[j]`` rows. The sizes travel with the placement.
+* :class:`RaggedTensor`: a local tensor + the mesh + one placement per mesh dim (``Replicate``
+  or ``RaggedShard``). It converts to a DTensor with :meth:`RaggedTensor.to_dtensor`
+  whenever the sizes happen to be ``torch.chunk``-shaped, and from one with
+  :meth:`RaggedTensor.from_dtensor`.
+
+Why a wrapper and not a DTensor with a custom placement: every DTensor op would need a ragged rule,
+and ops on DTensors that silently lose the custom placement (Partial subclasses do) give wrong
+answers without an error. A wrapper makes every computation on ragged data explicit: take
+``.local``, compute, re-wrap. Limits: no operator dispatch on RaggedTensor; sizes of a
+``RaggedShard`` describe the group of ranks along its mesh dim that this rank belongs to (other
+groups may hold other sizes); a tensor dim may be ragged over at most one mesh dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+__all__ = ["RaggedShard", "RaggedTensor", "chunk_sizes"]
+
+
+def chunk_sizes(length: int, parts: int) -> list[int]:
+    """Rows per rank when ``length`` rows are split ``torch.chunk``-style (DTensor ``Shard``)."""
+    per = -(-length // parts) if length else 0
+    return [max(0, min(per, length - per * j)) for j in range(parts)]
+
+
+@dataclass(frozen=True)
+class RaggedShard:
+    """Split tensor dim ``dim`` over one mesh dim; the j-th rank of that mesh dim holds
+    ``sizes[j]`` rows (zeros allowed)."""
+
+    dim: int
+    sizes: tuple[int, ...]
+
+    def __init__(self, dim: int, sizes: Sequence[int]):
+        sizes = tuple(int(s) for s in sizes)
+        if any(s < 0 for s in sizes):
+            raise ValueError(f"RaggedShard sizes must be non-negative, got {sizes}")
+        if not sizes:
+            raise ValueError("RaggedShard needs one size per rank of its mesh dim, got none")
+        object.__setattr__(self, "dim", int(dim))
+        object.__setattr__(self, "sizes", sizes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def offset(self, j: int) -> int:
+        """First row held by the j-th rank of the mesh dim."""
+        return sum(self.sizes[:j])
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(dim={self.dim}, sizes={self.sizes})"
+
+
+class RaggedTensor:
+    """A local tensor plus the mesh and placements that say which piece of the whole it is.
+
+    ``placements[i]`` is ``Replicate()`` or ``RaggedShard(d, sizes)`` for mesh dim
+    ``i``. A ``RaggedShard`` on mesh dim ``i`` must give this rank's local size:
+    ``local.shape[d] == sizes[mesh.get_local_rank(i)]`` (checked).
+    """
+
+    def __init__(self, local: torch.Tensor, mesh, placements: Sequence):
+        placements = tuple(placements)
+        if len(placements) != mesh.ndim:
+            raise ValueError(f"RaggedTensor needs one placement per mesh dim ({mesh.ndim}: "
+                             f"{mesh.mesh_dim_names}), got {len(placements)}: {placements}")
+        ragged_dims = {}
+        for i, p in enumerate(placements):
+            if not isinstance(p, (Replicate, RaggedShard)):
+                raise ValueError(f"RaggedTensor placement {p!r} on mesh dim {i} is not supported; "
+                                 f"valid: Replicate(), RaggedShard(d, sizes) (a Shard's sizes are "
+                                 f"unknown without the global shape: use RaggedTensor.from_dtensor)")
+            if isinstance(p, RaggedShard) and not 0 <= p.dim < local.ndim:
+                raise ValueError(f"placement {p!r} names tensor dim {p.dim} of a "
+                                 f"{local.ndim}-d tensor")
+            if isinstance(p, RaggedShard):
+                if p.dim in ragged_dims:
+                    raise ValueError(f"tensor dim {p.dim} is ragged over mesh dims "
+                                     f"{ragged_dims[p.dim]} and {i}; at most one is supported")
+                ragged_dims[p.dim] = i
+                if len(p.sizes) != mesh.size(i):
+                    raise ValueError(f"{p!r} has {len(p.sizes)} sizes but mesh dim "
+                                     f"{mesh.mesh_dim_names[i]!r} has {mesh.size(i)} ranks")
+                me = mesh.get_local_rank(i)
+                if local.shape[p.dim] != p.sizes[me]:
+                    raise ValueError(f"{p!r}: this rank (position {me} of mesh dim "
+                                     f"{mesh.mesh_dim_names[i]!r}) should hold {p.sizes[me]} rows "
+                                     f"but its local tensor has {local.shape[p.dim]} "
+                                     f"(shape {tuple(local.shape)})")
+        self.local = local
+        self.mesh = mesh
+        self.placements = placements
+
+    def __repr__(self) -> str:
+        return (f"RaggedTensor(local_shape={tuple(self.local.shape)}, dtype={self.local.dtype}, "
+                f"mesh_dims={self.mesh.mesh_dim_names}, placements={self.placements})")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def to_local(self) -> torch.Tensor:
+        return self.local
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor on every rank (collective; differentiable, DTensor gradient rules)."""
+        from meshfold.placements.redistribute import redistribute
+
+        out = redistribute(self, self.mesh, [Replicate()] * self.mesh.ndim)
+        return out.to_local()
+
+    @classmethod
+    def from_dtensor(cls, x: DTensor) -> "RaggedTensor":
+        """Wrap a DTensor's local shard; each ``Shard(d)`` becomes ``RaggedShard(d, sizes)`` with
+        the ``torch.chunk`` sizes DTensor uses. Each tensor dim may be sharded over one mesh dim."""
+        placements, seen = [], set()
+        for i, p in enumerate(x.placements):
+            if isinstance(p, Shard):
+                if p.dim in seen:
+                    raise ValueError(f"from_dtensor: tensor dim {p.dim} is sharded over several mesh "
+                                     f"dims {x.placements}; only one is supported")
+                seen.add(p.dim)
+                placements.append(RaggedShard(p.dim, chunk_sizes(x.shape[p.dim], x.device_mesh.size(i))))
+            elif isinstance(p, Replicate):
+                placements.append(p)
+            else:
+                raise ValueError(f"from_dtensor: placement {p!r} on mesh dim {i} is not supported; "
+                                 f"redistribute Partial first (e.g. to RaggedShard, a reduce-scatter-v)")
+        return cls(x.to_local(), x.device_mesh, placements)
+
+    def to_dtensor(self) -> DTensor:
+        """A DTensor of the same data, when every ragged split is ``torch.chunk``-shaped (the only
+        uneven sharding DTensor understands); otherwise ``ValueError`` naming the sizes."""
+        placements, shape = [], list(self.local.shape)
+        for i, p in enumerate(self.placements):
+            if isinstance(p, RaggedShard):
+                expected = chunk_sizes(p.total, len(p.sizes))
+                if list(p.sizes) != expected:
+                    raise ValueError(f"{p!r} on mesh dim {self.mesh.mesh_dim_names[i]!r} is not "
+                                     f"torch.chunk-shaped ({expected} for {p.total} rows), so no "
+                                     f"DTensor can hold it; redistribute to Shard({p.dim}) first")
+                shape[p.dim] = p.total
+                placements.append(Shard(p.dim))
+            else:
+                placements.append(p)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(self.local, self.mesh, placements, run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
