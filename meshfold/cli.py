@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "layout": ("meshfold.layout_cli", "print the attention and MoE views of a fold"),
+    "plan": ("meshfold.plan.cli", "choose a folded layout for a cluster (cost and memory model)"),
 }
 
 

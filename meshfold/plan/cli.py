@@ -1,0 +1,107 @@
+"""``meshfold plan``: print the best folds for a model on a cluster, and the paper's baselines.
+
+    meshfold plan --model mixtral-8x22b --gpus 128 --gpu h100 --seq 4096 --gbs 256 --compare
+
+The lead wires :func:`configure` and :func:`main` into the ``meshfold`` console script;
+``python -m meshfold.plan`` runs the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshfold.plan.baselines import PAPER_TABLE1, STRATEGIES, STRATEGY_NAMES
+from meshfold.plan.cost import TIME_TERMS, Estimate
+from meshfold.plan.hardware import GIB, HARDWARE, hardware
+from meshfold.plan.models import MODELS, model_shape
+from meshfold.plan.search import plan
+
+__all__ = ["configure", "main", "format_table"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the plan arguments to ``parser`` (a subparser of the ``meshfold`` script)."""
+    parser.add_argument("--model", required=True, help=f"model shape; one of {', '.join(sorted(MODELS))}")
+    parser.add_argument("--gpus", required=True, type=_positive_int, help="number of GPUs")
+    parser.add_argument("--gpu", default="h100", help=f"hardware preset; one of {', '.join(sorted(HARDWARE))}")
+    parser.add_argument("--seq", default=4096, type=_positive_int, help="sequence length (default 4096)")
+    parser.add_argument("--gbs", default=256, type=_positive_int, help="global batch in sequences (default 256)")
+    parser.add_argument("--top", default=10, type=_positive_int, help="how many folds to print (default 10)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also print the paper's strategies (FSDP, FSDP+EP, TP+EP+DP, MCore, MCore + folding)")
+    parser.add_argument("--cp1", action="store_true",
+                        help="only folds with cp=1 (the setting of the paper's Table 1)")
+
+
+def _fold(e: Estimate) -> str:
+    s = e.layout.spec
+    return f"{e.layout.paper_config()} dp{s.dp} edp{s.edp}"
+
+
+def format_table(rows: list[tuple[str, Estimate]], extra: dict[str, str] | None = None) -> str:
+    """A plain-text table: label, fold (CP/TP/EP/PP/ETP), knobs, memory, time terms, MFU."""
+    head = ["", "fold CP/TP/EP/PP/ETP", "mbs", "vpp", "rc", "shard", "mem GiB"] + \
+        [f"{t} s" for t in TIME_TERMS] + ["step s", "MFU"] + (["paper"] if extra else [])
+    body = []
+    for label, e in rows:
+        lay = e.layout
+        cells = [label, _fold(e), str(lay.mbs), str(lay.vpp), "y" if lay.recompute else "-", lay.sharding,
+                 f"{e.memory_total / GIB:.1f}"]
+        cells += [f"{e.time[t]:.2f}" for t in TIME_TERMS]
+        cells += [f"{e.step_time:.2f}", f"{100 * e.mfu:.1f}%" if e.feasible else "OOM"]
+        if extra:
+            cells.append(extra.get(label, ""))
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the planner for ``args`` (from :func:`configure`); 0 on success, 2 on bad input."""
+    try:
+        shape, hw = model_shape(args.model), hardware(args.gpu)
+        where = (lambda lay: lay.spec.cp == 1) if getattr(args, "cp1", False) else None
+        results = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where)
+    except ValueError as err:
+        print(f"meshfold plan: error: {err}", file=sys.stderr)
+        return 2
+    feasible = [e for e in results if e.feasible]
+    print(f"{shape.name} ({shape.total_params / 1e9:.1f}B params) on {args.gpus} x {hw.name}, seq {args.seq}, "
+          f"global batch {args.gbs}: {len(results)} layouts, {len(feasible)} fit in "
+          f"{hw.usable_bytes / GIB:.1f} GiB")
+    if feasible:
+        print(format_table([(f"#{i + 1}", e) for i, e in enumerate(feasible[:args.top])]))
+    else:
+        print("no layout fits in memory; closest:")
+        for e in results[:3]:
+            print(f"  {_fold(e)} {e.layout.describe()}: {e.reason}")
+    if args.compare:
+        rows, paper = [], {}
+        row = PAPER_TABLE1.get(shape.name)
+        for key, keep in STRATEGIES.items():
+            best = next((e for e in results if keep(e.layout)), None)
+            if best is None:
+                continue
+            label = STRATEGY_NAMES[key]
+            rows.append((label, best))
+            if row is not None and row.gpus == args.gpus and args.seq == 4096 and args.gbs == 256:
+                v = row.mfu[key]
+                paper[label] = "OOM" if v is None else f"{100 * v:.1f}%"
+        print("\nbaseline strategies (best layout each strategy admits):")
+        print(format_table(rows, paper or None))
+        for label, e in rows:
+            if not e.feasible:
+                print(f"  {label}: {e.reason}")
+    return 0

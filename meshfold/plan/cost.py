@@ -1,0 +1,308 @@
+"""How much memory and time one training step of one layout costs: the planner's model.
+
+Every term is a closed formula over the model shape, the layout and the hardware; docs/plan.md
+states each with its source. Legend (per rank, per micro-batch unless said otherwise):
+
+    B = global batch, b = micro-batch, s = sequence, m = B / (dp b) micro-batches per step
+    T  = b s / cp       tokens of one attention rank (its context-parallel chunk)
+    Tr = T / tp         tokens one rank holds between blocks (sequence parallel)
+    Ls = L / pp         layers per pipeline stage
+    M_e = Tr k etp ep / E   rows of each local expert's GEMM (balanced routing)
+    a = 2               bytes per bf16 element
+
+Layer time, forward:  compute + tp + cp + ep + etp
+Layer time, backward: 2 compute + tp + 2 cp + ep + etp  (+ one more forward with recomputation)
+Step = (m + (pp - 1) / vpp) * t_microbatch(slowest stage) + exposed data-parallel communication
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from meshfold.mesh import VIEWS, FoldSpec
+from meshfold.plan.hardware import GIB, Hardware
+from meshfold.plan.models import ModelShape
+
+__all__ = ["Layout", "Estimate", "estimate", "check_layout", "SHARDINGS", "TIME_TERMS", "MEMORY_TERMS"]
+
+BF16 = 2  # bytes
+SHARDINGS = ("zero1", "zero3")  # Megatron distributed optimizer | fully sharded (FSDP)
+TIME_TERMS = ("compute", "tp", "cp", "ep", "etp", "dp", "pp", "bubble")
+MEMORY_TERMS = ("params", "grads", "optimizer", "buffers", "activations")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search: a fold plus the knobs that do not change where ranks are.
+
+    Args:
+        spec: the rank layout (attention ``tp, cp, dp, pp``; MoE ``etp, ep, edp, pp``).
+        mbs: micro-batch size (sequences per micro-batch per data-parallel rank).
+        vpp: virtual pipeline stages per rank (interleaved 1F1B); 1 = plain 1F1B.
+        recompute: full activation recomputation (store only each layer's input).
+        sharding: ``"zero1"`` = Megatron distributed optimizer (optimizer state sharded over the
+            data-parallel group, bf16 params and fp32 grads replicated); ``"zero3"`` = FSDP
+            (params, grads and optimizer state sharded; each layer gathered when used).
+    """
+
+    spec: FoldSpec
+    mbs: int = 1
+    vpp: int = 1
+    recompute: bool = False
+    sharding: str = "zero1"
+
+    def paper_config(self) -> str:
+        """The paper's notation CP/TP/EP/PP/ETP, e.g. ``1/2/8/8/1``."""
+        s = self.spec
+        return f"{s.cp}/{s.tp}/{s.ep}/{s.pp}/{s.etp}"
+
+    def describe(self) -> str:
+        """Compact one-line form: attention view | MoE view | knobs."""
+        s = self.spec
+        knobs = f"mbs{self.mbs} vpp{self.vpp}{' rc' if self.recompute else ''} {self.sharding}"
+        return f"tp{s.tp} cp{s.cp} dp{s.dp} pp{s.pp} | ep{s.ep} etp{s.etp} edp{s.edp} | {knobs}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Cost of one layout: per-GPU memory (bytes) and step-time terms (seconds).
+
+    ``memory`` has the terms of :data:`MEMORY_TERMS` for the pipeline stage that needs most;
+    ``time`` has :data:`TIME_TERMS`, summing to ``step_time``. ``feasible`` is False when the
+    memory exceeds the usable memory, and ``reason`` then says by how much.
+    """
+
+    layout: Layout
+    memory: dict[str, float]
+    time: dict[str, float]
+    step_time: float
+    mfu: float
+    feasible: bool
+    reason: str = ""
+    detail: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.detail.get("tokens", 0.0) / self.step_time
+
+
+def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int) -> str:
+    """Why ``layout`` cannot run ``model`` at all (empty string when it can).
+
+    These are divisibility rules of the implementation (Megatron-Core's, which meshfold follows),
+    not cost: heads and KV groups split over tp, experts over ep, expert FFN over etp, layers over
+    pp * vpp, sequence over cp, and the global batch over dp * mbs.
+    """
+    s = layout.spec
+    if layout.sharding not in SHARDINGS:
+        return f"sharding {layout.sharding!r} unknown; valid: {list(SHARDINGS)}"
+    rules = (
+        (model.heads % s.tp == 0 and model.kv_groups % s.tp == 0,
+         f"tp={s.tp} must divide heads={model.heads} and kv_groups={model.kv_groups}"),
+        (model.experts % s.ep == 0, f"ep={s.ep} must divide experts={model.experts}"),
+        (model.expert_ffn % s.etp == 0, f"etp={s.etp} must divide expert_ffn={model.expert_ffn}"),
+        (model.layers % (s.pp * layout.vpp) == 0,
+         f"pp*vpp={s.pp * layout.vpp} must divide layers={model.layers}"),
+        (seq % s.cp == 0, f"cp={s.cp} must divide seq={seq}"),
+        (global_batch % (s.dp * layout.mbs) == 0,
+         f"dp*mbs={s.dp * layout.mbs} must divide global batch={global_batch}"),
+        (layout.vpp == 1 or (s.pp > 1 and (global_batch // (s.dp * layout.mbs)) % s.pp == 0),
+         f"vpp={layout.vpp} needs pp>1 and micro-batches a multiple of pp={s.pp}"),
+    )
+    return next((why for ok, why in rules if not ok), "")
+
+
+@lru_cache(maxsize=None)
+def _placement(view: str, shape: tuple[int, ...], dims: tuple[str, ...], world: int,
+               gpus_per_node: int) -> tuple[bool, float, float]:
+    """Where the groups of ``dims`` sit: (all inside one node, on-node peer share, off-node share).
+
+    Shares are the worst group's fraction of the group size: the peers of a rank on its own node
+    (excluding itself) and on other nodes. They only depend on the view's shape, hence the cache.
+    """
+    spec = FoldSpec(world, **dict(zip(VIEWS[view], shape)))
+    intra, on_share, off_share = True, 1.0, 0.0
+    for group in spec.groups(view, dims):
+        n = len(group)
+        per_node: dict[int, int] = {}
+        for r in group:
+            per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
+        fewest = min(per_node.values())
+        intra &= len(per_node) == 1
+        on_share = min(on_share, (max(per_node.values()) - 1) / n)
+        off_share = max(off_share, (n - fewest) / n)
+    return intra, on_share, off_share
+
+
+class _Links:
+    """Collective times for one layout on one hardware (seconds for a given byte count per rank)."""
+
+    def __init__(self, spec: FoldSpec, hw: Hardware):
+        self.spec, self.hw = spec, hw
+
+    def place(self, view: str, dims: tuple[str, ...]) -> tuple[bool, float, float]:
+        s = self.spec
+        return _placement(view, s.shape(view), dims, s.world_size, self.hw.gpus_per_node)
+
+    def ring(self, view: str, dims: tuple[str, ...], nbytes: float) -> float:
+        """Ring collective (all-gather, reduce-scatter, p2p): ``nbytes`` over the slowest link."""
+        if nbytes <= 0:
+            return 0.0
+        intra, _, _ = self.place(view, dims)
+        return nbytes / self.hw.link_bytes_per_s(intra)
+
+    def all_to_all(self, view: str, dims: tuple[str, ...], nbytes: float) -> float:
+        """All-to-all sending ``nbytes`` spread evenly over the group (the own share stays).
+
+        On-node and off-node shares go over NVLink and the network at the same time:
+        ``max(on * nbytes / B_nvlink, off * nbytes / B_a2a_net)``, where ``B_a2a_net`` is the NIC
+        rate at the all-to-all efficiency (lower than a ring's; see ``Hardware``).
+        """
+        if nbytes <= 0:
+            return 0.0
+        _, on, off = self.place(view, dims)
+        bw_on, bw_off = self.hw.alltoall_bytes_per_s(True), self.hw.alltoall_bytes_per_s(False)
+        return max(on * nbytes / bw_on, off * nbytes / bw_off)
+
+
+def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_batch: int) -> Estimate:
+    """Memory per GPU, step-time breakdown and MFU of ``layout`` training ``model``.
+
+    Raises ``ValueError`` (see :func:`check_layout`) when the layout cannot run the model at all;
+    a layout that runs but does not fit in memory gives ``feasible=False`` with the reason.
+    """
+    why = check_layout(model, layout, seq, global_batch)
+    if why:
+        raise ValueError(f"layout {layout.describe()} cannot run {model.name}: {why}")
+    sp = layout.spec
+    tp, cp, dp, pp, ep, etp, edp = sp.tp, sp.cp, sp.dp, sp.pp, sp.ep, sp.etp, sp.edp
+    h, n, g, d, E, k = model.hidden, model.heads, model.kv_groups, model.head_dim, model.experts, model.topk
+    f_e, f_sh, V = model.expert_ffn, model.shared_ffn, model.vocab
+    b, s, vpp, a = layout.mbs, seq, layout.vpp, BF16
+    m = global_batch // (dp * b)           # micro-batches per step
+    T = b * s / cp                         # tokens of one attention rank's context chunk
+    Tr = T / tp                            # tokens one rank holds between blocks (SP)
+    Ls = model.layers // pp                # layers per stage
+    M_e = Tr * k * etp * ep / E            # rows of each local expert GEMM (balanced routing)
+    links = _Links(sp, hw)
+
+    # ---- compute, one layer forward -------------------------------------------------------------
+    # GEMMs: 2*rows*in*out FLOPs each plus a fixed cost per GEMM problem (QKV, O; shared fc1, fc2;
+    # fc1, fc2 of each local expert). Causal flash attention executes half of the 4*T*s*n*d score
+    # and value FLOPs that the MFU formula counts. Memory-bound kernels move bytes at HBM speed:
+    # norms, residual adds and rotary on the attention side; router, permute, chunk sort, SwiGLU,
+    # probs and unpermute on the MoE side (the token dispatcher, counted below kernel by kernel).
+    c_attn = hw.gemm_time(2 * T * model.attn_params / tp, 2) + hw.gemm_time(2 * T * s * n * d / tp, 1)
+    c_shared = hw.gemm_time(6 * T * h * f_sh / tp, 2) if f_sh else 0.0
+    c_experts = hw.gemm_time(6 * Tr * k * h * f_e, 2 * E / ep)
+    # Token dispatcher, bytes each memory-bound kernel reads + writes (elements x a unless said):
+    #   permute: gather the Tr k routed rows                  2 Tr k h
+    #   sort_chunks_by_idxs after the a2a + ETP all-gather,   4 Tr k etp h   (only with several local
+    #     and its inverse before the way back                               experts and several sources)
+    #   SwiGLU: read 2 f_e, write f_e per row                  3 Tr k f_e
+    #   probs multiply (read, write) + unpermute (read)        3 Tr k h, plus the Tr h output written
+    #   router: fp32 logits through softmax and top-k          12 Tr E bytes
+    sort_rows = Tr * k * etp if (E // ep > 1 and ep * etp > 1) else 0.0
+    moe_bytes = a * (5 * Tr * k * h + 4 * sort_rows * h + Tr * h + 3 * Tr * k * f_e) + 12 * Tr * E
+    hbm_bytes = (a * (10 * Tr * h + 2 * T * (n * d + g * d) / tp)                 # attention side
+                 + moe_bytes                                                     # MoE side
+                 + a * 3 * T * f_sh / tp)                                         # shared SwiGLU
+    c_fwd = c_attn + c_shared + c_experts + hw.hbm_time(hbm_bytes)
+    head_fwd = hw.gemm_time(2 * T * h * V / tp, 1)
+
+    # ---- communication, one layer forward -------------------------------------------------------
+    tp_colls = 2 + (2 if f_sh else 0)     # all-gather + reduce-scatter around attention (and shared expert)
+    x_tp = tp_colls * links.ring("attn", ("tp",), (tp - 1) / tp * T * h * a)
+    x_cp = links.ring("attn", ("cp",), (cp - 1) * T * 2 * g * d / tp * a)   # ring attention: K,V chunks
+    x_ep = 2 * links.all_to_all("moe", ("ep",), (ep - 1) / ep * Tr * k * h * a)  # dispatch + combine
+    x_etp = 2 * links.ring("moe", ("etp",), (etp - 1) * Tr * k * h * a)     # all-gather-v + reduce-scatter-v
+    # backward: each collective's transpose once; ring attention sends K,V and dK,dV
+    rc = 1 if layout.recompute else 0
+    layer = {
+        "compute": (3 + rc) * c_fwd,
+        "tp": (2 + rc) * x_tp, "cp": (3 + rc) * x_cp, "ep": (2 + rc) * x_ep, "etp": (2 + rc) * x_etp,
+    }
+    x_pp = 2 * vpp * links.ring("attn", ("pp",), Tr * h * a) if pp > 1 else 0.0
+
+    # ---- parameters per stage ---------------------------------------------------------------------
+    P_dense = Ls * model.dense_layer_params / tp
+    P_exp = Ls * E * model.expert_params / (ep * etp)
+    P_emb = model.embedding_params / tp
+    P_ends = P_emb if pp > 1 else 2 * P_emb            # embedding on the first stage, head on the last
+
+    # ---- data-parallel communication --------------------------------------------------------------
+    # Over dp x cp for dense weights and edp for expert weights: reduce-scatter fp32 gradients,
+    # all-gather bf16 parameters. zero1 does it once per step, zero3 (FSDP) gathers for forward and
+    # again for backward and reduce-scatters every micro-batch. No overlap with compute is assumed.
+    n_dense, n_edp = dp * cp, edp
+    P_d_stage = P_dense + P_ends
+
+    def gather(nbytes_per_param: int) -> float:
+        return (links.ring("attn", ("dp", "cp"), (n_dense - 1) / n_dense * P_d_stage * nbytes_per_param)
+                + links.ring("moe", ("edp",), (n_edp - 1) / n_edp * P_exp * nbytes_per_param))
+
+    if layout.sharding == "zero1":
+        dp_step, fsdp_mb = gather(4) + gather(a), 0.0
+    else:
+        dp_step, fsdp_mb = 0.0, 2 * gather(a) + gather(4)
+
+    # ---- step time ----------------------------------------------------------------------------------
+    head = 3 * head_fwd
+    per_mb = {t: Ls * v for t, v in layer.items()}
+    per_mb["compute"] += head          # the last stage carries the head; it is the slowest stage
+    per_mb["pp"] = x_pp
+    per_mb["dp"] = fsdp_mb
+    t_mb = sum(per_mb.values())
+    bubble = (pp - 1) / vpp * t_mb
+    time = {t: m * per_mb.get(t, 0.0) for t in TIME_TERMS}
+    time["dp"] += dp_step
+    time["bubble"] = bubble
+    step = sum(time.values())
+    flops = model.step_flops(global_batch, seq)
+    mfu = flops / (step * sp.world_size * hw.peak_tflops * 1e12)
+
+    # ---- memory per GPU -------------------------------------------------------------------------
+    attn_act = a * (2 * Tr * h + T * (n * d + 2 * g * d) / tp + T * n * d / tp) + 4 * T * n / tp
+    moe_act = a * (2 * Tr * h + Tr * k * etp * h + 3 * Tr * k * f_e + Tr * k * h) + 4 * Tr * E
+    shared_act = a * (Tr * h + 3 * T * f_sh / tp) if f_sh else 0.0
+    full_layer = attn_act + moe_act + shared_act
+    stored_layer = a * Tr * h if layout.recompute else full_layer
+    working = full_layer if layout.recompute else 0.0
+    if pp == 1:
+        in_flight = 1.0
+    elif vpp == 1:
+        in_flight = float(min(pp, m))
+    else:
+        in_flight = pp * (1 + (pp - 1) / (pp * vpp))     # Korthikanti et al. 2022, sec. 4.2.3
+    logits = T * V / tp * (a + 4)                        # bf16 logits + fp32 copy for the loss
+    acts = {"first": in_flight * Ls * stored_layer + working + (logits if pp == 1 else 0.0),
+            "last": Ls * stored_layer + working + logits}
+
+    def states(P_d: float) -> dict[str, float]:
+        if layout.sharding == "zero1":
+            return {"params": a * (P_d + P_exp), "grads": 4 * (P_d + P_exp),
+                    "optimizer": 12 * (P_d / n_dense + P_exp / n_edp), "buffers": 0.0}
+        unit = max(model.dense_layer_params / tp + E * model.expert_params / (ep * etp), P_emb)
+        return {"params": a * (P_d / n_dense + P_exp / n_edp), "grads": 4 * (P_d / n_dense + P_exp / n_edp),
+                "optimizer": 12 * (P_d / n_dense + P_exp / n_edp),
+                "buffers": unit * (2 * a + 4)}   # two gathered layers (bf16) + one layer of fp32 grads
+
+    worst, memory = -1.0, {}
+    for stage in ("first", "last"):
+        mem = states(P_dense + P_ends)
+        mem["activations"] = acts[stage]
+        if sum(mem.values()) > worst:
+            worst, memory = sum(mem.values()), mem
+    usable = hw.usable_bytes
+    feasible = worst <= usable
+    reason = "" if feasible else (
+        f"out of memory: needs {worst / GIB:.1f} GiB per GPU > {usable / GIB:.1f} GiB usable on {hw.name} ("
+        + ", ".join(f"{t} {memory[t] / GIB:.1f}" for t in MEMORY_TERMS) + ")")
+    detail = {"tokens": global_batch * seq, "microbatches": m, "flops": flops, "rows_per_expert": M_e,
+              "in_flight": in_flight}
+    return Estimate(layout, memory, time, step, mfu, feasible, reason, detail)

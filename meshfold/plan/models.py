@@ -1,0 +1,164 @@
+"""Model shapes the planner reasons about: sizes only, no weights and no code.
+
+A :class:`ModelShape` is the handful of numbers that set parameter count, FLOPs, activation size
+and communication volume of a MoE transformer whose every layer is attention + MoE (optionally with
+a shared expert). :meth:`ModelShape.from_config` reads them off any config object (meshfold's model
+configs, a Hugging Face config, a Megatron args namespace), so full model configs plug in later.
+
+Legend: h = hidden size, L = layers, n = attention heads, g = KV groups, d = head dim (kv_channels),
+E = experts, k = top-k, f_e = expert FFN size, f_sh = shared-expert FFN size, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ModelShape", "MODELS", "model_shape"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of a MoE transformer (SwiGLU experts, GQA attention, untied embedding and head)."""
+
+    name: str
+    hidden: int             # h
+    layers: int             # L
+    heads: int              # n
+    kv_groups: int          # g
+    experts: int            # E
+    topk: int               # k
+    expert_ffn: int         # f_e
+    vocab: int              # V
+    shared_ffn: int = 0     # f_sh (0: no shared expert)
+    head_dim: int | None = None  # d; hidden // heads when None
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "layers", "heads", "kv_groups", "experts", "topk", "expert_ffn", "vocab"):
+            v = getattr(self, f)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"ModelShape.{f} must be a positive integer, got {v!r}")
+        if self.heads % self.kv_groups:
+            raise ValueError(f"heads = {self.heads} is not a multiple of kv_groups = {self.kv_groups}")
+        if self.topk > self.experts:
+            raise ValueError(f"topk = {self.topk} exceeds experts = {self.experts}")
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    # ---- parameters -----------------------------------------------------------------------------
+    @property
+    def attn_params(self) -> int:
+        """Attention weights of one layer: Q and O are h x n*d, K and V are h x g*d each."""
+        h, n, g, d = self.hidden, self.heads, self.kv_groups, self.head_dim
+        return 2 * h * n * d + 2 * h * g * d
+
+    @property
+    def expert_params(self) -> int:
+        """One expert (SwiGLU: gate, up, down): 3 * h * f_e."""
+        return 3 * self.hidden * self.expert_ffn
+
+    @property
+    def dense_layer_params(self) -> int:
+        """Weights of one layer that are not experts: attention, shared expert, router, norms."""
+        h = self.hidden
+        shared = 3 * h * self.shared_ffn + (h if self.shared_ffn else 0)  # + sigmoid gate
+        return self.attn_params + shared + h * self.experts + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding (the output head has as many again): V * h."""
+        return self.vocab * self.hidden
+
+    @property
+    def total_params(self) -> int:
+        """All parameters: L * (dense + E * expert) + embedding + head + final norm."""
+        L, E = self.layers, self.experts
+        return L * (self.dense_layer_params + E * self.expert_params) + 2 * self.embedding_params + self.hidden
+
+    # ---- FLOPs ----------------------------------------------------------------------------------
+    def step_flops(self, global_batch: int, seq: int) -> float:
+        """Model FLOPs of one training step (fwd + bwd), as Megatron-Core counts them.
+
+        ``12 B s L h^2 [ (1 + g/n + s/h)(d n / h) + 1.5 k f_e / h + 1.5 f_sh / h + V / (2 L h) ]``
+        with the full (non-causal) ``s^2`` attention term, the count the paper's MFU uses
+        (REFERENCE.md section 1). Router and norms are not counted.
+        """
+        B, s, L, h = global_batch, seq, self.layers, self.hidden
+        n, g, d, k = self.heads, self.kv_groups, self.head_dim, self.topk
+        attn = (1 + g / n + s / h) * (d * n / h)
+        mlp = 1.5 * k * self.expert_ffn / h + 1.5 * self.shared_ffn / h
+        return 12 * B * s * L * h * h * (attn + mlp + self.vocab / (2 * L * h))
+
+    # ---- from any config --------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: object, name: str | None = None) -> "ModelShape":
+        """Read a shape off any object with the usual config attributes.
+
+        Accepted spellings (first present wins): hidden ``hidden_size``; layers ``num_layers`` |
+        ``num_hidden_layers``; heads ``num_attention_heads`` | ``num_heads``; KV groups
+        ``num_key_value_heads`` | ``num_query_groups`` | ``num_kv_heads`` (default: heads); experts
+        ``num_experts`` | ``num_local_experts`` | ``num_moe_experts``; top-k ``top_k`` |
+        ``num_experts_per_tok`` | ``moe_router_topk``; expert FFN ``expert_ffn`` |
+        ``moe_intermediate_size`` | ``moe_ffn_hidden_size`` | ``intermediate_size`` |
+        ``ffn_hidden_size``; shared FFN ``shared_ffn`` | ``shared_expert_intermediate_size`` |
+        ``moe_shared_expert_intermediate_size`` (default 0); vocab ``vocab_size``; head dim
+        ``head_dim`` | ``kv_channels`` (optional).
+        """
+        def pick(*names: str, default: object = ...) -> object:
+            for a in names:
+                v = cfg.get(a) if isinstance(cfg, dict) else getattr(cfg, a, None)
+                if v is not None:
+                    return v
+            if default is ...:
+                raise ValueError(f"config {type(cfg).__name__} has none of the attributes {list(names)}")
+            return default
+
+        heads = pick("num_attention_heads", "num_heads")
+        return cls(
+            name=name or str(pick("name", "model_name", default=type(cfg).__name__)),
+            hidden=pick("hidden_size", "hidden"),
+            layers=pick("num_layers", "num_hidden_layers", "layers"),
+            heads=heads,
+            kv_groups=pick("num_key_value_heads", "num_query_groups", "num_kv_heads", "kv_groups", default=heads),
+            experts=pick("num_experts", "num_local_experts", "num_moe_experts", "experts"),
+            topk=pick("top_k", "num_experts_per_tok", "moe_router_topk", "topk"),
+            expert_ffn=pick("expert_ffn", "moe_intermediate_size", "moe_ffn_hidden_size",
+                            "intermediate_size", "ffn_hidden_size"),
+            vocab=pick("vocab_size", "vocab"),
+            shared_ffn=pick("shared_ffn", "shared_expert_intermediate_size",
+                            "moe_shared_expert_intermediate_size", default=0),
+            head_dim=pick("head_dim", "kv_channels", default=None),
+        )
+
+
+# Paper models (arXiv 2504.14960; shapes from REFERENCE.md section 1 and the public HF configs).
+# Llama3-8x70B is Llama-3-70B upcycled to 8 experts, top-2 (hidden 8192, 80 layers, 64 heads,
+# 8 KV groups, FFN 28672, vocab 128256).
+MODELS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("mixtral-8x22b", hidden=6144, layers=56, heads=48, kv_groups=8, experts=8, topk=2,
+               expert_ffn=16384, vocab=32000),
+    ModelShape("qwen2-57b-a14b", hidden=3584, layers=28, heads=28, kv_groups=4, experts=64, topk=8,
+               expert_ffn=2560, shared_ffn=20480, vocab=151936),
+    ModelShape("mixtral-8x22b-g8t8", hidden=6144, layers=56, heads=48, kv_groups=8, experts=64, topk=8,
+               expert_ffn=2048, vocab=32000),
+    ModelShape("llama3-8x70b", hidden=8192, layers=80, heads=64, kv_groups=8, experts=8, topk=2,
+               expert_ffn=28672, vocab=128256),
+    # small ones, for quick looks and tests
+    ModelShape("mixtral-8x7b", hidden=4096, layers=32, heads=32, kv_groups=8, experts=8, topk=2,
+               expert_ffn=14336, vocab=32000),
+    ModelShape("olmoe-1b-7b", hidden=2048, layers=16, heads=16, kv_groups=16, experts=64, topk=8,
+               expert_ffn=1024, vocab=50304),
+    ModelShape("tiny-moe", hidden=512, layers=4, heads=8, kv_groups=2, experts=8, topk=2,
+               expert_ffn=1024, vocab=1024),
+)}
+
+
+def model_shape(model: str | ModelShape | object) -> ModelShape:
+    """A named shape (``MODELS``), a :class:`ModelShape`, or any config via ``from_config``."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, str):
+        key = model.lower()
+        if key not in MODELS:
+            raise ValueError(f"unknown model {model!r}; valid choices: {sorted(MODELS)}")
+        return MODELS[key]
+    return ModelShape.from_config(model)

@@ -1,0 +1,111 @@
+"""Which layouts to try, and in which order to show them.
+
+:func:`candidates` walks every FoldSpec of the GPU count that the model's shapes allow (tp divides
+heads and KV groups, ep divides experts, etp divides the expert FFN, pp divides layers, cp divides
+the sequence, dp divides the global batch) and, for each, every micro-batch size, virtual-pipeline
+size and DP sharding. :func:`plan` estimates them all and ranks the feasible ones by MFU.
+
+Pruning never drops a layout that could rank first: full recomputation only saves memory and
+costs a forward pass, so it is tried only where the same layout without it does not fit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from meshfold.mesh import FoldSpec
+from meshfold.plan.cost import SHARDINGS, Estimate, Layout, estimate
+from meshfold.plan.hardware import Hardware, hardware
+from meshfold.plan.models import ModelShape, model_shape
+
+__all__ = ["candidates", "plan", "validate_request"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_request(gpus: int, seq: int, global_batch: int) -> None:
+    """Raise ``ValueError`` naming the bad value when a planning request makes no sense."""
+    for name, v in (("gpus", gpus), ("seq", seq), ("global batch", global_batch)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def candidates(model: ModelShape, gpus: int, seq: int, global_batch: int,
+               shardings: tuple[str, ...] = SHARDINGS, max_mbs: int = 8,
+               max_vpp: int = 8) -> Iterator[Layout]:
+    """Every layout (without recomputation) that can run ``model`` on ``gpus`` ranks."""
+    for pp in _divisors(gpus):
+        if model.layers % pp:
+            continue
+        stage = gpus // pp
+        for tp in _divisors(stage):
+            if model.heads % tp or model.kv_groups % tp:
+                continue
+            for cp in _divisors(stage // tp):
+                dp = stage // (tp * cp)
+                if seq % cp or global_batch % dp:
+                    continue
+                mbs_choices = [b for b in _divisors(global_batch // dp) if b <= max_mbs]
+                for etp in _divisors(stage):
+                    if model.expert_ffn % etp:
+                        continue
+                    for ep in _divisors(stage // etp):
+                        if model.experts % ep:
+                            continue
+                        spec = FoldSpec(gpus, tp=tp, cp=cp, pp=pp, etp=etp, ep=ep)
+                        for sharding in shardings:
+                            for mbs in mbs_choices:
+                                m = global_batch // (dp * mbs)
+                                for vpp in _divisors(model.layers // pp):
+                                    if vpp > max_vpp or (vpp > 1 and (pp == 1 or m % pp)):
+                                        continue
+                                    yield Layout(spec, mbs=mbs, vpp=vpp, sharding=sharding)
+
+
+def _rank_key(e: Estimate) -> tuple:
+    return (not e.feasible, -e.mfu if e.feasible else e.memory_total)
+
+
+def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100", seq: int = 4096,
+         global_batch: int = 256, where: Callable[[Layout], bool] | None = None,
+         shardings: tuple[str, ...] = SHARDINGS, max_mbs: int = 8) -> list[Estimate]:
+    """Estimate every layout of ``model`` on ``gpus`` GPUs; best first.
+
+    Args:
+        model: a name of ``MODELS``, a :class:`ModelShape`, or any config (``from_config``).
+        gpus: world size. hw: a name of ``HARDWARE`` or a :class:`Hardware`.
+        seq, global_batch: sequence length and sequences per step.
+        where: keep only layouts for which this returns True (e.g. a baseline strategy).
+        shardings: DP shardings to try (``"zero1"``, ``"zero3"``).
+
+    Returns feasible estimates by decreasing MFU, then infeasible ones (out of memory, with
+    ``reason``) by increasing memory. Full recomputation is added for a layout only where the
+    layout without it is out of memory.
+    """
+    shape, hw = model_shape(model), hardware(hw)
+    validate_request(gpus, seq, global_batch)
+    bad = [s for s in shardings if s not in SHARDINGS]
+    if bad:
+        raise ValueError(f"unknown sharding {bad}; valid: {list(SHARDINGS)}")
+    out = []
+    for layout in candidates(shape, gpus, seq, global_batch, shardings, max_mbs):
+        if where is not None and not where(layout):
+            continue
+        e = estimate(shape, hw, layout, seq, global_batch)
+        if not e.feasible:
+            rc = Layout(layout.spec, layout.mbs, layout.vpp, True, layout.sharding)
+            if where is None or where(rc):
+                e_rc = estimate(shape, hw, rc, seq, global_batch)
+                e = e_rc if e_rc.feasible or e_rc.memory_total < e.memory_total else e
+        out.append(e)
+    if not out:
+        raise ValueError(
+            f"no layout of {gpus} GPUs can run {shape.name} with seq={seq}, global batch={global_batch}"
+            + (" under the given constraint" if where is not None else "")
+            + f": the global batch must be divisible by some dp = gpus / (tp*cp*pp) (divisors of {gpus}:"
+            f" {_divisors(gpus)}), tp must divide heads={shape.heads} and kv_groups={shape.kv_groups},"
+            f" pp must divide layers={shape.layers}, cp must divide seq")
+    out.sort(key=_rank_key)
+    return out

@@ -1,0 +1,220 @@
+"""meshfold.plan as a specification: Table 1 of arXiv 2504.14960, and properties of the cost model.
+
+Table 1 checks run the planner in the paper's Table 1 setting (H100, seq 4096, global batch 256,
+cp = 1 as in every Table 1 config). Where the model does not reproduce the paper the test is an
+``xfail(strict=True)`` whose reason says precisely what differs (see docs/plan.md).
+"""
+
+import argparse
+import dataclasses
+import itertools
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfold.mesh import FoldSpec
+from meshfold.plan import (HARDWARE, MODELS, PAPER_TABLE1, STRATEGIES, TIME_TERMS, Layout, ModelShape,
+                           candidates, check_layout, estimate, hardware, paper_spec, plan)
+from meshfold.plan import cli
+
+H100 = HARDWARE["h100"]
+SEQ, GBS = 4096, 256
+
+
+def _cp1(layout: Layout) -> bool:
+    return layout.spec.cp == 1
+
+
+@pytest.fixture(scope="module")
+def table1():
+    """Best estimate per strategy for each Table 1 model: {model: {strategy: Estimate}}."""
+    out = {}
+    for name, row in PAPER_TABLE1.items():
+        results = plan(name, row.gpus, H100, SEQ, GBS, where=_cp1)
+        out[name] = {key: next(e for e in results if keep(e.layout)) for key, keep in STRATEGIES.items()}
+    return out
+
+
+def _paper_estimate(name: str, strategy: str):
+    """The paper's own config with Megatron-Core defaults for what it does not state (mbs 1, no vpp)."""
+    row = PAPER_TABLE1[name]
+    return estimate(MODELS[name], H100, Layout(paper_spec(row, strategy)), SEQ, GBS)
+
+
+# ---- Table 1 -------------------------------------------------------------------------------------
+
+RANKING_MISMATCH = {
+    # Not resolvable without a fudge (docs/plan.md, "What does not hold"): FSDP+EP is estimated
+    # at the paper's figure (25.5% vs 25.4%) but TP+EP+DP 16% high; the pair is 4.7% apart in the
+    # model and 9% apart in the paper, i.e. inside the model's error for this strategy.
+    "qwen2-57b-a14b": "planner ranks TP+EP+DP (26.7%: 1/2/4/1/2, mbs 2, full recompute, 73.1 of 75.6 GiB) "
+                      "above FSDP+EP (25.5%); the paper has FSDP+EP 25.4% > TP+EP+DP 23.1%",
+    # The OOM is within the uncertainty of the 4 GiB reserve (CUDA context, NCCL, fragmentation).
+    "llama3-8x70b": "planner fits TP+EP+DP (29.6%: 1/8/8/1/8, mbs 4, full recompute, 75.0 of 75.6 GiB; 70.9 GiB "
+                    "at mbs 1; weights, grads and optimizer alone 69.6 GiB) where the paper reports OOM",
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=RANKING_MISMATCH[n])) if n in RANKING_MISMATCH
+    else n for n in PAPER_TABLE1])
+def test_strategy_ranking_matches_paper(table1, name):
+    paper = {k: -1.0 if v is None else v for k, v in PAPER_TABLE1[name].mfu.items()}
+    ours = {k: e.mfu if e.feasible else -1.0 for k, e in table1[name].items()}
+    sign = lambda x: (x > 0) - (x < 0)
+    for a, b in itertools.combinations(STRATEGIES, 2):
+        assert sign(ours[a] - ours[b]) == sign(paper[a] - paper[b]), (a, b, ours, paper)
+
+
+@pytest.mark.parametrize("name", PAPER_TABLE1)
+def test_best_fold_at_least_paper_folded_config(table1, name):
+    best = table1[name]["mcore+folding"]
+    paper_cfg = _paper_estimate(name, "mcore+folding")
+    assert best.mfu >= paper_cfg.mfu
+    assert best.mfu >= PAPER_TABLE1[name].mfu["mcore+folding"]
+
+
+@pytest.mark.parametrize("name", PAPER_TABLE1)
+def test_paper_folded_config_within_25_percent_of_reported_mfu(name):
+    e = _paper_estimate(name, "mcore+folding")
+    reported = PAPER_TABLE1[name].mfu["mcore+folding"]
+    assert e.feasible, e.reason
+    assert abs(e.mfu / reported - 1) <= 0.25, (e.mfu, reported)
+
+
+@pytest.mark.parametrize("name", PAPER_TABLE1)
+def test_paper_unfolded_config_within_25_percent_of_reported_mfu(name):
+    # Unfolded MCore sends its EP all-to-all across nodes: this checks the all-to-all term.
+    e = _paper_estimate(name, "mcore")
+    reported = PAPER_TABLE1[name].mfu["mcore"]
+    assert e.feasible, e.reason
+    assert abs(e.mfu / reported - 1) <= 0.25, (e.mfu, reported)
+
+
+def test_inter_node_all_to_all_runs_below_the_ring_bandwidth():
+    hw = H100
+    assert hw.alltoall_bytes_per_s(False) < hw.link_bytes_per_s(False)
+    assert hw.alltoall_bytes_per_s(True) == hw.link_bytes_per_s(True)
+
+
+def test_paper_oom_strategies_are_infeasible_for_llama3_fsdp(table1):
+    assert not table1["llama3-8x70b"]["fsdp"].feasible
+    assert "out of memory" in table1["llama3-8x70b"]["fsdp"].reason
+
+
+# ---- properties ------------------------------------------------------------------------------------
+
+SMALL = ["tiny-moe", "olmoe-1b-7b", "mixtral-8x7b"]
+
+
+@st.composite
+def requests(draw):
+    name = draw(st.sampled_from(SMALL))
+    gpus = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    gbs = gpus * draw(st.sampled_from([1, 2, 4]))
+    seq = draw(st.sampled_from([1024, 4096]))
+    return MODELS[name], gpus, seq, gbs
+
+
+@st.composite
+def layouts(draw):
+    model, gpus, seq, gbs = draw(requests())
+    lay = draw(st.sampled_from(list(candidates(model, gpus, seq, gbs))))
+    return model, dataclasses.replace(lay, recompute=draw(st.booleans())), seq, gbs
+
+
+@settings(max_examples=15)
+@given(requests(), st.sampled_from(["h100", "h200"]))
+def test_every_plan_is_a_valid_foldspec(req, gpu):
+    model, gpus, seq, gbs = req
+    for e in plan(model, gpus, gpu, seq, gbs):
+        s = e.layout.spec
+        rebuilt = FoldSpec(gpus, tp=s.tp, cp=s.cp, dp=s.dp, pp=s.pp, etp=s.etp, ep=s.ep, edp=s.edp)
+        assert rebuilt == s
+        assert s.tp * s.cp * s.dp * s.pp == s.etp * s.ep * s.edp * s.pp == gpus
+        assert check_layout(model, e.layout, seq, gbs) == ""
+
+
+@given(layouts(), st.floats(1.0, 4.0))
+def test_more_memory_never_makes_a_feasible_fold_infeasible(case, factor):
+    model, lay, seq, gbs = case
+    small = estimate(model, H100, lay, seq, gbs)
+    big = estimate(model, hardware("h100", memory_gib=H100.memory_gib * factor), lay, seq, gbs)
+    assert big.memory == small.memory
+    assert big.feasible or not small.feasible
+
+
+@given(layouts(), st.floats(0.05, 1.0), st.floats(0.05, 1.0))
+def test_time_never_decreases_when_bandwidth_falls(case, nvlink_scale, net_scale):
+    model, lay, seq, gbs = case
+    fast = estimate(model, H100, lay, seq, gbs)
+    slow_hw = hardware("h100", nvlink_gbps=H100.nvlink_gbps * nvlink_scale,
+                       internode_gbps=H100.internode_gbps * net_scale)
+    slow = estimate(model, slow_hw, lay, seq, gbs)
+    assert slow.step_time >= fast.step_time * (1 - 1e-12)
+    for term in TIME_TERMS:
+        assert slow.time[term] >= fast.time[term] * (1 - 1e-12) - 1e-15, term
+
+
+@given(layouts())
+def test_time_terms_sum_to_step_time_and_give_the_mfu(case):
+    model, lay, seq, gbs = case
+    e = estimate(model, H100, lay, seq, gbs)
+    assert sum(e.time.values()) == pytest.approx(e.step_time)
+    flops = model.step_flops(gbs, seq)
+    assert e.mfu == pytest.approx(flops / (e.step_time * lay.spec.world_size * H100.peak_tflops * 1e12))
+
+
+# ---- shapes, inputs and the CLI ----------------------------------------------------------------------
+
+def test_paper_model_sizes_match_their_names():
+    assert MODELS["mixtral-8x22b"].total_params == pytest.approx(141e9, rel=0.01)
+    assert MODELS["qwen2-57b-a14b"].total_params == pytest.approx(57.4e9, rel=0.01)
+
+
+def test_model_shape_reads_any_config_with_the_usual_attributes():
+    hf = SimpleNamespace(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                         num_experts=64, num_experts_per_tok=8, moe_intermediate_size=2560,
+                         shared_expert_intermediate_size=20480, vocab_size=151936)
+    assert ModelShape.from_config(hf, name="qwen2-57b-a14b") == MODELS["qwen2-57b-a14b"]
+    with pytest.raises(ValueError, match=r"none of the attributes \['num_attention_heads'"):
+        ModelShape.from_config(SimpleNamespace(hidden_size=8))
+
+
+def test_invalid_layout_names_the_offending_value():
+    lay = Layout(FoldSpec(8, tp=8))
+    with pytest.raises(ValueError, match="tp=8 must divide heads=8 and kv_groups=2"):
+        estimate(MODELS["tiny-moe"], H100, lay, SEQ, 8)
+
+
+def _args(**kw):
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    argv = list(itertools.chain.from_iterable((f"--{k}", str(v)) for k, v in kw.items() if v is not True))
+    argv += [f"--{k}" for k, v in kw.items() if v is True]
+    return parser.parse_args(argv)
+
+
+def test_cli_prints_best_folds_and_the_baselines(capsys):
+    assert cli.main(_args(model="qwen2-57b-a14b", gpus=64, gpu="h100", seq=4096, gbs=256, top=3,
+                          compare=True, cp1=True)) == 0
+    out = capsys.readouterr().out
+    assert "#1" in out and "MCore + folding" in out and "39.0%" in out
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"model": "gpt-5"}, "unknown model 'gpt-5'; valid choices"),
+    ({"gpu": "a100"}, "unknown GPU 'a100'; valid choices: ['h100', 'h200']"),
+    ({"gbs": 3, "gpus": 7, "model": "tiny-moe"}, "global batch must be divisible"),
+])
+def test_cli_rejects_bad_input_naming_the_value(capsys, kw, message):
+    base = {"model": "tiny-moe", "gpus": 8, "gpu": "h100"}
+    assert cli.main(_args(**{**base, **kw})) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_non_positive_gpus():
+    with pytest.raises(SystemExit):
+        _args(model="tiny-moe", gpus=0)
