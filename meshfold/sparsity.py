@@ -152,16 +152,27 @@ def global_prune(scores: Mapping[str, torch.Tensor], kept: Mapping[str, torch.Te
     return out
 
 
+def _param(w: torch.Tensor) -> torch.Tensor:
+    """The parameter behind ``w``: ``w`` itself, or the base of a reshaped view of one (the MoE
+    layer hands out [E, H, 2F] views of its [E, H, 2, F] gate/up weight)."""
+    return w if w._base is None else w._base
+
+
+def _grad(w: torch.Tensor) -> torch.Tensor | None:
+    g = _param(w).grad
+    return None if g is None else g.view(w.shape)
+
+
 def zero_pruned_moments(optimizer: torch.optim.Optimizer, weight: torch.Tensor, keep: torch.Tensor) -> None:
     """Multiply the optimizer state of ``weight`` (Adam/AdamW moments, SGD momentum) by ``keep``.
 
     keep: element mask broadcastable to weight. Without this the stored momentum of a freshly
     pruned tile keeps updating it even though its gradient is zero.
     """
-    state = optimizer.state.get(weight, {})
+    state = optimizer.state.get(_param(weight), {})
     for key in MOMENT_KEYS:
         if key in state:
-            state[key].mul_(keep.to(state[key].dtype))
+            state[key].view(weight.shape).mul_(keep.to(state[key].dtype))
 
 
 # ----------------------------------------------------------------------------- pruner
@@ -193,8 +204,9 @@ class TilePruner:
     def accumulate(self) -> None:
         """Add (dL/dW * W)^2 of the current gradients to the Taylor scores."""
         for name, (w, _) in self.layers.items():
-            if w.grad is not None:
-                self.taylor[name].add_((w.grad.float() * w.float()).pow(2))
+            g = _grad(w)
+            if g is not None:
+                self.taylor[name].add_((g.float() * w.float()).pow(2))
 
     def sparsity(self) -> float:
         """Fraction of pruned tiles over the whole group."""
@@ -237,8 +249,9 @@ class TilePruner:
             w3 = _as_experts(w)
             keep = expand_tile_mask(mask, w3.shape[1], w3.shape[2]).reshape(w.shape)
             w.mul_(keep.to(w.dtype))
-            if w.grad is not None:
-                w.grad.mul_(keep.to(w.grad.dtype))
+            g = _grad(w)
+            if g is not None:
+                g.mul_(keep.to(g.dtype))
             if self.optimizer is not None:
                 zero_pruned_moments(self.optimizer, w, keep)
 

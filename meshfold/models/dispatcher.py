@@ -1,0 +1,102 @@
+"""Token dispatcher, local half: capacity and dropping, permute and unpermute.
+
+Shapes: T = tokens, k = top-k, E = experts, N = routed (token, expert) pairs kept, H = hidden.
+
+``permute`` orders the kept pairs expert-major, stable in token order (tokens of one expert are
+contiguous, as the grouped GEMM wants); ``unpermute`` sums each token's expert outputs weighted by
+its routing probabilities. The collective half (all-to-all-v over ``ep``, all-gather-v /
+reduce-scatter-v over ``etp``) lives in :mod:`meshfold.models.moe_parallel`; on one device it is
+the identity.
+
+Dropping (``capacity_factor`` set): an expert keeps at most ``capacity = ceil(cf * T * k / E)``
+pairs of the token set that decides (this rank's tokens for sub-sequence dropping, the DP rank's
+whole micro-batch for full-sequence dropping). Policy ``probs`` keeps the highest routing weights
+(ties to the earlier token), ``position`` the earliest tokens (deterministic). Dropped pairs
+contribute nothing; a token whose every pair is dropped outputs zero (plus shared experts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["capacity", "keep_mask", "permute", "unpermute", "Permuted"]
+
+
+def capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Pairs one expert may keep: ``ceil(capacity_factor * tokens * k / E)``."""
+    return math.ceil(capacity_factor * num_tokens * topk / num_experts)
+
+
+def keep_mask(experts_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, cap: int,
+              policy: str) -> torch.Tensor:
+    """Bool [T, k]: which pairs survive when each expert keeps at most ``cap`` of them."""
+    T, k = experts_TK.shape
+    e = experts_TK.reshape(-1)
+    n = e.numel()
+    position = torch.arange(n, device=e.device)  # token-major, so earlier tokens first
+    if policy == "probs":
+        # order by (expert, -prob, position) with stable sorts from the least significant key
+        order = torch.argsort(-probs_TK.reshape(-1).detach(), stable=True)
+    else:
+        order = position
+    order = order[torch.argsort(e[order], stable=True)]
+    counts_E = torch.bincount(e, minlength=num_experts)
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    rank_in_expert = torch.empty_like(position)
+    rank_in_expert[order] = position - start_E[e[order]]
+    return (rank_in_expert < cap).reshape(T, k)
+
+
+@dataclass
+class Permuted:
+    """Expert-major rows and what is needed to put them back.
+
+    ``x_NH`` rows grouped by expert; ``counts_E`` rows per expert; ``token_N`` source token of each
+    row (-1 for padding); ``probs_N`` routing weight of each row (0 for padding).
+    """
+
+    x_NH: torch.Tensor
+    counts_E: torch.Tensor
+    token_N: torch.Tensor
+    probs_N: torch.Tensor
+
+
+def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None) -> Permuted:
+    """Group the kept (token, expert) pairs by expert, stable in token order.
+
+    With ``pad_to`` (pad-to-capacity) every expert gets exactly ``pad_to`` rows, zero-filled, so
+    split sizes are static and need no host sync.
+    """
+    T, k = experts_TK.shape
+    e = experts_TK.reshape(-1)
+    token = torch.arange(T, device=x_TH.device).repeat_interleave(k)
+    p = probs_TK.reshape(-1)
+    if keep_TK is not None:
+        kept = keep_TK.reshape(-1)
+        e, token, p = e[kept], token[kept], p[kept]
+    order = torch.argsort(e, stable=True)
+    e, token, p = e[order], token[order], p[order]
+    counts_E = torch.bincount(e, minlength=num_experts)
+    if pad_to is None:
+        return Permuted(x_TH[token], counts_E, token, p)
+    # row r of expert e goes to slot e * pad_to + (r - start_e)
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    slot = e * pad_to + torch.arange(e.numel(), device=e.device) - start_E[e]
+    n = num_experts * pad_to
+    token_N = torch.full((n,), -1, dtype=token.dtype, device=token.device).index_copy(0, slot, token)
+    probs_N = torch.zeros(n, dtype=p.dtype, device=p.device).index_copy(0, slot, p)
+    x_NH = x_TH.new_zeros(n, x_TH.shape[1]).index_copy(0, slot, x_TH[token])
+    return Permuted(x_NH, torch.full_like(counts_E, pad_to), token_N, probs_N)
+
+
+def unpermute(y_NH: torch.Tensor, perm: Permuted, num_tokens: int) -> torch.Tensor:
+    """``out[t] = sum over t's kept pairs of probs * y`` -> [T, H] in y's dtype."""
+    # Padding rows carry weight 0 and an all-zero expert output; sending them to token 0 avoids
+    # a data-dependent filter (a host sync).
+    token, y, p = perm.token_N.clamp(min=0), y_NH, perm.probs_N
+    weighted = (y.to(p.dtype) * p.unsqueeze(-1)).to(y.dtype)
+    out = y.new_zeros(num_tokens, y.shape[1])
+    return out.index_add(0, token, weighted)

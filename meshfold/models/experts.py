@@ -1,0 +1,79 @@
+"""Routed experts (grouped GEMM) and shared experts.
+
+Shapes: N = expert-major rows, H = hidden, F = ffn per expert (its local slice under ETP),
+E = experts (local ones under EP).
+
+``w_gate_up`` is [E, H, 2, F]: gate and up projections fused, kept as a separate axis so that
+sharding F over ``etp`` gives every rank matching gate and up columns (a flat [E, H, 2F] split
+would hand one rank all gates and another all ups). ``w_down`` is [E, F, H]. Both go through
+:func:`meshfold.kernels.grouped_mm`, whose offsets are the cumulative row counts per expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfold.kernels import grouped_mm
+
+__all__ = ["Experts", "SharedExpert", "expert_ffn"]
+
+
+def expert_ffn(x_NH, w_gate_up, w_down, offsets_E, kind: str, masks=(None, None)):
+    """Grouped expert MLP: swiglu ``down(silu(gate x) * up x)`` or gelu ``down(gelu(up x))``.
+
+    ``w_gate_up`` [E, H, 2, F] (gelu: [E, H, 1, F]), ``w_down`` [E, F, H], ``offsets_E`` int32.
+    ``masks`` are optional tile masks for the two weights (tile-sparse experts).
+    """
+    E, H, two, Fl = w_gate_up.shape
+    h = grouped_mm(x_NH, w_gate_up.reshape(E, H, two * Fl), offsets_E,
+                   **({"tile_mask": masks[0]} if masks[0] is not None else {}))
+    if kind == "swiglu":
+        gate, up = h.view(-1, 2, Fl).unbind(1)
+        a = F.silu(gate) * up
+    else:
+        a = F.gelu(h)
+    return grouped_mm(a, w_down, offsets_E, **({"tile_mask": masks[1]} if masks[1] is not None else {}))
+
+
+class Experts(nn.Module):
+    """E routed experts' weights. Computation is :func:`expert_ffn` on the local shards."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, kind: str = "swiglu",
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.kind = kind
+        two = 2 if kind == "swiglu" else 1
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, hidden, two, ffn, dtype=dtype))
+        self.w_down = nn.Parameter(torch.empty(num_experts, ffn, hidden, dtype=dtype))
+        nn.init.normal_(self.w_gate_up, std=hidden ** -0.5)
+        nn.init.normal_(self.w_down, std=ffn ** -0.5)
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP every token goes through (Qwen2-MoE / DeepSeek shared experts).
+
+    ``kind="qwen2"`` scales its output by ``sigmoid(gate(x))`` (a [1, H] linear); ``"deepseek"``
+    is ungated. Laid out like a dense TP MLP on the attention mesh (see moe_parallel).
+    """
+
+    def __init__(self, hidden: int, ffn: int, kind: str = "qwen2", dtype: torch.dtype | None = None):
+        super().__init__()
+        self.kind = kind
+        self.w_gate_up = nn.Parameter(torch.empty(hidden, 2, ffn, dtype=dtype))  # [H, 2, F]
+        self.w_down = nn.Parameter(torch.empty(ffn, hidden, dtype=dtype))  # [F, H]
+        nn.init.normal_(self.w_gate_up, std=hidden ** -0.5)
+        nn.init.normal_(self.w_down, std=ffn ** -0.5)
+        if kind == "qwen2":
+            self.gate = nn.Parameter(torch.empty(1, hidden, dtype=dtype))
+            nn.init.normal_(self.gate, std=hidden ** -0.5)
+        else:
+            self.gate = None
+
+
+def shared_expert_ffn(x_TH, w_gate_up, w_down):
+    """SwiGLU on [T, H] with w_gate_up [H, 2, F], w_down [F, H] (F may be a TP slice)."""
+    H, _, Fl = w_gate_up.shape
+    gate, up = (x_TH @ w_gate_up.reshape(H, 2 * Fl)).view(-1, 2, Fl).unbind(1)
+    return (F.silu(gate) * up) @ w_down

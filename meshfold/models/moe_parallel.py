@@ -1,0 +1,251 @@
+"""How an MoE layer runs on a FoldedMesh: its layout as data, and the collectives it needs.
+
+The layer itself (:mod:`meshfold.models.moe`) is single-device code that asks a *comm* object for
+five things: the local shard of each parameter, sums of token statistics over attention dims,
+gathering routing over ``(cp, tp)`` for full-sequence dropping, the dispatch / combine pair around
+the experts, and the TP entry / exit of the shared expert. :class:`LocalComm` answers them on one
+device (identities); :class:`FoldedComm` answers them on the folded mesh with meshfold's ragged
+collectives. Model files make no process-group calls.
+
+Layout (one pipeline stage; the MoE view's ``pp`` dim is sliced away):
+
+===================  ======  ===============================  ==================================
+parameter            view    placements (dp|edp, cp|ep, tp|etp)  why
+===================  ======  ===============================  ==================================
+router.weight        attn    R, R, R                          every rank routes its own tokens
+experts.w_gate_up    moe     R, Shard(0), Shard(3)            experts over ep, ffn over etp
+experts.w_down       moe     R, Shard(0), Shard(1)            experts over ep, ffn over etp
+shared.w_gate_up     attn    R, R, Shard(2)                   column-parallel over tp
+shared.w_down        attn    R, R, Shard(0)                   row-parallel over tp
+shared.gate          attn    R, R, R                          applied to each rank's tokens
+===================  ======  ===============================  ==================================
+
+Every rank holds different tokens along every non-pp dim (batch over dp, sequence over cp, sequence
+over tp with sequence parallelism), so a parameter replicated along a dim gets a *partial*
+gradient there: the local views are taken with ``to_local(grad_placements=...)`` marking those dims
+``Partial()``, and ``param.grad.full_tensor()`` (or a DP reduction) sums them.
+
+Dispatch (the paper's token dispatcher), per layer: one host sync, when the per-expert counts of
+every rank in this rank's ``ep x etp`` block are gathered (two small all-gathers, one
+``.tolist()``); then all-to-all-v over ``ep``, all-gather-v over ``etp``, a local re-sort so each
+local expert's rows are contiguous; the reverse after the experts (re-sort back, reduce-scatter-v
+over ``etp``, all-to-all-v back over ``ep``). With pad-to-capacity the counts are static and the
+sync disappears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from meshfold.placements import all_gather_v, all_to_all_v, reduce_scatter_v
+
+__all__ = ["MOE_LAYOUT", "LocalComm", "FoldedComm", "parallelize_moe"]
+
+ATTN = ("dp", "cp", "tp")
+MOE = ("edp", "ep", "etp")
+
+MOE_LAYOUT = {
+    "router.weight": ("attn", (Replicate(), Replicate(), Replicate())),
+    "experts.w_gate_up": ("moe", (Replicate(), Shard(0), Shard(3))),
+    "experts.w_down": ("moe", (Replicate(), Shard(0), Shard(1))),
+    "shared.w_gate_up": ("attn", (Replicate(), Replicate(), Shard(2))),
+    "shared.w_down": ("attn", (Replicate(), Replicate(), Shard(0))),
+    "shared.gate": ("attn", (Replicate(), Replicate(), Replicate())),
+}
+
+
+# tile masks are buffers, sliced like their weights: experts over ep, this dim over etp
+MASK_LAYOUT = {"experts.mask_gate_up": 3, "experts.mask_down": 1}
+
+
+@dataclass
+class _Dispatched:
+    send: list
+    recv: list
+    gather_sizes: list | None
+    order: torch.Tensor | None  # received (etp, ep, expert) chunk order -> expert-major
+
+
+class LocalComm:
+    """One device: all collectives are identities."""
+
+    dp = 1
+
+    def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        return p
+
+    def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
+        return mask
+
+    def sum(self, t: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
+        return t
+
+    def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
+        return t, 0
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        return 0, num_experts
+
+    def dispatch(self, x_NH, counts_E, num_experts):
+        return x_NH, torch.cumsum(counts_E, 0).to(torch.int32), None
+
+    def combine(self, y_NH, handle):
+        return y_NH
+
+    def shared_in(self, x_TH):
+        return x_TH
+
+    def shared_out(self, y_TH):
+        return y_TH
+
+
+class FoldedComm:
+    """The folded mesh: ``attn`` = (dp, cp, tp) and ``moe`` = (edp, ep, etp) of this pp stage."""
+
+    def __init__(self, folded):
+        self.attn = folded.attn[ATTN]
+        self.moe = folded.moe[MOE]
+        spec = folded.spec
+        self.dp, self.cp, self.tp = spec.dp, spec.cp, spec.tp
+        self.ep, self.etp = spec.ep, spec.etp
+        self.ep_rank = self.moe.get_local_rank("ep")
+
+    # ---- parameters ----
+    def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        if not isinstance(p, DTensor):
+            return p
+        grad_placements = [Partial() if isinstance(q, Replicate) else q for q in p.placements]
+        return p.to_local(grad_placements=grad_placements)
+
+    def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a tile mask: experts over ep, ffn tiles over etp (dim 3 of the
+        gate_up mask, dim 1 of the down mask, as MASK_LAYOUT says)."""
+        e0, e1 = self.expert_range(mask.shape[0])
+        dim = MASK_LAYOUT[name]
+        n = mask.shape[dim] // self.etp
+        q = self.moe.get_local_rank("etp")
+        return mask[e0:e1].narrow(dim, q * n, n)
+
+    # ---- token statistics ----
+    def sum(self, t: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
+        """Sum a (non-differentiable) statistic over attention dims, e.g. ("cp", "tp")."""
+        t = t.detach().clone()
+        for d in dims:
+            if getattr(self, d) > 1:
+                dist.all_reduce(t, group=self.attn.get_group(d))
+        return t
+
+    def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
+        """Concatenate per-token rows over attention dims (rank-major, innermost dim fastest);
+        returns (rows of the whole group, offset of this rank's rows)."""
+        offset = 0
+        for d in reversed(dims):  # tp first, then cp: the group's rank order
+            n = getattr(self, d)
+            if n == 1:
+                continue
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+            dist.all_gather(sizes, torch.tensor([t.shape[0]]), group=self.attn.get_group(d))
+            sizes = [int(s) for s in sizes]
+            me = self.attn.get_local_rank(d)
+            offset = sum(sizes[:me]) + offset
+            t = all_gather_v(t.detach(), sizes, self.attn, d)
+        return t, offset
+
+    # ---- dispatch ----
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        n = num_experts // self.ep
+        return self.ep_rank * n, (self.ep_rank + 1) * n
+
+    def dispatch(self, x_NH, counts_E, num_experts):
+        E, ep, etp = num_experts, self.ep, self.etp
+        El = E // ep
+        # counts of every rank in my ep x etp block: [etp][ep][E] host ints (the one sync)
+        block = counts_E.to(torch.int64).unsqueeze(0)  # [1, E]
+        for d, n in (("ep", ep), ("etp", etp)):
+            if n > 1:
+                parts = [torch.empty_like(block) for _ in range(n)]
+                dist.all_gather(parts, block, group=self.moe.get_group(d))
+                block = torch.stack(parts)
+            else:
+                block = block.unsqueeze(0)
+        C = block.reshape(etp, ep, E).tolist()  # C[q][i][e]: the host sync
+        j = self.ep_rank
+        mine = C[self.moe.get_local_rank("etp")]  # my ep group's counts, mine[j] = this rank's
+        send = [sum(mine[j][d * El:(d + 1) * El]) for d in range(ep)]
+        recv = [sum(mine[i][j * El:(j + 1) * El]) for i in range(ep)]
+        x = all_to_all_v(x_NH, send, recv, self.moe, "ep")  # rows ordered (source i, local e)
+        gather_sizes = None
+        if etp > 1:
+            gather_sizes = [sum(sum(C[q][i][j * El:(j + 1) * El]) for i in range(ep)) for q in range(etp)]
+            x = all_gather_v(x, gather_sizes, self.moe, "etp")  # rows ordered (q, i, e)
+        # chunk (q, i, e) holds C[q][i][j*El + e] rows; re-sort to expert-major (e, q, i)
+        chunks = [(q, i, e) for q in range(etp) for i in range(ep) for e in range(El)]
+        sizes = {ch: C[ch[0]][ch[1]][j * El + ch[2]] for ch in chunks}
+        starts, s = {}, 0
+        for ch in chunks:
+            starts[ch] = s
+            s += sizes[ch]
+        pieces = [torch.arange(starts[(q, i, e)], starts[(q, i, e)] + sizes[(q, i, e)])
+                  for e in range(El) for q in range(etp) for i in range(ep)]
+        order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        order = order.to(x.device)
+        per_expert = [sum(sizes[(q, i, e)] for q in range(etp) for i in range(ep)) for e in range(El)]
+        offsets = torch.tensor(per_expert, dtype=torch.int64).cumsum(0).to(torch.int32).to(x.device)
+        return x[order], offsets, _Dispatched(send, recv, gather_sizes, order)
+
+    def combine(self, y_MH, h: _Dispatched):
+        y = torch.empty_like(y_MH).index_copy(0, h.order, y_MH) if y_MH.shape[0] else y_MH
+        if h.gather_sizes is not None:
+            y = reduce_scatter_v(y, h.gather_sizes, self.moe, "etp")
+        return all_to_all_v(y, h.recv, h.send, self.moe, "ep")
+
+    # ---- shared expert: a TP MLP with sequence parallelism ----
+    def _tp_sizes(self, n_local: int) -> list[int]:
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.tp)]
+        dist.all_gather(sizes, torch.tensor([n_local]), group=self.attn.get_group("tp"))
+        return [int(s) for s in sizes]
+
+    def shared_in(self, x_TH):
+        if self.tp == 1:
+            return x_TH
+        self._shared_sizes = self._tp_sizes(x_TH.shape[0])
+        return all_gather_v(x_TH, self._shared_sizes, self.attn, "tp")
+
+    def shared_out(self, y_TH):
+        if self.tp == 1:
+            return y_TH
+        return reduce_scatter_v(y_TH, self._shared_sizes, self.attn, "tp")
+
+
+def parallelize_moe(layer, folded) -> None:
+    """Apply :data:`MOE_LAYOUT`: turn ``layer``'s parameters into DTensors on the folded mesh
+    (from the full weights every rank holds, e.g. after seeding identically) and give the layer
+    a :class:`FoldedComm`. Raises if the layer's sizes do not divide over the mesh."""
+    comm = FoldedComm(folded)
+    cfg = layer.cfg
+    if cfg.num_experts % comm.ep:
+        raise ValueError(f"num_experts = {cfg.num_experts} is not divisible by ep = {comm.ep} "
+                         f"(valid ep: divisors of {cfg.num_experts})")
+    if cfg.ffn % comm.etp:
+        raise ValueError(f"ffn = {cfg.ffn} is not divisible by etp = {comm.etp}")
+    if cfg.shared_ffn and cfg.shared_ffn % comm.tp:
+        raise ValueError(f"shared_ffn = {cfg.shared_ffn} is not divisible by tp = {comm.tp}")
+    if cfg.expert_sparsity is not None:
+        from meshfold.sparsity import check_etp_alignment
+
+        check_etp_alignment(cfg.hidden, cfg.ffn, cfg.expert_sparsity.tile, comm.etp, "N")
+        check_etp_alignment(cfg.ffn, cfg.hidden, cfg.expert_sparsity.tile, comm.etp, "K")
+    for name, param in list(layer.named_parameters()):
+        if name not in MOE_LAYOUT:
+            raise ValueError(f"parameter {name!r} has no layout in MOE_LAYOUT ({list(MOE_LAYOUT)})")
+        view, placements = MOE_LAYOUT[name]
+        mesh = comm.attn if view == "attn" else comm.moe
+        module_name, _, attr = name.rpartition(".")
+        module = layer.get_submodule(module_name)
+        dt = distribute_tensor(param.detach(), mesh, placements)
+        setattr(module, attr, torch.nn.Parameter(dt, requires_grad=param.requires_grad))
+    layer.comm = comm

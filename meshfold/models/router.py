@@ -1,0 +1,171 @@
+"""Router: gate logits, top-k selection and the load-balancing losses.
+
+Shapes: T = tokens on this rank, H = hidden, E = experts, k = top-k, B = sequences, S = sequence.
+
+Definitions follow Megatron-Core (``megatron/core/transformer/moe/moe_utils.py``):
+
+* :func:`topk_routing` is ``topk_routing_with_score_function``: softmax with ``pre_softmax``
+  (softmax over all E, then top-k) or without (top-k on logits, softmax over the k), sigmoid
+  (normalised over the k when k > 1), group-limited top-k, a scaling factor, and an expert bias
+  used for selection only. ``renormalize`` adds the Hugging Face behaviour: Mixtral always
+  renormalises the pre-softmax top-k weights, Qwen2-MoE when ``norm_topk_prob`` is set.
+* :func:`switch_aux_loss` is ``switch_load_balancing_loss_func``:
+  ``E / (k * N^2) * sum_e count_e * sum_t p_te`` (1 for a perfectly balanced router). Hugging Face's
+  ``load_balancing_loss_func`` is the same quantity times k.
+* :func:`z_loss` is ``z_loss_func``: ``mean_t logsumexp(logits_t)^2``.
+
+Every loss here is linear in the router probabilities once the token counts are fixed, which is
+what lets the folded layer compute each rank's share of a loss on its own tokens: the counts are
+summed over the right ranks, the shares of all ranks add up to the loss, and the gradient needs no
+extra collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfold.models.config import MoEConfig
+
+__all__ = ["Router", "topk_routing", "switch_aux_loss", "z_loss", "aux_scores", "attach_loss"]
+
+
+def _group_limited_topk(scores_TE, k, num_groups, group_topk):
+    """Top-k inside the ``group_topk`` best groups; a group scores the sum of its best
+    ``k // group_topk`` experts (DeepSeek-V3 / Megatron ``group_limited_topk``)."""
+    T, E = scores_TE.shape
+    per_group = scores_TE.view(T, num_groups, E // num_groups)
+    group_score_TG = per_group.topk(k // group_topk, dim=-1).values.sum(-1)
+    best_groups = group_score_TG.topk(group_topk, dim=-1).indices
+    group_mask = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, best_groups, True)
+    expert_mask_TE = group_mask.unsqueeze(-1).expand_as(per_group).reshape(T, E)
+    masked = scores_TE.masked_fill(~expert_mask_TE, float("-inf"))
+    return masked.topk(k, dim=-1)
+
+
+def topk_routing(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.Tensor | None = None):
+    """(probs_TK, experts_TK) from router logits, as Megatron-Core's score-function routing."""
+    k = cfg.topk
+
+    def topk(scores):
+        if cfg.num_groups is not None:
+            return _group_limited_topk(scores, k, cfg.num_groups, cfg.group_topk)
+        return scores.topk(k, dim=-1)
+
+    if cfg.score_function == "softmax":
+        if cfg.pre_softmax:
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+            if expert_bias_E is not None:
+                _, experts_TK = topk(scores_TE + expert_bias_E)
+                probs_TK = scores_TE.gather(1, experts_TK)
+            else:
+                probs_TK, experts_TK = topk(scores_TE)
+            if cfg.renormalize:
+                probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True)
+        else:
+            if expert_bias_E is not None:
+                _, experts_TK = topk(logits_TE + expert_bias_E)
+                top_logits = logits_TE.gather(1, experts_TK)
+            else:
+                top_logits, experts_TK = topk(logits_TE)
+            probs_TK = torch.softmax(top_logits, dim=-1)
+    else:
+        scores_TE = torch.sigmoid(logits_TE)
+        if expert_bias_E is not None:
+            _, experts_TK = topk(scores_TE + expert_bias_E)
+            probs_TK = scores_TE.gather(1, experts_TK)
+        else:
+            probs_TK, experts_TK = topk(scores_TE)
+        if k > 1:
+            probs_TK = probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20)
+    if cfg.topk_scaling_factor is not None:
+        probs_TK = probs_TK * cfg.topk_scaling_factor
+    return probs_TK, experts_TK
+
+
+def aux_scores(logits_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """Per-expert probabilities the balancing losses use: softmax over all E, or for sigmoid the
+    sigmoid scores normalised to sum to 1 (Megatron-Core's choice)."""
+    if cfg.score_function == "softmax":
+        return torch.softmax(logits_TE, dim=-1)
+    s = torch.sigmoid(logits_TE)
+    return s / (s.sum(-1, keepdim=True) + 1e-20)
+
+
+def switch_aux_loss(scores_TE, counts_E, num_tokens, cfg: MoEConfig):
+    """Switch load-balancing loss ``E / (k N^2) sum_e count_e sum_t p_te``.
+
+    ``counts_E`` and ``num_tokens`` describe the whole balancing group (already summed over its
+    ranks); ``scores_TE`` may be only this rank's tokens, giving this rank's share of the loss.
+    """
+    E, k = cfg.num_experts, cfg.topk
+    n = torch.as_tensor(num_tokens, dtype=torch.float64)  # a tensor stays on device: no sync
+    return (scores_TE.sum(0) * counts_E).sum() * (E / (k * n * n))
+
+
+def z_loss(logits_TE, num_tokens):
+    """``sum_t logsumexp(logits_t)^2 / num_tokens`` (the mean when num_tokens = T)."""
+    n = torch.as_tensor(num_tokens, dtype=torch.float64)
+    return torch.logsumexp(logits_TE, dim=-1).square().sum() / n
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Return ``x`` unchanged; in backward, give ``loss`` the gradient 1, so the loss joins the
+    backward pass as if added to the final loss, without changing the forward output."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        ctx.save_for_backward(loss)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    return _AttachLoss.apply(x, loss)
+
+
+class Router(nn.Module):
+    """Linear gate (in ``router_dtype``, fp32 by default, whatever the model dtype) + top-k.
+
+    ``forward(x_TH) -> (probs_TK, experts_TK, logits_TE)``; probs in ``router_dtype``.
+    The aux-loss-free ``expert_bias`` (buffer, [E]) only affects which experts are chosen.
+    """
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden, dtype=cfg.router_dtype))
+        nn.init.normal_(self.weight, std=cfg.hidden ** -0.5)
+        if cfg.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x_TH: torch.Tensor, weight_EH: torch.Tensor | None = None):
+        cfg = self.cfg
+        w = self.weight if weight_EH is None else weight_EH
+        x = x_TH.to(cfg.router_dtype)
+        if self.training and cfg.input_jitter:
+            eps = cfg.input_jitter
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        logits_TE = F.linear(x, w.to(cfg.router_dtype))
+        bias = None if self.expert_bias is None else self.expert_bias.to(logits_TE.dtype)
+        probs_TK, experts_TK = topk_routing(logits_TE, cfg, bias)
+        return probs_TK, experts_TK, logits_TE
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts_E: torch.Tensor) -> None:
+        """Aux-loss-free balancing step: ``bias += rate * sign(mean(count) - count)``.
+
+        ``counts_E`` must be the token counts over every rank that routes with this router
+        (summed over attn dp x cp x tp); call it between optimizer steps, not inside forward.
+        """
+        if self.expert_bias is None:
+            raise ValueError("update_expert_bias needs MoEConfig(expert_bias=True)")
+        c = counts_E.to(torch.float32)
+        self.expert_bias += self.cfg.expert_bias_rate * torch.sign(c.mean() - c)

@@ -1,0 +1,313 @@
+"""The MoE layer on folded layouts computes what one device computes (fp64).
+
+Every rank builds the single-device reference itself (same seed, same weights, the whole batch),
+then runs the folded layer on its own tokens and compares: its output slice, its input gradient,
+the full parameter gradients (``param.grad.full_tensor()`` sums the Partial replicas), and the
+loss values. The balancing losses of the reference are written out here from their definitions,
+not taken from meshfold.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfold.mesh import FoldSpec, fold
+from meshfold.models import MoEConfig, MoELayer, parallelize_moe
+from meshfold.sparsity import ExpertSparsity
+from meshfold.testing import divisors, fold_specs
+
+pytestmark = pytest.mark.multirank
+
+_FOLDS = {}
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+def _folded(spec):
+    if spec not in _FOLDS:
+        _FOLDS[spec] = fold(spec)
+    return _FOLDS[spec]
+
+
+def _token_slice(spec, rank, B, S):
+    """This rank's tokens under the attention layout: batch over dp, sequence over (cp, tp)."""
+    c = spec.coords(rank)["attn"]
+    b = B // spec.dp
+    s = S // (spec.cp * spec.tp)
+    seq_part = c["cp"] * spec.tp + c["tp"]
+    return slice(c["dp"] * b, (c["dp"] + 1) * b), slice(seq_part * s, (seq_part + 1) * s)
+
+
+def _flat_index(spec, rank, B, S):
+    """Row indices (into the [B*S] token list) of this rank's tokens, in its local order."""
+    bs, ss = _token_slice(spec, rank, B, S)
+    return (torch.arange(B)[bs, None] * S + torch.arange(S)[None, ss]).reshape(-1)
+
+
+def _reference_losses(logits_TE, experts_TK, cfg, B, S, dp):
+    """Hand-written Megatron-Core definitions over the whole batch (T = B * S tokens)."""
+    E, k = cfg.num_experts, cfg.topk
+    scores = torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else (
+        torch.sigmoid(logits_TE) / torch.sigmoid(logits_TE).sum(-1, keepdim=True))
+    onehot = torch.zeros_like(scores).scatter_(1, experts_TK, 1.0)  # [T, E]
+
+    def switch(idx):
+        n = len(idx)
+        return E / (k * n * n) * (onehot[idx].sum(0) * scores[idx].sum(0)).sum()
+
+    T = B * S
+    out = {}
+    if cfg.aux_loss_coeff:  # per DP rank's micro-batch, averaged over DP
+        per = B // dp
+        out["aux"] = cfg.aux_loss_coeff * sum(
+            switch(list(range(g * per * S, (g + 1) * per * S))) for g in range(dp)) / dp
+    if cfg.global_aux_loss_coeff:
+        out["global_aux"] = cfg.global_aux_loss_coeff * switch(list(range(T)))
+    if cfg.seq_aux_loss_coeff:
+        out["seq_aux"] = cfg.seq_aux_loss_coeff * sum(
+            switch(list(range(b * S, (b + 1) * S))) for b in range(B)) / B
+    if cfg.z_loss_coeff:
+        out["z"] = cfg.z_loss_coeff * torch.logsumexp(logits_TE, -1).square().mean()
+    return out
+
+
+def _steer(layer, mode, ep):
+    """Force routing for edge cases via feature 0 (set to 1 on every token by the caller)."""
+    if mode is None:
+        return
+    E = layer.cfg.num_experts
+    w = layer.router.weight.data
+    w[:, 0] = 0.0
+    if mode == "one_expert":
+        w[E - 1, 0] = 50.0
+    elif mode == "first_ep_rank":  # every token to experts of ep rank 0; other ep ranks get none
+        w[: E // ep, 0] = 50.0
+
+
+def _run_case(rank, world_size, case):
+    spec, cfg_kwargs, B, S, seed, steer, mode = case
+    cfg = MoEConfig(**cfg_kwargs)
+    H = cfg.hidden
+    torch.manual_seed(seed)
+    # The reference attaches no losses itself: they are added from the definitions below.
+    no_losses = dataclasses.replace(cfg, aux_loss_coeff=0.0, seq_aux_loss_coeff=0.0,
+                                    global_aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    ref = MoELayer(no_losses, dtype=torch.float64)
+    _steer(ref, steer, spec.ep)
+    if cfg.expert_sparsity is not None:  # prune a random half of the tiles, the same on every rank
+        for mask in (ref.experts.mask_gate_up, ref.experts.mask_down):
+            mask.copy_(torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed)) < 0.5)
+    g = torch.Generator().manual_seed(seed + 1)
+    X = torch.randn(B, S, H, generator=g, dtype=torch.float64)
+    Wt = torch.randn(B, S, H, generator=g, dtype=torch.float64)
+    if steer:
+        X[..., 0] = 1.0
+    bs, ss = _token_slice(spec, rank, B, S)
+
+    folded = MoELayer(cfg, dtype=torch.float64)
+    folded.load_state_dict(ref.state_dict())
+    parallelize_moe(folded, _folded(spec))
+
+    # ---- reference ----
+    Xr = X.clone().requires_grad_(True)
+    X_TH = Xr.reshape(-1, H)
+    if mode == "dropless":
+        Y = ref(Xr)
+        _, experts_TK, logits_TE = ref.router(X_TH)
+        losses = _reference_losses(logits_TE, experts_TK, cfg, B, S, spec.dp)
+    else:
+        # Dropping decides per token group: a rank's own tokens (sub_sequence) or the DP rank's
+        # tokens in (cp, tp) rank order (full_sequence). Run the reference on each group.
+        Y_TH = torch.zeros_like(X_TH)
+        leaders = [r for r in range(world_size)
+                   if mode == "sub_sequence" or spec.coords(r)["attn"]["cp"] + spec.coords(r)["attn"]["tp"] == 0]
+        for r in leaders:
+            members = [r] if mode == "sub_sequence" else spec.group_of(r, "attn", ("cp", "tp"))
+            idx = torch.cat([_flat_index(spec, m, B, S) for m in members])
+            Y_TH = Y_TH.index_copy(0, idx, ref(X_TH[idx]))
+        Y = Y_TH.reshape(B, S, H)
+        losses = {}
+    total = (Y * Wt).sum() + sum(losses.values())
+    total.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    # ---- folded ----
+    x = X[bs, ss].clone().requires_grad_(True)
+    y = folded(x)
+    torch.testing.assert_close(y, Y[bs, ss].detach(), **TOL)
+    (y * Wt[bs, ss]).sum().backward()
+    torch.testing.assert_close(x.grad, Xr.grad[bs, ss], **TOL)
+    for name, p in folded.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+    for name, value in losses.items():
+        torch.testing.assert_close(folded.last_losses[name], value.detach(), **TOL)
+    return folded.last_metrics["tokens_per_expert"].tolist()
+
+
+@st.composite
+def moe_cases(draw, world_size, mode="dropless"):
+    spec = draw(fold_specs(world_sizes=[world_size], pp=[1]))
+    E = spec.ep * draw(st.sampled_from([1, 2]))
+    if E == 1:
+        E = 2
+    topk = draw(st.integers(1, min(E, 3)))
+    cfg = dict(hidden=4, ffn=2 * spec.etp, num_experts=E, topk=topk, router_dtype=torch.float64,
+               score_function=draw(st.sampled_from(["softmax", "sigmoid"])),
+               pre_softmax=draw(st.booleans()))
+    if mode == "dropless":
+        cfg.update(aux_loss_coeff=draw(st.sampled_from([0.0, 0.1])),
+                   seq_aux_loss_coeff=draw(st.sampled_from([0.0, 0.1])),
+                   global_aux_loss_coeff=draw(st.sampled_from([0.0, 0.1])),
+                   z_loss_coeff=draw(st.sampled_from([0.0, 0.01])))
+    else:
+        cfg.update(capacity_factor=draw(st.sampled_from([0.0, 0.5, 1.0, 1.5])),
+                   drop_policy=draw(st.sampled_from(["probs", "position"])),
+                   drop_scope=mode, pad_to_capacity=draw(st.booleans()))
+    if mode == "dropless" and draw(st.integers(0, 3)) == 0:  # tile-sparse experts, some tiles pruned
+        cfg.update(expert_sparsity=ExpertSparsity(tile=draw(st.sampled_from([(1, 1), (2, 1), (2, 2)])),
+                                                  score="magnitude"))
+    if draw(st.booleans()):
+        cfg.update(shared_ffn=2 * spec.tp, shared_kind=draw(st.sampled_from(["qwen2", "deepseek"])))
+    B = spec.dp * draw(st.integers(1, 2))
+    S = spec.cp * spec.tp * draw(st.integers(1, 3))
+    steer = draw(st.sampled_from([None, None, "one_expert", "first_ep_rank"]))
+    return spec, cfg, B, S, draw(st.integers(0, 10**6)), steer, mode
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_folded_layer_equals_single_device_dropless(worlds, world_size):
+    world = worlds(world_size)
+
+    @settings(max_examples={1: 6, 2: 10, 4: 10, 8: 6}[world_size])
+    @given(moe_cases(world_size))
+    def check(case):
+        world.run(_run_case, case)
+
+    check()
+
+
+@pytest.mark.parametrize("mode", ["sub_sequence", "full_sequence"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_folded_layer_equals_reference_with_token_dropping(worlds, world_size, mode):
+    world = worlds(world_size)
+
+    @settings(max_examples=8)
+    @given(moe_cases(world_size, mode))
+    def check(case):
+        world.run(_run_case, case)
+
+    check()
+
+
+def test_ep_rank_receiving_no_tokens(worlds):
+    """Megatron-LM#1877 crashed when an EP rank received zero tokens."""
+    spec = FoldSpec(4, tp=2, ep=4)
+    cfg = dict(hidden=4, ffn=2, num_experts=8, topk=2, router_dtype=torch.float64)
+    counts = worlds(4).run(_run_case, (spec, cfg, 2, 4, 3, "first_ep_rank", "dropless"))[0]
+    assert sum(counts[2:]) == 0 and sum(counts[:2]) == 2 * 8  # experts 0-1 live on ep rank 0
+
+
+def test_zero_tokens_and_all_dropped(worlds):
+    spec = FoldSpec(2, ep=2)
+    cfg = dict(hidden=4, ffn=2, num_experts=2, topk=2, capacity_factor=0.0, shared_ffn=2,
+               router_dtype=torch.float64)
+    worlds(2).run(_run_case, (spec, cfg, 2, 2, 5, None, "sub_sequence"))  # topk == E, all dropped
+    worlds(2).run(_run_empty, spec)
+
+
+def _run_empty(rank, world_size, spec):
+    """A rank with zero tokens still takes part in the dispatch and gets a [0, H] output."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(hidden=4, ffn=2, num_experts=2, topk=1, shared_ffn=2), dtype=torch.float64)
+    parallelize_moe(layer, _folded(spec))
+    x = torch.randn(3 if rank else 0, 4, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+    return True
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_experts=4, topk=5), "topk = 5 exceeds num_experts = 4"),
+    (dict(num_experts=8, topk=2, num_groups=4, group_topk=5), "group_topk = 5 must be in 1..num_groups = 4"),
+    (dict(num_experts=6, topk=2, num_groups=4, group_topk=2), "num_groups = 4 must divide num_experts = 6"),
+    (dict(num_experts=4, topk=2, score_function="relu"), "score_function = 'relu'; valid"),
+    (dict(num_experts=4, topk=2, capacity_factor=-1.0), "capacity_factor must be >= 0"),
+])
+def test_bad_configs_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        MoEConfig(hidden=4, ffn=4, **kwargs)
+
+
+def _indivisible(rank, world_size):
+    layer = MoELayer(MoEConfig(hidden=4, ffn=4, num_experts=3, topk=1))
+    try:
+        parallelize_moe(layer, _folded(FoldSpec(world_size, ep=world_size)))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_experts_not_divisible_by_ep_raise(worlds):
+    assert worlds(2).run(_indivisible) == ["num_experts = 3 is not divisible by ep = 2 "
+                                           "(valid ep: divisors of 3)"] * 2
+
+
+def test_capacity_definition():
+    from meshfold.models.dispatcher import capacity
+
+    assert capacity(10, 2, 4, 1.0) == 5 and capacity(10, 2, 4, 1.25) == math.ceil(6.25)
+    assert capacity(7, 1, 8, 0.0) == 0
+
+
+def test_divisors_helper_used_by_strategies():
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_tile_sparse_experts_equal_dense_experts_with_masked_weights():
+    """The masked fast path against the plain reference: zeroed weights, dense kernel."""
+    torch.manual_seed(0)
+    sp = ExpertSparsity(tile=(2, 2), score="taylor")
+    cfg = MoEConfig(hidden=8, ffn=4, num_experts=4, topk=2, expert_sparsity=sp, router_dtype=torch.float64)
+    sparse = MoELayer(cfg, dtype=torch.float64)
+    for mask in (sparse.experts.mask_gate_up, sparse.experts.mask_down):
+        mask.copy_(torch.rand(mask.shape) < 0.5)
+    dense = MoELayer(dataclasses.replace(cfg, expert_sparsity=None), dtype=torch.float64)
+    dense.load_state_dict(sparse.state_dict(), strict=False)
+    with torch.no_grad():
+        for name, (w, mask) in sparse.sparse_layers().items():
+            keep = mask.repeat_interleave(w.shape[1] // mask.shape[1], 1).repeat_interleave(w.shape[2] // mask.shape[2], 2)
+            getattr(dense.experts, name).view(w.shape).mul_(keep)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    ys, yd = sparse(x), dense(x)
+    torch.testing.assert_close(ys, yd, **TOL)
+    ys.square().sum().backward()
+    for name, (w, mask) in sparse.sparse_layers().items():
+        keep = mask.repeat_interleave(w.shape[1] // mask.shape[1], 1).repeat_interleave(w.shape[2] // mask.shape[2], 2)
+        g = getattr(sparse.experts, name).grad.view(w.shape)
+        assert torch.all(g[~keep] == 0)  # pruned tiles get exactly zero gradient
+
+
+def test_pruning_schedule_on_the_moe_layer_keeps_masks_after_steps():
+    from meshfold.sparsity import TilePruner
+
+    torch.manual_seed(0)
+    sp = ExpertSparsity(tile=(2, 2), schedule=(0.25, 0.5), start_step=1, steps_per_stage=2)
+    layer = MoELayer(MoEConfig(hidden=8, ffn=4, num_experts=4, topk=2, expert_sparsity=sp))
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    pruner = TilePruner(layer.sparse_layers(), sp, opt)
+    reached = []
+    for step in range(1, 6):
+        layer(torch.randn(16, 8)).square().mean().backward()
+        pruner.accumulate()
+        pruner.step(step)
+        opt.step()
+        opt.zero_grad()
+        reached.append(round(pruner.sparsity(), 2))
+        for w, mask in layer.sparse_layers().values():
+            keep = mask.repeat_interleave(2, 1).repeat_interleave(2, 2)
+            assert torch.all(w.detach()[~keep] == 0)  # pruned weights stay zero: no regrowth
+    assert reached[0] == 0.25 and reached[-1] == 0.5
