@@ -55,13 +55,18 @@ class Permuted:
     """Expert-major rows and what is needed to put them back.
 
     ``x_NH`` rows grouped by expert; ``counts_E`` rows per expert; ``token_N`` source token of each
-    row (-1 for padding); ``probs_N`` routing weight of each row (0 for padding).
+    row (-1 for padding); ``probs_N`` routing weight of each row (0 for padding). Dropless and
+    unpadded, every token owns exactly k rows: ``pair_N`` then holds each row's token-major pair
+    index (``t * k + j``) and ``probs_TK`` the weights, so unpermute can put the rows back with a
+    plain gather and one batched weighted sum instead of a serial scatter-add.
     """
 
     x_NH: torch.Tensor
     counts_E: torch.Tensor
     token_N: torch.Tensor
     probs_N: torch.Tensor
+    pair_N: torch.Tensor | None = None
+    probs_TK: torch.Tensor | None = None
 
 
 def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None) -> Permuted:
@@ -81,6 +86,8 @@ def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None) 
     e, token, p = e[order], token[order], p[order]
     counts_E = torch.bincount(e, minlength=num_experts)
     if pad_to is None:
+        if keep_TK is None:
+            return Permuted(x_TH[token], counts_E, token, p, pair_N=order, probs_TK=probs_TK)
         return Permuted(x_TH[token], counts_E, token, p)
     # row r of expert e goes to slot e * pad_to + (r - start_e)
     start_E = torch.cumsum(counts_E, 0) - counts_E
@@ -93,10 +100,23 @@ def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None) 
 
 
 def unpermute(y_NH: torch.Tensor, perm: Permuted, num_tokens: int) -> torch.Tensor:
-    """``out[t] = sum over t's kept pairs of probs * y`` -> [T, H] in y's dtype."""
+    """``out[t] = sum over t's kept pairs of probs * y`` -> [T, H] in y's dtype.
+
+    The weighting runs in the wider of y's and the probabilities' dtypes (bf16 experts with an fp32
+    router: fp32; fp64 experts with an fp32 router: fp64, never rounding y down to fp32).
+    """
+    y = y_NH
+    dtype = torch.promote_types(y.dtype, perm.probs_N.dtype)
+    if perm.pair_N is not None:
+        # every token has exactly k rows: gather them token-major, then one batched
+        # [1, k] @ [k, H] per token (no scatter-add, no [N, H] weighted copy)
+        T, k = perm.probs_TK.shape
+        y_TKH = y.new_empty(y.shape).index_copy(0, perm.pair_N, y).view(T, k, y.shape[1])
+        p_T1K = perm.probs_TK.to(dtype).unsqueeze(1)
+        return torch.bmm(p_T1K, y_TKH.to(dtype)).squeeze(1).to(y.dtype)
     # Padding rows carry weight 0 and an all-zero expert output; sending them to token 0 avoids
     # a data-dependent filter (a host sync).
-    token, y, p = perm.token_N.clamp(min=0), y_NH, perm.probs_N
-    weighted = (y.to(p.dtype) * p.unsqueeze(-1)).to(y.dtype)
+    token, p = perm.token_N.clamp(min=0), perm.probs_N
+    weighted = (y.to(dtype) * p.to(dtype).unsqueeze(-1)).to(y.dtype)
     out = y.new_zeros(num_tokens, y.shape[1])
     return out.index_add(0, token, weighted)

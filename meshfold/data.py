@@ -1,0 +1,95 @@
+"""Training text: byte-level tokens (vocab 256) from files every machine has, or from ``--data``.
+
+The default corpus is the running Python's own standard-library sources: real text, present on
+every machine that can run meshfold, no download. Files are read in sorted order, concatenated
+with a newline between them, and split into a training part and a held-out validation part (the
+last ``val_fraction`` of the bytes), so validation text is never trained on.
+
+Batches are drawn deterministically from ``(seed, step)``: resuming at step n reproduces exactly
+the batches an uninterrupted run would have seen, with no data-loader state to save.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["ByteCorpus", "default_corpus_paths", "load_corpus"]
+
+
+def default_corpus_paths(limit_bytes: int = 8_000_000) -> list[Path]:
+    """The standard library's ``*.py`` files (sorted), up to about ``limit_bytes``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
+            continue
+        try:
+            size = path.stat().st_size
+        except OSError:
+            continue
+        out.append(path)
+        total += size
+        if total >= limit_bytes:
+            break
+    if not out:
+        raise FileNotFoundError(f"no Python sources found under {root}; pass --data")
+    return out
+
+
+def _expand(paths: list[str | Path]) -> list[Path]:
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(f for f in p.rglob("*") if f.is_file()))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"--data {p}: no such file or folder")
+    if not files:
+        raise FileNotFoundError(f"--data {[str(p) for p in paths]}: no files found")
+    return files
+
+
+@dataclass
+class ByteCorpus:
+    """Train and validation byte streams (uint8 numpy arrays)."""
+
+    train: np.ndarray
+    val: np.ndarray
+
+    def batch(self, split: str, step: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens, targets)``, both [batch, seq] int64, for one global step (same on all ranks)."""
+        data = self.train if split == "train" else self.val
+        if len(data) <= seq + 1:
+            raise ValueError(f"{split} text has {len(data)} bytes, fewer than seq + 1 = {seq + 1}")
+        rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
+        starts = rng.integers(0, len(data) - seq - 1, size=batch)
+        rows = np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int64)
+        t = torch.from_numpy(rows)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def load_corpus(paths: list[str | Path] | None = None, val_fraction: float = 0.05) -> ByteCorpus:
+    """Read ``paths`` (files or folders; default: the standard library) into a ByteCorpus."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    files = default_corpus_paths() if not paths else _expand(paths)
+    chunks = []
+    for f in files:
+        try:
+            chunks.append(f.read_bytes())
+        except OSError as err:
+            raise OSError(f"cannot read {f}: {err}") from err
+    data = np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+    cut = int(len(data) * (1 - val_fraction))
+    return ByteCorpus(data[:cut].copy(), data[cut:].copy())
+
+
+def corpus_description(paths) -> str:
+    return "Python standard library sources" if not paths else ", ".join(map(os.fspath, paths))

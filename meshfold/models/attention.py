@@ -1,0 +1,146 @@
+"""Grouped-query attention with RoPE, from explicit token positions.
+
+Legend: B = sequences, S = this rank's tokens per sequence, Sq / Sk = query / key length,
+H = hidden, h = query heads, g = key/value heads (GQA groups), d = head dim.
+
+Why positions everywhere: under context parallelism a rank holds non-contiguous chunks of the
+sequence (e.g. chunks 0 and 3 of 4, for causal load balance) and attends its queries against
+keys gathered from other ranks. RoPE therefore takes each token's absolute position, and
+:func:`attend` builds the causal mask from positions (key visible iff ``k_pos <= q_pos``)
+instead of assuming queries and keys are one contiguous range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfold.models.layers import RMSNorm
+
+__all__ = ["Attention", "attend", "rope_cos_sin", "apply_rope"]
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """RoPE tables for ``positions`` [S] or [B, S] -> (cos, sin), each [S, d] or [B, S, d].
+
+    Hugging Face convention: frequencies ``theta^(-2i/d)`` for i < d/2, duplicated over both
+    halves (pairs are (j, j + d/2), see :func:`apply_rope`). Angles are computed in fp32 for
+    fp32/bf16 models, exactly as HF does (so logits match), and in fp64 for fp64 models."""
+    work = torch.promote_types(dtype, torch.float32)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=work, device=positions.device) / head_dim))
+    angles = positions.to(work)[..., None] * inv_freq  # [..., S, d/2]
+    emb = torch.cat((angles, angles), dim=-1)  # [..., S, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, n, S, d] by tables [S, d] or [B, S, d] (rotate_half convention)."""
+    if cos.dim() == 3:  # per-sequence positions: broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal softmax attention ``q`` [B, h, Sq, d] x ``k``/``v`` [B, g, Sk, d] -> [B, h, Sq, d].
+
+    ``q_pos`` [Sq] (or [B, Sq]) and ``k_pos`` [Sk] (or [B, Sk]) are absolute token positions; a
+    key is visible to a query iff ``k_pos <= q_pos``, so q and k may be any subsets of the
+    sequence in any order. Every query must see at least one key (true whenever k holds all
+    positions up to the query's own). Both None: q and k are the same contiguous range
+    (``is_causal`` fast path). ``g`` divides ``h``; each KV head serves ``h / g`` query heads.
+    """
+    h, g = q.shape[1], k.shape[1]
+    if h % g:
+        raise ValueError(f"attend: query heads {h} not a multiple of key/value heads {g}")
+    if q_pos is None and k_pos is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != g)
+    if q_pos is None or k_pos is None:
+        raise ValueError("attend: give both q_pos and k_pos, or neither")
+    if q_pos.shape[-1] != q.shape[2] or k_pos.shape[-1] != k.shape[2]:
+        raise ValueError(f"attend: q_pos {tuple(q_pos.shape)} / k_pos {tuple(k_pos.shape)} do not "
+                         f"match Sq = {q.shape[2]} / Sk = {k.shape[2]}")
+    mask = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)  # [Sq, Sk] or [B, Sq, Sk]
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(1)  # [B, 1, Sq, Sk]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != g)
+
+
+KVGather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
+
+
+class Attention(nn.Module):
+    """GQA self-attention: ``forward(x [B, S, H], positions [S] | [B, S]) -> [B, S, H]``.
+
+    Parameters are plain tensors used as ``x @ w`` so a layout can shard them column-wise
+    (``wq`` [H, h*d], ``wk``/``wv`` [H, g*d], biases ``bq``/``bk``/``bv`` with ``qkv_bias``) and
+    row-wise (``wo`` [h*d, H]); head counts are read from the local shapes. With ``qk_norm``
+    (Qwen3) ``q_norm``/``k_norm`` (weights [d]) normalise each head before RoPE.
+
+    ``kv_gather`` (None on one device) is the context-parallel hook, set from outside: a function
+    ``(k [B, g, S, d], v, k_pos) -> (k_all, v_all, k_pos_all)`` returning the keys and values of
+    every token this rank's queries may need (RoPE already applied), with their positions.
+    """
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
+                 qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.head_dim, self.rope_theta = head_dim, rope_theta
+        qd, kvd = heads * head_dim, kv_heads * head_dim
+        self.wq = nn.Parameter(torch.empty(hidden, qd, dtype=dtype))  # [H, h*d]
+        self.wk = nn.Parameter(torch.empty(hidden, kvd, dtype=dtype))  # [H, g*d]
+        self.wv = nn.Parameter(torch.empty(hidden, kvd, dtype=dtype))  # [H, g*d]
+        self.wo = nn.Parameter(torch.empty(qd, hidden, dtype=dtype))  # [h*d, H]
+        for w in (self.wq, self.wk, self.wv, self.wo):
+            nn.init.normal_(w, std=w.shape[0] ** -0.5)
+        if qkv_bias:
+            self.bq = nn.Parameter(torch.zeros(qd, dtype=dtype))
+            self.bk = nn.Parameter(torch.zeros(kvd, dtype=dtype))
+            self.bv = nn.Parameter(torch.zeros(kvd, dtype=dtype))
+        else:
+            self.bq = self.bk = self.bv = None
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.kv_gather: KVGather | None = None
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope=None):
+        """q [B, h, S, d], k/v [B, g, S, d] of tokens ``x`` [B, S, H] at ``positions``, with
+        q/k norm and RoPE applied (``rope`` = precomputed :func:`rope_cos_sin` tables)."""
+        B, S, _ = x.shape
+        d = self.head_dim
+
+        def proj(w, b):
+            y = x @ w if b is None else x @ w + b
+            return y.view(B, S, -1, d)  # [B, S, heads, d]
+
+        q, k, v = proj(self.wq, self.bq), proj(self.wk, self.bk), proj(self.wv, self.bv)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, d]
+        cos, sin = rope if rope is not None else rope_cos_sin(positions, d, self.rope_theta, x.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, rope=None) -> torch.Tensor:
+        B, S, _ = x.shape
+        contiguous = positions is None
+        if contiguous:
+            positions = torch.arange(S, device=x.device)
+        q, k, v = self.project(x, positions, rope)
+        q_pos = k_pos = None if contiguous else positions
+        if self.kv_gather is not None:
+            q_pos = positions
+            k, v, k_pos = self.kv_gather(k, v, positions)
+        o = attend(q, k, v, q_pos, k_pos)  # [B, h, S, d]
+        return o.transpose(1, 2).reshape(B, S, -1) @ self.wo

@@ -1,0 +1,71 @@
+"""Named model configs: the seed paper's models, their Hugging Face families and tiny CPU variants.
+
+Sources: shapes of the paper's models from REFERENCE.md section 1 (arXiv 2504.14960); the other
+fields (rope_theta, norm eps, context, vocab, dense ffn) from the models' public Hugging Face
+``config.json`` files (mistralai/Mixtral-8x7B-v0.1, mistralai/Mixtral-8x22B-v0.1,
+Qwen/Qwen2-57B-A14B, Qwen/Qwen3-30B-A3B), as remembered/cross-checked, not downloaded here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshfold.models.config import MoEConfig
+from meshfold.models.transformer import TransformerConfig
+
+__all__ = ["CONFIGS", "get_config"]
+
+
+def _mixtral(vocab, hidden, layers, heads, kv_heads, ffn, experts, topk, max_seq, **kw) -> TransformerConfig:
+    # HF Mixtral: softmax over all experts, top-k, renormalised; rope_theta 1e6, rms eps 1e-5
+    moe = MoEConfig(hidden=hidden, ffn=ffn, num_experts=experts, topk=topk, score_function="softmax",
+                    pre_softmax=True, renormalize=True)
+    return TransformerConfig(vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                             ffn=ffn, moe=moe, rope_theta=1e6, norm_eps=1e-5, max_seq=max_seq, **kw)
+
+
+_MIXTRAL_8X22B = _mixtral(32000, 6144, 56, 48, 8, 16384, 8, 2, 65536)
+
+CONFIGS: dict[str, TransformerConfig] = {
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral-8x7b": _mixtral(32000, 4096, 32, 32, 8, 14336, 8, 2, 32768),
+    # mistralai/Mixtral-8x22B-v0.1; paper Table 1
+    "mixtral-8x22b": _MIXTRAL_8X22B,
+    # paper's G8T8: Mixtral-8x22B with 64 experts of ffn 2048, top-8 (fine-grained experts)
+    "mixtral-8x22b-g8t8": replace(_MIXTRAL_8X22B, moe=replace(_MIXTRAL_8X22B.moe, ffn=2048, num_experts=64,
+                                                              topk=8)),
+    # Qwen/Qwen2-57B-A14B: 64 experts top-8 without renormalisation, sigmoid-gated shared expert,
+    # qkv bias; dense intermediate_size 18944 (unused: every layer is MoE)
+    "qwen2-57b-a14b": TransformerConfig(
+        vocab=151936, hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944, qkv_bias=True,
+        rope_theta=1e6, norm_eps=1e-6, max_seq=131072,
+        moe=MoEConfig(hidden=3584, ffn=2560, num_experts=64, topk=8, renormalize=False, shared_ffn=20480,
+                      shared_kind="qwen2")),
+    # Qwen/Qwen3-30B-A3B: head_dim 128 (not hidden/heads = 64), q/k RMSNorm, 128 experts top-8
+    # renormalised (norm_topk_prob), no shared expert; dense intermediate_size 6144 (unused)
+    "qwen3-30b-a3b": TransformerConfig(
+        vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ffn=6144, qk_norm=True,
+        rope_theta=1e6, norm_eps=1e-6, max_seq=40960,
+        moe=MoEConfig(hidden=2048, ffn=768, num_experts=128, topk=8, renormalize=True)),
+    # ---- tiny CPU variants: same families, small enough for unit tests -----------------------
+    "tiny-mixtral": _mixtral(256, 64, 2, 4, 2, 128, 4, 2, 512),
+    # Qwen2-MoE with dense layers between MoE layers (decoder_sparse_step = 2: layers 1, 3 are MoE)
+    "tiny-qwen2-moe": TransformerConfig(
+        vocab=256, hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, qkv_bias=True, moe_every=2,
+        first_k_dense=1, rope_theta=1e6, norm_eps=1e-6, max_seq=512,
+        moe=MoEConfig(hidden=64, ffn=32, num_experts=8, topk=4, renormalize=False, shared_ffn=48,
+                      shared_kind="qwen2")),
+    # Qwen3-MoE with head_dim != hidden / heads and a dense first layer (mlp_only_layers = [0])
+    "tiny-qwen3-moe": TransformerConfig(
+        vocab=256, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=32, ffn=96, qk_norm=True,
+        first_k_dense=1, rope_theta=1e6, norm_eps=1e-6, max_seq=512,
+        moe=MoEConfig(hidden=64, ffn=32, num_experts=8, topk=2, renormalize=True)),
+}
+
+
+def get_config(name: str) -> TransformerConfig:
+    """A fresh copy of the named config (edit it freely)."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; valid: {sorted(CONFIGS)}")
+    cfg = CONFIGS[name]
+    return replace(cfg, moe=replace(cfg.moe) if cfg.moe is not None else None)

@@ -1,0 +1,51 @@
+"""Dense building blocks: RMSNorm and the SwiGLU MLP.
+
+Shapes: T = tokens (any leading dims), H = hidden, F = ffn.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshfold.models.experts import shared_expert_ffn
+
+__all__ = ["RMSNorm", "MLP"]
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` over the last dim (size ``dim``).
+
+    The statistics run in at least fp32 (bf16 inputs are upcast, as Hugging Face does); an fp64
+    input stays fp64, where HF would round it through fp32, so fp64 gradient checks stay exact.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP ``down(silu(gate x) * up x)``, the same layout as the shared expert:
+    ``w_gate_up`` [H, 2, F] (0 = gate, 1 = up; sharding F keeps gate and up columns together),
+    ``w_down`` [F, H]."""
+
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(hidden, 2, ffn, dtype=dtype))  # [H, 2, F]
+        self.w_down = nn.Parameter(torch.empty(ffn, hidden, dtype=dtype))  # [F, H]
+        nn.init.normal_(self.w_gate_up, std=hidden ** -0.5)
+        nn.init.normal_(self.w_down, std=ffn ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        return shared_expert_ffn(x.reshape(-1, shape[-1]), self.w_gate_up, self.w_down).reshape(shape)

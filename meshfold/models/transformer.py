@@ -1,0 +1,152 @@
+"""A decoder-only MoE transformer, written as single-device code.
+
+Legend: B = sequences, S = sequence length (this rank's tokens), H = hidden, V = vocab.
+
+Pre-norm blocks ``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))`` where ``mlp`` is a
+dense SwiGLU :class:`~meshfold.models.layers.MLP` or a :class:`~meshfold.models.moe.MoELayer`
+(pattern from :class:`TransformerConfig`). Parallel layouts are applied from outside; nothing
+here talks to a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfold.models.attention import Attention, rope_cos_sin
+from meshfold.models.config import MoEConfig
+from meshfold.models.layers import MLP, RMSNorm
+from meshfold.models.moe import MoELayer
+
+__all__ = ["TransformerConfig", "Block", "MoETransformer"]
+
+
+@dataclass
+class TransformerConfig:
+    """Shapes and options of the whole model.
+
+    ``moe`` (None = dense model) describes every MoE layer; layer ``i`` is MoE iff
+    ``i >= first_k_dense and (i - first_k_dense) % moe_every == 0``; other layers use the dense
+    SwiGLU MLP of size ``ffn``. ``kv_heads`` defaults to ``heads`` (no GQA), ``head_dim`` to
+    ``hidden // heads``. ``max_seq`` is informational (RoPE tables are computed per call).
+    """
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn: int = 0
+    moe: MoEConfig | None = None
+    moe_every: int = 1
+    first_k_dense: int = 0
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    max_seq: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        if self.head_dim is None and isinstance(self.hidden, int) and isinstance(self.heads, int) \
+                and self.heads >= 1:
+            self.head_dim = self.hidden // self.heads
+        for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "moe_every", "max_seq"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"TransformerConfig.{name} must be a positive integer, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"TransformerConfig.heads = {self.heads} must be a multiple of kv_heads = "
+                             f"{self.kv_heads} (valid kv_heads: "
+                             f"{[g for g in range(1, self.heads + 1) if self.heads % g == 0]})")
+        if self.head_dim % 2:
+            raise ValueError(f"TransformerConfig.head_dim = {self.head_dim} must be even (RoPE rotates pairs)")
+        if not (isinstance(self.first_k_dense, int) and self.first_k_dense >= 0):
+            raise ValueError(f"TransformerConfig.first_k_dense must be an integer >= 0, got {self.first_k_dense!r}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"TransformerConfig.norm_eps must be > 0, got {self.norm_eps}")
+        if self.moe is not None and self.moe.hidden != self.hidden:
+            raise ValueError(f"TransformerConfig.moe.hidden = {self.moe.hidden} differs from hidden = {self.hidden}")
+        dense = [i for i in range(self.layers) if not self.is_moe_layer(i)]
+        if dense and not (isinstance(self.ffn, int) and self.ffn >= 1):
+            raise ValueError(f"TransformerConfig.ffn = {self.ffn!r} but layers {dense} are dense and need "
+                             f"a positive ffn")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.moe is not None and i >= self.first_k_dense
+                and (i - self.first_k_dense) % self.moe_every == 0)
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i in range(self.layers) if self.is_moe_layer(i)]
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: ``forward(x [B, S, H], positions, rope) -> [B, S, H]``."""
+
+    def __init__(self, cfg: TransformerConfig, layer: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.rope_theta,
+                              cfg.qkv_bias, cfg.qk_norm, cfg.norm_eps, dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
+        self.mlp = MoELayer(cfg.moe, dtype=dtype) if cfg.is_moe_layer(layer) else MLP(cfg.hidden, cfg.ffn, dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, rope=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MoETransformer(nn.Module):
+    """``forward(tokens [B, S] int64, positions [S] | [B, S] | None) -> logits [B, S, V]``.
+
+    ``positions`` are absolute token positions (default ``0..S-1``); pass them when this call
+    sees only part of each sequence (context parallelism). ``head`` is a bias-free H -> V
+    linear, or None with ``tie_embeddings`` (the embedding matrix is reused).
+    """
+
+    def __init__(self, cfg: TransformerConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype)  # weight [V, H]
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
+        if cfg.tie_embeddings:
+            self.head = None
+        else:
+            self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)  # weight [V, H]
+            nn.init.normal_(self.head.weight, std=cfg.hidden ** -0.5)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        B, S = tokens.shape
+        x = self.embed(tokens)  # [B, S, H]
+        pos = torch.arange(S, device=tokens.device) if positions is None else positions
+        if pos.shape[-1] != S or pos.dim() not in (1, 2) or (pos.dim() == 2 and pos.shape[0] != B):
+            raise ValueError(f"positions has shape {tuple(pos.shape)}; valid: [{S}] or [{B}, {S}] "
+                             f"for tokens [{B}, {S}]")
+        rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # shared by all layers
+        for block in self.layers:
+            x = block(x, positions, rope)
+        x = self.norm(x)
+        w_head = self.embed.weight if self.head is None else self.head.weight  # [V, H]
+        return F.linear(x, w_head)  # [B, S, V]
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross-entropy over targets != -100 (fp32 or wider). MoE balancing losses, if
+        configured, are already attached to the graph by each MoELayer (see ``last_losses``)."""
+        logits = self.forward(tokens, positions)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.mlp for b in self.layers if isinstance(b.mlp, MoELayer)]

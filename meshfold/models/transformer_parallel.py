@@ -1,0 +1,254 @@
+"""How a MoETransformer runs on a FoldedMesh: tensor, sequence, context, data and expert parallel.
+
+The model (:mod:`meshfold.models.transformer`) is single-device code. :func:`parallelize` applies,
+from outside:
+
+* **layout as data** (:data:`TRANSFORMER_LAYOUT`): every dense parameter becomes a DTensor on the
+  attention mesh ``(dp, cp, tp)`` of its pipeline stage; every MoE layer gets
+  :data:`~meshfold.models.moe_parallel.MOE_LAYOUT` on the MoE mesh ``(edp, ep, etp)``. The module
+  still sees plain local tensors: a parametrization returns ``to_local(grad_placements=...)`` with
+  ``Partial()`` on every dim where the weight is replicated but the tokens differ, so gradients
+  come back as Partial DTensors and :func:`reduce_gradients` (the data-parallel step) sums them.
+* **TP with sequence parallelism**: each rank holds ``S / (cp * tp)`` tokens of a sequence. Before
+  attention and the dense MLP the tokens of the tp group are all-gathered (all-gather-v over
+  ``tp``); heads (``wq``/``wk``/``wv`` columns, ``wo`` rows) and the ffn are split over ``tp``; the
+  outputs are reduce-scattered back. Layer norms and MoE layers run on the local tokens.
+* **CP with causal load balancing**: the sequence is cut into ``2 * cp`` chunks and cp rank ``c``
+  holds chunks ``c`` and ``2cp - 1 - c``, so every rank has the same amount of causal work. Keys
+  and values are all-gathered over ``cp`` (all-gather-v, whose backward reduce-scatters their
+  gradients) and attention masks by absolute position. All-gather rather than a ring: at the
+  sequence lengths meshfold targets on CPU the whole K/V fits, it needs one collective instead of
+  ``cp - 1`` overlapped steps, and it is exact by construction; a ring would cut peak K/V memory
+  for very long sequences and is the natural next step.
+* **DP**: batch over ``dp``; gradients of dense weights are summed over ``dp x cp`` (and over
+  ``tp`` for weights applied to local tokens), expert weights over ``edp``.
+
+The loss each rank returns is its share (sum of its tokens' cross-entropy over the global token
+count), so the shares add up to the single-device mean loss and so do the gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.utils.parametrize as parametrize
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from meshfold.models.moe import MoELayer
+from meshfold.models.moe_parallel import ATTN, parallelize_moe
+from meshfold.placements import all_gather_v, reduce_scatter_v
+
+__all__ = ["TRANSFORMER_LAYOUT", "parallelize", "reduce_gradients", "shard_batch", "local_positions",
+           "grad_norm", "full_state_dict"]
+
+R = Replicate()
+
+# parameter name suffix -> placements over attn (dp, cp, tp)
+TRANSFORMER_LAYOUT = {
+    "attn.wq": (R, R, Shard(1)),  # columns = query heads
+    "attn.wk": (R, R, Shard(1)),
+    "attn.wv": (R, R, Shard(1)),
+    "attn.bq": (R, R, Shard(0)),
+    "attn.bk": (R, R, Shard(0)),
+    "attn.bv": (R, R, Shard(0)),
+    "attn.wo": (R, R, Shard(0)),  # rows = query heads
+    "mlp.w_gate_up": (R, R, Shard(2)),  # dense MLP ffn over tp
+    "mlp.w_down": (R, R, Shard(0)),
+}
+
+
+def _placements(name: str):
+    for suffix, placements in TRANSFORMER_LAYOUT.items():
+        if name.endswith(suffix):
+            return placements
+    return (R, R, R)  # embeddings, norms, q/k norms, head
+
+
+class _Local(nn.Module):
+    """Parametrization: the module sees the local shard of its DTensor parameter."""
+
+    def __init__(self, grad_placements):
+        super().__init__()
+        self.grad_placements = tuple(grad_placements)
+
+    def forward(self, p):
+        return p.to_local(grad_placements=self.grad_placements)
+
+
+def _partial_grads(placements):
+    return [Partial() if isinstance(p, Replicate) else p for p in placements]
+
+
+class _TensorParallel(nn.Module):
+    """Sequence-parallel entry/exit around a TP-sharded attention or dense MLP."""
+
+    def __init__(self, inner: nn.Module, mesh, tp: int, positional: bool):
+        super().__init__()
+        self.inner, self.mesh, self.tp, self.positional = inner, mesh, tp, positional
+
+    def _sizes(self, n: int) -> list[int]:
+        return [n] * self.tp  # every tp rank holds the same number of tokens (validated)
+
+    def forward(self, x, positions=None, rope=None):
+        B, s, H = x.shape
+        sizes = self._sizes(s)
+        x_full = all_gather_v(x.transpose(0, 1).contiguous(), sizes, self.mesh, "tp").transpose(0, 1)
+        if self.positional:
+            pos = _gather_positions(positions, sizes, self.mesh, "tp")
+            y = self.inner(x_full, pos, None)  # RoPE tables recomputed for the gathered tokens
+        else:
+            y = self.inner(x_full)
+        return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, self.mesh, "tp").transpose(0, 1)
+
+
+def _gather_positions(pos, sizes, mesh, dim):
+    if pos.dim() == 1:
+        return all_gather_v(pos, sizes, mesh, dim)
+    return all_gather_v(pos.transpose(0, 1).contiguous(), sizes, mesh, dim).transpose(0, 1)
+
+
+class _KVGather:
+    """Context-parallel hook for Attention: all-gather K/V (and positions) over ``cp``."""
+
+    def __init__(self, mesh, cp: int):
+        self.mesh, self.cp = mesh, cp
+
+    def __call__(self, k, v, k_pos):
+        sizes = [k.shape[2]] * self.cp
+
+        def gather(t):  # [B, g, S, d] -> gather the S dim
+            return all_gather_v(t.permute(2, 0, 1, 3).contiguous(), sizes, self.mesh, "cp").permute(1, 2, 0, 3)
+
+        return gather(k), gather(v), _gather_positions(k_pos, sizes, self.mesh, "cp")
+
+
+def parallelize(model: nn.Module, folded) -> nn.Module:
+    """Lay ``model`` (a MoETransformer with identical weights on every rank) out on ``folded``.
+
+    Raises ``ValueError`` naming the size that does not divide (heads, kv_heads, ffn over tp;
+    experts over ep; expert ffn over etp). Returns the model (modified in place).
+    """
+    spec = folded.spec
+    if spec.pp != 1:
+        raise ValueError(f"pp = {spec.pp}: pipeline parallelism is not implemented for "
+                         f"MoETransformer yet (valid: pp = 1)")
+    cfg = model.cfg
+    for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
+        if n % spec.tp:
+            raise ValueError(f"{what} = {n} is not divisible by tp = {spec.tp}")
+    if any(not isinstance(b.mlp, MoELayer) for b in model.layers) and cfg.ffn % spec.tp:
+        raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
+    attn_mesh = folded.attn[ATTN]
+    for block in model.layers:
+        if isinstance(block.mlp, MoELayer):
+            parallelize_moe(block.mlp, folded)
+    for name, param in list(model.named_parameters()):
+        if ".mlp." in name and isinstance(model.get_submodule(name.split(".mlp.")[0] + ".mlp"), MoELayer):
+            continue
+        placements = _placements(name)
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        dt = distribute_tensor(param.detach(), attn_mesh, placements)
+        setattr(module, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
+        parametrize.register_parametrization(module, attr, _Local(_partial_grads(placements)), unsafe=True)
+    for block in model.layers:
+        if spec.cp > 1:
+            block.attn.kv_gather = _KVGather(attn_mesh, spec.cp)
+        if spec.tp > 1:
+            block.attn = _TensorParallel(block.attn, attn_mesh, spec.tp, positional=True)
+            if not isinstance(block.mlp, MoELayer):
+                block.mlp = _TensorParallel(block.mlp, attn_mesh, spec.tp, positional=False)
+    model.folded = folded
+    return model
+
+
+# ---- data layout -----------------------------------------------------------------------------
+def local_positions(S: int, spec, rank: int) -> torch.Tensor:
+    """Absolute positions [S / (cp * tp)] of this rank's tokens of a length-S sequence.
+
+    cp rank c holds chunks c and 2cp-1-c of 2cp equal chunks (causal load balance); that part is
+    split contiguously over tp.
+    """
+    c = spec.coords(rank)["attn"]
+    if spec.cp > 1:
+        chunk = S // (2 * spec.cp)
+        part = torch.cat([torch.arange(c["cp"] * chunk, (c["cp"] + 1) * chunk),
+                          torch.arange((2 * spec.cp - 1 - c["cp"]) * chunk, (2 * spec.cp - c["cp"]) * chunk)])
+    else:
+        part = torch.arange(S)
+    n = part.numel() // spec.tp
+    return part[c["tp"] * n:(c["tp"] + 1) * n]
+
+
+def shard_batch(tokens: torch.Tensor, spec, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of a global [B, S] batch (batch over dp, sequence over cp x tp) and the
+    positions of its tokens."""
+    B, S = tokens.shape
+    c = spec.coords(rank)["attn"]
+    b = B // spec.dp
+    pos = local_positions(S, spec, rank)
+    return tokens[c["dp"] * b:(c["dp"] + 1) * b][:, pos], pos
+
+
+# ---- gradients -------------------------------------------------------------------------------
+def _dtensor_params(model):
+    return [p for p in model.parameters() if isinstance(p, DTensor)]
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module) -> None:
+    """Data-parallel step: turn every Partial gradient into the parameter's own placements.
+
+    Gradients that are partial over the same mesh dims are flattened into one buffer, so each
+    (mesh, dims) pair costs one all-reduce per dim per step instead of one per parameter.
+    """
+    buckets: dict = {}
+    for p in _dtensor_params(model):
+        if p.grad is None:
+            continue
+        g = p.grad
+        dims = tuple(i for i, q in enumerate(g.placements) if isinstance(q, Partial))
+        buckets.setdefault((id(p.device_mesh), dims), []).append(p)
+    for (_, dims), params in buckets.items():
+        mesh = params[0].device_mesh
+        locals_ = [p.grad.to_local() for p in params]
+        flat = torch.cat([t.reshape(-1) for t in locals_]) if locals_ else None
+        for i in dims:
+            if mesh.size(i) > 1:
+                dist.all_reduce(flat, group=mesh.get_group(i))
+        offset = 0
+        for p, t in zip(params, locals_):
+            n = t.numel()
+            p.grad = DTensor.from_local(flat[offset:offset + n].view_as(t), mesh, p.placements,
+                                        run_check=False, shape=p.shape, stride=p.stride())
+            offset += n
+
+
+@torch.no_grad()
+def grad_norm(model: nn.Module) -> torch.Tensor:
+    """Global L2 norm of all (reduced) gradients, each element counted once."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        if isinstance(g, DTensor):
+            replicas = 1
+            for i, q in enumerate(g.placements):
+                if isinstance(q, Replicate):
+                    replicas *= g.device_mesh.size(i)
+            total += g.to_local().double().square().sum() / replicas
+        else:
+            total += g.double().square().sum() / dist.get_world_size()
+    dist.all_reduce(total)
+    return total.sqrt()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full tensor, under its single-device name (collective)."""
+    out = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        clean = name.replace("parametrizations.", "").replace(".original", "").replace(".inner", "")
+        out[clean] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+    return out
