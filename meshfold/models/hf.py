@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from meshfold.models.config import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 
-__all__ = ["SUPPORTED", "config_from_hf", "config_to_hf", "checkpoint_map", "load_state",
+__all__ = ["SUPPORTED", "config_from_hf", "config_to_hf", "infer_architecture", "checkpoint_map", "load_state",
            "from_pretrained", "save_pretrained", "Leaf", "Stack"]
 
 SUPPORTED = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -141,6 +141,8 @@ def config_from_hf(hf: dict) -> TransformerConfig:
 
 
 def infer_architecture(cfg: TransformerConfig) -> str:
+    """The HF architecture a config most naturally saves as (q/k norm: Qwen3-MoE; qkv bias, a
+    shared expert or dense layers: Qwen2-MoE; otherwise Mixtral)."""
     if cfg.qk_norm:
         return "Qwen3MoeForCausalLM"
     if cfg.qkv_bias or (cfg.moe is not None and cfg.moe.shared_ffn) or len(cfg.moe_layer_ids) != cfg.layers:

@@ -199,7 +199,8 @@ class MoELayer(nn.Module):
             "dropped_fraction": 1.0 - kept_E.sum() / total_E.sum().clamp(min=1),
             "load_imbalance": total_E.max() / total_E.float().mean().clamp(min=1e-9),
         }
-        self._bias_counts = total_E if self._bias_counts is None else self._bias_counts + total_E
+        if self.training:  # evaluation forwards do not steer the aux-loss-free bias
+            self._bias_counts = total_E if self._bias_counts is None else self._bias_counts + total_E
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

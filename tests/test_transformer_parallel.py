@@ -1,0 +1,121 @@
+"""The whole MoE transformer on folded layouts: loss and every gradient equal one device (fp64)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfold.mesh import FoldSpec, fold
+from meshfold.models import MoEConfig
+from meshfold.models.transformer import MoETransformer, TransformerConfig
+from meshfold.models.transformer_parallel import (full_state_dict, grad_norm, local_positions,
+                                                  parallelize, reduce_gradients, shard_batch)
+from meshfold.testing import fold_specs
+
+pytestmark = pytest.mark.multirank
+
+_FOLDS = {}
+TOL = dict(rtol=1e-9, atol=1e-11)
+
+
+def _folded(spec):
+    if spec not in _FOLDS:
+        _FOLDS[spec] = fold(spec)
+    return _FOLDS[spec]
+
+
+def _config(spec, qkv_bias, qk_norm, tie, aux):
+    moe = MoEConfig(hidden=16, ffn=2 * spec.etp, num_experts=8, topk=2, router_dtype=torch.float64,
+                    shared_ffn=2 * spec.tp if qkv_bias else 0, seq_aux_loss_coeff=aux,
+                    global_aux_loss_coeff=aux)
+    return TransformerConfig(vocab=32, hidden=16, layers=2, heads=8, kv_heads=4, ffn=2 * spec.tp,
+                             moe=moe, first_k_dense=1, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                             tie_embeddings=tie)
+
+
+def _run(rank, world_size, case):
+    spec, B, S, seed, qkv_bias, qk_norm, tie, aux = case
+    cfg = _config(spec, qkv_bias, qk_norm, tie, aux)
+    torch.manual_seed(seed)
+    ref = MoETransformer(cfg, dtype=torch.float64)
+    with torch.no_grad():  # non-trivial norms and biases, so their gradients are checked too
+        for name, p in ref.named_parameters():
+            if "norm" in name or name.endswith((".bq", ".bk", ".bv")):
+                p.add_(0.1 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, cfg.vocab, (B, S), generator=g)
+    targets = torch.randint(0, cfg.vocab, (B, S), generator=g)
+
+    model = MoETransformer(cfg, dtype=torch.float64)
+    model.load_state_dict(ref.state_dict())
+    parallelize(model, _folded(spec))
+
+    # the single-device loss: mean cross-entropy + the attached balancing losses
+    ref_loss = ref.loss(tokens, targets)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    local_tokens, pos = shard_batch(tokens, spec, rank)
+    local_targets, _ = shard_batch(targets, spec, rank)
+    logits = model(local_tokens, pos)
+    share = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), local_targets.reshape(-1),
+                                              reduction="sum") / (B * S)
+    share.backward()
+    total = share.detach().clone()
+    torch.distributed.all_reduce(total)
+    torch.testing.assert_close(total, ref_loss.detach(), **TOL)  # balancing losses: in the grads
+    reduce_gradients(model)
+    got = {}
+    for name, p in model.named_parameters():
+        clean = name.replace("parametrizations.", "").replace(".original", "").replace(".inner", "")
+        got[clean] = p.grad.full_tensor()
+    assert set(got) == set(ref_grads)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+    norm = grad_norm(model)
+    ref_norm = torch.sqrt(sum(g_.double().square().sum() for g_ in ref_grads.values()))
+    torch.testing.assert_close(norm, ref_norm, **TOL)
+    full = full_state_dict(model)
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(full[name], t, rtol=0, atol=0)
+    return True
+
+
+@st.composite
+def cases(draw, world_size):
+    spec = draw(fold_specs(world_sizes=[world_size], pp=[1]).filter(lambda s: 4 % s.tp == 0))
+    B = spec.dp * draw(st.integers(1, 2))
+    split = 2 * spec.cp * spec.tp if spec.cp > 1 else spec.tp
+    S = split * draw(st.integers(1, 2))
+    return (spec, B, S, draw(st.integers(0, 10**6)), draw(st.booleans()), draw(st.booleans()),
+            draw(st.booleans()), draw(st.sampled_from([0.0, 0.01])))
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_transformer_loss_and_grads_equal_single_device(worlds, world_size):
+    world = worlds(world_size)
+
+    @settings(max_examples=8 if world_size == 4 else 6)
+    @given(cases(world_size))
+    def check(case):
+        world.run(_run, case)
+
+    check()
+
+
+@pytest.mark.parametrize("spec", [
+    FoldSpec(4, tp=2, ep=4),            # tp2 x dp2 | ep4
+    FoldSpec(4, cp=2, tp=2, ep=2, etp=2),  # cp2 x tp2 | ep2 x etp2
+    FoldSpec(8, dp=2, cp=2, tp=2, ep=8),   # every attention dim at once | ep8
+])
+def test_named_layouts(worlds, spec):
+    assert all(worlds(spec.world_size).run(_run, (spec, 2 * spec.dp, 4 * spec.cp * spec.tp, 7, True, True, False, 0.01)))
+
+
+def test_cp_positions_are_load_balanced_mirrored_chunks():
+    spec = FoldSpec(4, cp=2, tp=2)
+    parts = [local_positions(16, spec, r).tolist() for r in range(4)]
+    # cp rank 0 holds chunks 0 and 3 (of 4 chunks of 4), split over its two tp ranks
+    assert parts[0] + parts[1] == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert parts[2] + parts[3] == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert sorted(p for part in parts for p in part) == list(range(16))
