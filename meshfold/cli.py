@@ -11,20 +11,24 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, one-line help)
+# name -> (module, one-line help, function suffix: configure<suffix> / main<suffix>)
 SUBCOMMANDS = {
-    "layout": ("meshfold.layout_cli", "print the attention and MoE views of a fold"),
-    "plan": ("meshfold.plan.cli", "choose a folded layout for a cluster (cost and memory model)"),
+    "train": ("meshfold.train.cli", "train a MoE transformer folded over local ranks (default: a "
+              "4-rank CPU run on the Python standard library)", ""),
+    "generate": ("meshfold.train.cli", "sample text from a trained checkpoint", "_generate"),
+    "export": ("meshfold.train.cli", "write a checkpoint in Hugging Face format", "_export"),
+    "layout": ("meshfold.layout_cli", "print the attention and MoE views of a fold", ""),
+    "plan": ("meshfold.plan.cli", "choose a folded layout for a cluster (cost and memory model)", ""),
 }
 
 
 def build_parser(load: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshfold", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in SUBCOMMANDS.items():
+    for name, (module, help_text, suffix) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if load == name:
-            importlib.import_module(module).configure(p)
+            getattr(importlib.import_module(module), "configure" + suffix)(p)
     return parser
 
 
@@ -37,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return importlib.import_module(SUBCOMMANDS[args.command][0]).main(args)
+        module, _, suffix = SUBCOMMANDS[args.command]
+        return getattr(importlib.import_module(module), "main" + suffix)(args)
     except ValueError as err:  # invalid settings: one clear line, no traceback
         print(f"meshfold {args.command}: error: {err}", file=sys.stderr)
         return 2

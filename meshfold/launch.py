@@ -168,35 +168,51 @@ class _Procs:
             self.procs.append(p)
 
     def collect(self, deadline: float, what: str) -> list[Any]:
-        """One result per rank; raises RankError on the first failure, TimeoutError at deadline."""
+        """One result per rank; raises RankError for the root failure, TimeoutError at deadline."""
         out: dict[int, Any] = {}
         while len(out) < self.world_size:
             try:
                 rank, ok, value = self.results.get(timeout=0.05)
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(self.procs)
-                        if r not in out and p.exitcode is not None and p.exitcode != 0]
-                if dead:
-                    # Give its own error report a moment to arrive before calling it a crash.
-                    try:
-                        rank, ok, value = self.results.get(timeout=1.0)
-                    except queue_mod.Empty:
-                        self.terminate()
-                        raise RankError(dead[0], f"process exited with code "
-                                                 f"{self.procs[dead[0]].exitcode} without a "
-                                                 f"Python traceback (killed or crashed)") from None
-                elif time.monotonic() > deadline:
+                if any(r not in out and p.exitcode not in (None, 0) for r, p in enumerate(self.procs)):
+                    self._fail(out, None)
+                if time.monotonic() > deadline:
                     self.terminate()
                     missing = sorted(set(range(self.world_size)) - set(out))
                     raise TimeoutError(f"{what}: ranks {missing} did not finish in time "
                                        f"(all ranks terminated)") from None
-                else:
-                    continue
+                continue
             if not ok:
-                self.terminate()
-                raise RankError(rank, value)
+                self._fail(out, (rank, value))
             out[rank] = value
         return [out[r] for r in range(self.world_size)]
+
+    def _fail(self, out: dict, first_error: tuple[int, str] | None) -> None:
+        """Find the root failure, tear everything down and raise it.
+
+        When one rank crashes (killed, os._exit, segfault), its peers soon raise errors of their
+        own from the broken collective; those are symptoms. So wait a moment for reports, and
+        prefer a rank that died without a traceback over ranks that raised after it.
+        """
+        errors = [first_error] if first_error else []
+        settle = time.monotonic() + 1.0
+        while time.monotonic() < settle:
+            try:
+                rank, ok, value = self.results.get(timeout=0.05)
+                if not ok:
+                    errors.append((rank, value))
+            except queue_mod.Empty:
+                pass
+        reported = {r for r, _ in errors}
+        crashed = [r for r, p in enumerate(self.procs)
+                   if r not in out and r not in reported and p.exitcode not in (None, 0)]
+        self.terminate()
+        if crashed:
+            r = crashed[0]
+            also = "".join(f"\n(then rank {q} raised: {v.strip().splitlines()[-1]})" for q, v in errors)
+            raise RankError(r, f"process exited with code {self.procs[r].exitcode} without a Python "
+                               f"traceback (killed or crashed){also}") from None
+        raise RankError(*errors[0]) from None
 
     def terminate(self) -> None:
         for p in self.procs:

@@ -46,12 +46,13 @@ def test_ci_runs_exactly_the_readmes_test_command():
     assert extracted == cmd
 
 
-def test_readme_main_command_is_a_real_meshfold_command():
+def test_readme_main_command_is_the_default_training_run():
+    """The README's first command ends in ``meshfold train`` with no arguments: the embedded
+    default run, which tests/test_train.py runs (shortened) and checks the loss falls."""
     cmd = readme_command("main-command")
-    tail = cmd.split("&&")[-1].split()
-    assert tail[0] == "meshfold"
-    proc = run_cli(*tail[1:])
-    assert proc.returncode == 0, proc.stderr
+    assert cmd.split("&&")[-1].split() == ["meshfold", "train"]
+    proc = run_cli("train", "--help")
+    assert proc.returncode == 0 and "--config" in proc.stdout
 
 
 def test_readme_python_examples_run(tmp_path):

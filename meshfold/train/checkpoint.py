@@ -1,0 +1,153 @@
+"""Checkpoints: torch.distributed.checkpoint (DCP) in safetensors files, atomic, reshardable.
+
+Layout of ``<out_dir>/checkpoints/``::
+
+    step_000100/            a complete checkpoint (renamed into place only when every rank is done)
+        shard-*.safetensors DCP's Hugging Face storage: tensors + JSON sharding metadata
+        trainer.json        step, config, fold, metrics counters (rank 0)
+        rng_rank0.json ...  each rank's torch RNG state
+    step_000200.tmp/        a save in progress or interrupted: never read
+
+Why these choices:
+
+* DCP stores every DTensor with its global shape and the offsets of each rank's piece, so a
+  checkpoint saved on one fold loads on another (4 ranks ep4 -> 2 ranks tp2 | etp2): each rank
+  reads just the regions its new shards cover.
+* The Hugging Face storage writes safetensors with JSON metadata, so loading never unpickles
+  anything (DCP's default ``.metadata`` file is a pickle); trainer state is JSON.
+* Atomic: ranks write into ``step_N.tmp``, then rank 0 renames it to ``step_N`` after a barrier.
+  A crash mid-save leaves only a ``.tmp`` folder, and :func:`latest` ignores those.
+* Tensors are saved under their single-device names (``model.layers.0.attn.wq``,
+  ``optim.<name>.exp_avg``), so ``meshfold generate`` / ``export`` read them on one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
+from torch.distributed.tensor import DTensor
+
+__all__ = ["save", "load", "latest", "clean_name", "CheckpointError"]
+
+_STEP = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or damaged."""
+
+
+def clean_name(name: str) -> str:
+    """Single-device parameter name of a parallelized one."""
+    return name.replace("parametrizations.", "").replace(".original", "").replace(".inner", "")
+
+
+def latest(ckpt_dir: str | os.PathLike) -> Path | None:
+    """Newest complete checkpoint folder, or None."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return None
+    done = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
+    return done[-1][1] if done else None
+
+
+def _tensors(model, optimizer) -> dict[str, torch.Tensor]:
+    """Flat {name: tensor} of model parameters, buffers and AdamW moments (state created if
+    missing, so a fresh optimizer can be loaded into)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out["model." + clean_name(name)] = p
+        if optimizer is not None:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"optim.{clean_name(name)}.{key}"] = st[key]
+            out[f"optim.{clean_name(name)}.step"] = st["step"]
+    for name, b in model.named_buffers():
+        out["model." + clean_name(name)] = b
+    return out
+
+
+def save(path_root: str | os.PathLike, step: int, model, optimizer, trainer_state: dict,
+         crash_before_rename: bool = False) -> Path:
+    """Save on every rank (collective); returns the final folder. ``crash_before_rename`` is a
+    testing aid: rank 0 dies after the files are written but before the folder is complete."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    root = Path(path_root)
+    final = root / f"step_{step:06d}"
+    tmp = root / f"step_{step:06d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if dist.is_initialized():
+        dist.barrier()
+    with torch.no_grad():
+        dcp.save(_tensors(model, optimizer),
+                 storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    with open(tmp / f"rng_rank{rank}.json", "w") as f:
+        json.dump({"torch": torch.get_rng_state().tolist()}, f)
+    if rank == 0:
+        with open(tmp / "trainer.json", "w") as f:
+            json.dump(trainer_state, f, indent=1)
+    if dist.is_initialized():
+        dist.barrier()  # every rank has written everything
+    if crash_before_rename and rank == 0:
+        os._exit(3)
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def load(path: str | os.PathLike, model, optimizer=None, restore_rng: bool = True) -> dict:
+    """Load a checkpoint folder into ``model`` (and ``optimizer``), whatever fold saved it.
+
+    Returns the trainer state. Raises :class:`CheckpointError` naming the folder for a missing,
+    incomplete or damaged checkpoint instead of an error deep inside torch.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.name.endswith(".tmp"):
+        raise CheckpointError(f"checkpoint {path} is an interrupted save (.tmp); use a complete one")
+    try:
+        with open(path / "trainer.json") as f:
+            state = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path}: trainer.json is missing or damaged ({err})") from None
+    tensors = _tensors(model, optimizer)
+    try:
+        with torch.no_grad():
+            dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised naming the folder
+        raise CheckpointError(f"checkpoint {path} could not be read (damaged or truncated file, or "
+                              f"a model that does not match it): {type(err).__name__}: {err}") from err
+    if restore_rng:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        rng = path / f"rng_rank{rank}.json"
+        if rng.exists():  # absent when resuming on more ranks than saved: fresh streams
+            with open(rng) as f:
+                torch.set_rng_state(torch.tensor(json.load(f)["torch"], dtype=torch.uint8))
+    return state
+
+
+def full_model_state(path: str | os.PathLike, model) -> None:
+    """Load a checkpoint's model weights into a single-process, unparallelized model."""
+    load(path, model, None, restore_rng=False)
+
+
+def is_dtensor(t) -> bool:
+    return isinstance(t, DTensor)

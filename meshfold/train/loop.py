@@ -1,0 +1,174 @@
+"""The per-rank training loop of ``meshfold train``.
+
+Every rank builds the same model (same seed), lays it out on the folded mesh, and trains on its
+slice of each global batch (batch over dp, sequence over cp x tp). The loss a rank backpropagates
+is its share: the sum of its tokens' cross-entropy over the global token count, so shares and
+their gradients add up to the single-device mean loss. Rank 0 shows progress and writes metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshfold.mesh import fold
+from meshfold.models.transformer import MoETransformer
+from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients, shard_batch
+from meshfold.train import checkpoint
+from meshfold.train.config import TrainConfig
+from meshfold.train.flops import train_flops_per_step
+from meshfold.train.progress import Progress
+
+__all__ = ["train_rank"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def _lr(step: int, t) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    frac = (step - t.warmup) / max(1, t.steps - t.warmup)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def _measure_peak(seconds: float = 0.5) -> float:
+    """Dense fp32 GEMM FLOP/s this process reaches now (all ranks measure at once, so the sum is
+    what the machine gives this layout): the MFU denominator, measured in the same run."""
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * 384 ** 3 * n / (time.perf_counter() - t0)
+
+
+def _local_loss(model, tokens, targets, spec, rank, n_global):
+    lt, pos = shard_batch(tokens, spec, rank)
+    ltg, _ = shard_batch(targets, spec, rank)
+    logits = model(lt, pos)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 or wider
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ltg.reshape(-1), reduction="sum")
+    return ce / n_global
+
+
+def _all_sum(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().clone().double()
+    dist.all_reduce(t)
+    return t
+
+
+def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    spec, mcfg = cfg.validate()
+    t = cfg.train
+    out = Path(t.out_dir)
+    ckpt_dir = out / "checkpoints"
+    torch.manual_seed(t.seed)
+    folded = fold(spec)
+    model = MoETransformer(mcfg, dtype=DTYPES[t.dtype])
+    parallelize(model, folded)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                            betas=(0.9, 0.95), foreach=False)
+    from meshfold.data import load_corpus
+
+    corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
+    start, skipped = 0, 0
+    resumed_from = None
+    last = checkpoint.latest(ckpt_dir) if t.resume else None
+    if last is not None:
+        state = checkpoint.load(last, model, opt)
+        start, skipped = state["step"], state.get("skipped", 0)
+        resumed_from = str(last)
+    peak = _all_sum(torch.tensor(_measure_peak())).item()
+    flops = train_flops_per_step(mcfg, t.batch, t.seq)
+    n_global = t.batch * t.seq
+    metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
+    progress = Progress(t.steps, start) if rank == 0 else None
+    if rank == 0 and resumed_from:
+        print(f"resumed from {resumed_from} at step {start}", flush=True)
+    last_good = resumed_from
+    history = []
+    end = t.steps if t.stop_at is None else min(t.steps, t.stop_at)
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, t)
+        tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed)
+        share = _local_loss(model, tokens, targets, spec, rank, n_global)
+        if t.inject_nan_at is not None and step == t.inject_nan_at:
+            share = share * float("nan")
+        if t.kill_rank_at is not None and [rank, step] == list(t.kill_rank_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        share.backward()
+        loss = _all_sum(share).item()
+        if not math.isfinite(loss):
+            opt.zero_grad(set_to_none=True)
+            if not t.skip_nonfinite:
+                raise FloatingPointError(
+                    f"non-finite loss {loss} at step {step}; last good checkpoint: "
+                    f"{last_good or 'none (no checkpoint saved yet)'}; set train.skip_nonfinite=true "
+                    f"to skip such steps instead")
+            skipped += 1
+            continue
+        reduce_gradients(model)
+        gnorm = grad_norm(model).item()
+        if t.grad_clip and gnorm > t.grad_clip:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(t.grad_clip / gnorm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for layer in model.moe_layers():
+            if layer.cfg.expert_bias:
+                layer.update_expert_bias()
+        dt = time.perf_counter() - t0
+        record = {"step": step + 1, "loss": loss, "lr": _lr(step, t), "grad_norm": gnorm,
+                  "tokens_per_s": n_global / dt, "mfu": flops / dt / peak, "step_s": dt,
+                  "skipped_steps": skipped}
+        moe = model.moe_layers()
+        if moe:
+            record["aux_losses"] = {k: sum(float(m.last_losses[k]) for m in moe)
+                                    for k in moe[0].last_losses}
+            record["tokens_per_expert"] = [m.last_metrics["tokens_per_expert"].tolist() for m in moe]
+            record["dropped_fraction"] = sum(float(m.last_metrics["dropped_fraction"]) for m in moe) / len(moe)
+        if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
+            record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
+        if rank == 0:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            progress.update(record)
+        history.append(record)
+        if (step + 1) % t.ckpt_every == 0 or step + 1 == end:
+            state = {"step": step + 1, "skipped": skipped, "fold": cfg.fold, "model": cfg.model,
+                     "moe": cfg.moe, "seed": t.seed, "world_size": world_size}
+            crash = t.crash_in_save_at is not None and step + 1 == t.crash_in_save_at
+            last_good = str(checkpoint.save(ckpt_dir, step + 1, model, opt, state, crash_before_rename=crash))
+    if rank == 0:
+        progress.close()
+        metrics_file.close()
+    return {"final_loss": history[-1]["loss"] if history else None, "steps": len(history),
+            "checkpoint": last_good}
+
+
+@torch.no_grad()
+def evaluate(model, corpus, cfg, spec, rank) -> float:
+    """Mean held-out loss over ``eval_batches`` fixed validation batches."""
+    t = cfg.train
+    total = 0.0
+    model.eval()
+    try:
+        for i in range(t.eval_batches):
+            tokens, targets = corpus.batch("val", i, t.batch, t.seq, t.seed)
+            total += _all_sum(_local_loss(model, tokens, targets, spec, rank, t.batch * t.seq)).item()
+    finally:
+        model.train()
+    return total / t.eval_batches

@@ -1,0 +1,43 @@
+"""Rank 0's progress line: step, loss, tokens/s, MFU and ETA.
+
+On a terminal the line rewrites itself; in a log (not a TTY) it prints about twenty lines per run
+so a CI log or a redirected file stays readable.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    def __init__(self, total: int, start: int = 0, stream=None):
+        self.total, self.start = total, start
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.every = max(1, (total - start) // 20)
+
+    def update(self, r: dict) -> None:
+        step = r["step"]
+        done = step - self.start
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(done, 1) * (self.total - step)
+        width = 24
+        filled = int(width * step / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        val = f" val {r['val_loss']:.3f}" if "val_loss" in r else ""
+        line = (f"[{bar}] step {step}/{self.total}  loss {r['loss']:.4f}{val}  "
+                f"{r['tokens_per_s']:,.0f} tok/s  MFU {100 * r['mfu']:.1f}%  ETA {eta:5.0f}s")
+        if self.tty:
+            self.stream.write("\r" + line)
+        elif done % self.every == 0 or step == self.total or "val_loss" in r:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+        self.stream.flush()

@@ -1,0 +1,149 @@
+"""``meshfold train`` end to end: the default run learns, settings are checked before spawning,
+checkpoints resume exactly (also on another fold), and failures end the job promptly."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multirank
+ROOT = Path(__file__).resolve().parents[1]
+# a small, quick setting shared by the checkpoint tests
+SMALL = ["--set", "train.batch=4", "--set", "train.seq=32", "--set", "train.eval_every=1000",
+         "--set", "train.warmup=2", "--set", "model.layers=2"]
+
+
+def meshfold(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "meshfold", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def losses(out_dir):
+    return {r["step"]: r for r in map(json.loads, open(Path(out_dir) / "metrics.jsonl"))}
+
+
+def test_default_run_learns(tmp_path):
+    proc = meshfold("train", "--steps", "40", "--out-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attn  pp1 x dp2 x cp1 x tp2   moe  pp1 x edp1 x ep4 x etp1" in proc.stdout
+    rows = losses(tmp_path)
+    first = rows[1]["loss"]
+    last = sum(rows[s]["loss"] for s in range(36, 41)) / 5
+    assert first > 5.0 and last < first - 1.5, (first, last)  # ln 256 = 5.55 at the start
+    r = rows[40]
+    assert r["val_loss"] < first - 1.0 and 0 < r["mfu"] < 1 and r["tokens_per_s"] > 0
+    assert len(r["tokens_per_expert"][0]) == 4 and r["dropped_fraction"] == 0
+    assert (tmp_path / "checkpoints" / "step_000040" / "trainer.json").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("fold.ep=3", "etp*ep*pp = 3 does not divide world size 4"),
+    ("train.batch=3", "train.batch = 3 is not divisible by dp = 2"),
+    ("fold.colour=1", "fold has no settings ['colour']"),
+    ("moe.capacity_factor=-1.0", "capacity_factor must be >= 0"),
+    ("train.dtype=\"int8\"", "train.dtype = 'int8'"),
+])
+def test_bad_settings_fail_before_spawning(tmp_path, override, message):
+    start = time.monotonic()
+    proc = meshfold("train", "--set", override, "--out-dir", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and time.monotonic() - start < 30
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = [*SMALL, "--set", "train.ckpt_every=4"]
+    assert meshfold("train", "--steps", "8", "--out-dir", str(a), *common).returncode == 0
+    # interrupted after step 4 (the learning-rate schedule still spans 8 steps)
+    assert meshfold("train", "--steps", "8", "--out-dir", str(b), *common, "--set", "train.stop_at=4").returncode == 0
+    proc = meshfold("train", "--steps", "8", "--out-dir", str(b), *common)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
+    la, lb = losses(a), losses(b)
+    assert [la[s]["loss"] for s in range(5, 9)] == [lb[s]["loss"] for s in range(5, 9)]  # bit-exact
+
+
+def test_resharded_resume_continues_with_the_same_loss(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    fp64 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "train.ckpt_every=3"]
+    assert meshfold("train", "--steps", "4", "--out-dir", str(a), *fp64).returncode == 0
+    Path(b / "checkpoints").mkdir(parents=True)
+    os.replace(a / "checkpoints" / "step_000003", b / "checkpoints" / "step_000003")
+    # 4 ranks tp2 x dp2 | ep4  ->  2 ranks tp2 | ep1 x etp2
+    proc = meshfold("train", "--steps", "4", "--out-dir", str(b), *fp64, "--set", "fold.world_size=2",
+                    "--set", "fold.tp=2", "--set", "fold.ep=1", "--set", "fold.etp=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert abs(losses(a)[4]["loss"] - losses(b)[4]["loss"]) < 1e-9 * losses(a)[4]["loss"]
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
+    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL,
+                    "--set", "train.ckpt_every=3", "--set", "train.crash_in_save_at=6")
+    assert proc.returncode == 1 and "rank 0 failed" in proc.stderr
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert ckpts == ["step_000003", "step_000006.tmp"]
+    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL, "--set", "train.ckpt_every=3")
+    assert proc.returncode == 0 and "step_000003 at step 3" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_damaged_checkpoint_gives_a_clear_error(tmp_path):
+    assert meshfold("train", "--steps", "2", "--out-dir", str(tmp_path), *SMALL).returncode == 0
+    shard = next((tmp_path / "checkpoints" / "step_000002").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:40])  # truncated
+    proc = meshfold("generate", str(tmp_path), "--tokens", "4")
+    assert proc.returncode == 2 and "could not be read" in proc.stderr and "step_000002" in proc.stderr
+
+
+def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
+    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL,
+                    "--set", "train.ckpt_every=2", "--set", "train.inject_nan_at=3")
+    assert proc.returncode == 1
+    assert "non-finite loss nan at step 3" in proc.stderr and "step_000002" in proc.stderr
+    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path / "skip"), *SMALL,
+                    "--set", "train.inject_nan_at=3", "--set", "train.skip_nonfinite=true")
+    assert proc.returncode == 0
+    assert losses(tmp_path / "skip")[6]["skipped_steps"] == 1
+
+
+def test_a_killed_rank_ends_the_job_promptly(tmp_path):
+    start = time.monotonic()
+    proc = meshfold("train", "--steps", "50", "--out-dir", str(tmp_path), *SMALL,
+                    "--set", "train.kill_rank_at=[2, 3]")
+    assert proc.returncode == 1 and "rank 2 failed" in proc.stderr
+    assert time.monotonic() - start < 90
+
+
+def test_generate_and_export(tmp_path):
+    assert meshfold("train", "--steps", "3", "--out-dir", str(tmp_path), *SMALL).returncode == 0
+    proc = meshfold("generate", str(tmp_path), "--prompt", "import ", "--tokens", "20")
+    assert proc.returncode == 0 and proc.stdout.startswith("import ")
+    proc = meshfold("export", str(tmp_path), str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import torch
+
+    from meshfold.models import from_pretrained
+    from meshfold.train.cli import load_trained
+
+    model, _ = load_trained(str(tmp_path))
+    exported = from_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, 256, (1, 16))
+    torch.testing.assert_close(exported(tokens), model(tokens))
+
+
+def test_torchrun_launch(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+         "127.0.0.1", "--master-port", port, "--local-addr", "127.0.0.1", "-m", "meshfold", "train",
+         "--steps", "3", "--out-dir", str(tmp_path), *SMALL, "--set", "fold.world_size=2",
+         "--set", "fold.ep=2"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
