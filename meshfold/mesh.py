@@ -202,6 +202,24 @@ class FoldSpec:
         if not (isinstance(rank, int) and 0 <= rank < self.world_size):
             raise ValueError(f"rank {rank!r} out of range [0, {self.world_size})")
 
+    def process_group_count(self) -> tuple[int, int]:
+        """(groups :func:`fold` creates, groups building each view separately would create).
+
+        ``fold`` creates one process group per group of ranks of every *distinct* partition of
+        the world among the dims of both views; a dim whose partition another dim already has
+        (pp in both views, etp == tp, size-1 dims) shares it, and the whole world reuses the
+        default group.
+        """
+        seen, shared, unshared = set(), 0, 0
+        for view, dims in VIEWS.items():
+            for d in dims:
+                part = tuple(tuple(g) for g in self.groups(view, d))
+                unshared += len(part)
+                if part not in seen:
+                    seen.add(part)
+                    shared += len(part) if len(part) > 1 else 0
+        return shared, unshared
+
     # ---- presentation ---------------------------------------------------------------------
     def describe(self) -> str:
         """Human-readable table of both views: which ranks share each dim."""
@@ -215,6 +233,9 @@ class FoldSpec:
                 shown = " ".join(_fmt_group(g) for g in groups[:8])
                 more = f" ... ({len(groups)} groups)" if len(groups) > 8 else ""
                 lines.append(f"  {d:<{width}} size {getattr(self, d):>3}: {shown}{more}")
+        created, unshared = self.process_group_count()
+        lines.append(f"\nfold() creates {created} process groups ({unshared} if each view built "
+                     f"its own; dims with the same rank sets share one)")
         lines.append("\nrank  " + "  ".join(f"{view}({','.join(dims)})" for view, dims in VIEWS.items()))
         for r in range(min(self.world_size, 32)):
             c = self.coords(r)

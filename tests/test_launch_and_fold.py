@@ -41,6 +41,7 @@ def test_mesh_process_groups_contain_the_predicted_ranks(worlds, world_size):
     @given(fold_specs(world_sizes=[world_size]))
     def check(spec):
         results = world.run(_ranks_per_mesh_dim, spec)
+        assert results[0][1] == spec.process_group_count()  # fold creates what the spec predicts
         for rank, (seen, _) in enumerate(results):
             for (view, d), ranks in seen.items():
                 # all_gather order is group-rank order, which must be the sorted group

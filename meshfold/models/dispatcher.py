@@ -43,11 +43,17 @@ def keep_mask(experts_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int
     else:
         order = position
     order = order[torch.argsort(e[order], stable=True)]
-    counts_E = torch.bincount(e, minlength=num_experts)
+    counts_E = _counts(e, num_experts)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     rank_in_expert = torch.empty_like(position)
     rank_in_expert[order] = position - start_E[e[order]]
     return (rank_in_expert < cap).reshape(T, k)
+
+
+def _counts(e: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert. A scatter-add, not ``bincount``, which reads its input's max on the
+    host (a device sync on CUDA)."""
+    return torch.zeros(num_experts, dtype=torch.int64, device=e.device).scatter_add_(0, e, torch.ones_like(e))
 
 
 @dataclass
@@ -84,7 +90,7 @@ def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None) 
         e, token, p = e[kept], token[kept], p[kept]
     order = torch.argsort(e, stable=True)
     e, token, p = e[order], token[order], p[order]
-    counts_E = torch.bincount(e, minlength=num_experts)
+    counts_E = _counts(e, num_experts)
     if pad_to is None:
         if keep_TK is None:
             return Permuted(x_TH[token], counts_E, token, p, pair_N=order, probs_TK=probs_TK)

@@ -148,31 +148,32 @@ class MoELayer(nn.Module):
 
     def _attach_losses(self, probs_TK, logits_TE, experts_TK, routed_E, B, S, T):
         cfg, comm = self.cfg, self.comm
+        x_dev = logits_TE.device
         losses = {}
         if cfg.any_aux_loss:
             scores_TE = aux_scores(logits_TE, cfg)
         if cfg.aux_loss_coeff:
             counts = comm.sum(routed_E, ("cp", "tp"))
-            n = comm.sum(self._n(T), ("cp", "tp"))
+            n = comm.sum(self._n(T, x_dev), ("cp", "tp"))
             losses["aux"] = cfg.aux_loss_coeff * switch_aux_loss(scores_TE, counts, n, cfg) / comm.dp
         if cfg.global_aux_loss_coeff:
             counts = comm.sum(routed_E, ("dp", "cp", "tp"))
-            n = comm.sum(self._n(T), ("dp", "cp", "tp"))
+            n = comm.sum(self._n(T, x_dev), ("dp", "cp", "tp"))
             losses["global_aux"] = cfg.global_aux_loss_coeff * switch_aux_loss(scores_TE, counts, n, cfg)
         if cfg.seq_aux_loss_coeff:
             seq_counts_BE = torch.zeros(B, cfg.num_experts, dtype=torch.int64, device=logits_TE.device)
             seq_of = torch.arange(T, device=logits_TE.device).div(S, rounding_mode="floor")
             seq_counts_BE.index_put_((seq_of.repeat_interleave(cfg.topk), experts_TK.reshape(-1)),
-                                     torch.ones(T * cfg.topk, dtype=torch.int64), accumulate=True)
+                                     torch.ones(T * cfg.topk, dtype=torch.int64, device=x_dev), accumulate=True)
             seq_counts_BE = comm.sum(seq_counts_BE, ("cp", "tp"))
-            seq_len = comm.sum(self._n(S), ("cp", "tp"))
-            n_seq = comm.sum(self._n(B), ("dp",))
+            seq_len = comm.sum(self._n(S, x_dev), ("cp", "tp"))
+            n_seq = comm.sum(self._n(B, x_dev), ("dp",))
             per_seq_scores = scores_TE.reshape(B, S, -1).sum(1)  # [B, E]
             E, k = cfg.num_experts, cfg.topk
             share = (per_seq_scores * seq_counts_BE).sum() * (E / (k * seq_len ** 2))
             losses["seq_aux"] = cfg.seq_aux_loss_coeff * share / n_seq
         if cfg.z_loss_coeff:
-            n = comm.sum(self._n(T), ("dp", "cp", "tp"))
+            n = comm.sum(self._n(T, x_dev), ("dp", "cp", "tp"))
             losses["z"] = cfg.z_loss_coeff * z_loss(logits_TE, n)
         for value in losses.values():
             probs_TK = attach_loss(probs_TK, value)
@@ -180,10 +181,10 @@ class MoELayer(nn.Module):
         return probs_TK
 
     @staticmethod
-    def _n(count: int) -> torch.Tensor:
-        # token counts as fp64 tensors: summed over ranks without a host sync, exact, and
-        # never rounding an fp64 loss through fp32
-        return torch.tensor(float(count), dtype=torch.float64)
+    def _n(count: int, device) -> torch.Tensor:
+        # token counts as fp64 tensors on the layer's device: summed over ranks without a host
+        # sync, exact, and never rounding an fp64 loss through fp32
+        return torch.tensor(float(count), dtype=torch.float64, device=device)
 
     @torch.no_grad()
     def _metrics(self, routed_E, experts_TK, keep_TK):

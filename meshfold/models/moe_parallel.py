@@ -25,6 +25,10 @@ over tp with sequence parallelism), so a parameter replicated along a dim gets a
 gradient there: the local views are taken with ``to_local(grad_placements=...)`` marking those dims
 ``Partial()``, and ``param.grad.full_tensor()`` (or a DP reduction) sums them.
 
+Token counts: every rank of an attention (cp, tp) group holds the same number of tokens (sequence
+parallelism splits evenly), which the shared expert's TP all-gather and full-sequence dropping rely
+on instead of exchanging sizes; ``MESHFOLD_DEBUG_SPLITS=1`` checks it.
+
 Dispatch (the paper's token dispatcher), per layer: one host sync, when the per-expert counts of
 every rank in this rank's ``ep x etp`` block are gathered (two small all-gathers, one
 ``.tolist()``); then all-to-all-v over ``ep``, all-gather-v over ``etp``, a local re-sort so each
@@ -42,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from meshfold.placements import all_gather_v, all_to_all_v, reduce_scatter_v
+from meshfold.placements.collectives import debug_checks_enabled
 
 __all__ = ["MOE_LAYOUT", "LocalComm", "FoldedComm", "parallelize_moe"]
 
@@ -141,19 +146,28 @@ class FoldedComm:
 
     def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
         """Concatenate per-token rows over attention dims (rank-major, innermost dim fastest);
-        returns (rows of the whole group, offset of this rank's rows)."""
+        returns (rows of the whole group, offset of this rank's rows). Every rank of the group
+        holds the same number of tokens (the attention layout splits sequences evenly), so no
+        sizes are exchanged (no host sync); MESHFOLD_DEBUG_SPLITS=1 verifies it."""
         offset = 0
         for d in reversed(dims):  # tp first, then cp: the group's rank order
-            n = getattr(self, d)
-            if n == 1:
+            if getattr(self, d) == 1:
                 continue
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-            dist.all_gather(sizes, torch.tensor([t.shape[0]]), group=self.attn.get_group(d))
-            sizes = [int(s) for s in sizes]
-            me = self.attn.get_local_rank(d)
-            offset = sum(sizes[:me]) + offset
+            sizes = self._even_sizes(t.shape[0], d)
+            offset += self.attn.get_local_rank(d) * t.shape[0]
             t = all_gather_v(t.detach(), sizes, self.attn, d)
         return t, offset
+
+    def _even_sizes(self, n_local: int, dim: str) -> list[int]:
+        """[n_local] * group size; with debug checks on, verified across the group first."""
+        n = getattr(self, dim)
+        if debug_checks_enabled():
+            seen = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+            dist.all_gather(seen, torch.tensor([n_local]), group=self.attn.get_group(dim))
+            if len({int(v) for v in seen}) > 1:
+                raise ValueError(f"ranks of attn dim {dim!r} hold different token counts "
+                                 f"{[int(v) for v in seen]}; the MoE layer needs an even split")
+        return [n_local] * n
 
     # ---- dispatch ----
     def expert_range(self, num_experts: int) -> tuple[int, int]:
@@ -204,15 +218,10 @@ class FoldedComm:
         return all_to_all_v(y, h.recv, h.send, self.moe, "ep")
 
     # ---- shared expert: a TP MLP with sequence parallelism ----
-    def _tp_sizes(self, n_local: int) -> list[int]:
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.tp)]
-        dist.all_gather(sizes, torch.tensor([n_local]), group=self.attn.get_group("tp"))
-        return [int(s) for s in sizes]
-
     def shared_in(self, x_TH):
         if self.tp == 1:
             return x_TH
-        self._shared_sizes = self._tp_sizes(x_TH.shape[0])
+        self._shared_sizes = self._even_sizes(x_TH.shape[0], "tp")  # even sequence-parallel split
         return all_gather_v(x_TH, self._shared_sizes, self.attn, "tp")
 
     def shared_out(self, y_TH):

@@ -228,7 +228,7 @@ def reduce_gradients(model: nn.Module) -> None:
 @torch.no_grad()
 def grad_norm(model: nn.Module) -> torch.Tensor:
     """Global L2 norm of all (reduced) gradients, each element counted once."""
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     for p in model.parameters():
         if p.grad is None:
             continue

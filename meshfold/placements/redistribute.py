@@ -244,8 +244,8 @@ def _dtensor_box(shape, mesh, placements):
     return list(zip(offset, local_shape))
 
 
-def _agree(flag: bool) -> bool:
-    ok = torch.tensor([int(flag)])
+def _agree(flag: bool, device) -> bool:
+    ok = torch.tensor([int(flag)], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # all ranks re-label, or all raise
     return bool(ok.item())
 
@@ -264,7 +264,7 @@ def _relabel(x, mesh, placements):
         # DTensor-only layouts, nested shards allowed: compare boxes with DTensor's own rule.
         src_box = _dtensor_box(x.shape, x.device_mesh, x.placements)
         tgt_box = _dtensor_box(x.shape, mesh, placements)
-        if not _agree(src_box == tgt_box):
+        if not _agree(src_box == tgt_box, x.device):
             raise _relabel_error(x.device_mesh, mesh, x.placements, src_box, placements, tgt_box)
         return DTensor.from_local(x.to_local(), mesh, placements, run_check=False,
                                   shape=x.shape, stride=x.stride())
@@ -279,7 +279,7 @@ def _relabel(x, mesh, placements):
         tgt.append(p)
     src_box = _box(src, local.shape, src_mesh.get_coordinate())
     tgt_box = _box(tgt, local.shape, mesh.get_coordinate())
-    if not _agree(src_box is not None and src_box == tgt_box):
+    if not _agree(src_box is not None and src_box == tgt_box, local.device):
         raise _relabel_error(src_mesh, mesh, src, src_box, tgt, tgt_box)
     if any(isinstance(p, RaggedShard) for p in placements):
         return RaggedTensor(local, mesh, tgt)

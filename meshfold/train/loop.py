@@ -40,21 +40,25 @@ def _lr(step: int, t) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def _measure_peak(seconds: float = 0.5) -> float:
+def _measure_peak(seconds: float = 0.5, device=None) -> float:
     """Dense fp32 GEMM FLOP/s this process reaches now (all ranks measure at once, so the sum is
     what the machine gives this layout): the MFU denominator, measured in the same run."""
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    size = 384 if device is None or device.type == "cpu" else 4096
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     a @ b
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         a @ b
         n += 1
-    return 2 * 384 ** 3 * n / (time.perf_counter() - t0)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size ** 3 * n / (time.perf_counter() - t0)
 
 
 def _local_loss(model, tokens, targets, spec, rank, n_global):
-    lt, pos = shard_batch(tokens, spec, rank)
-    ltg, _ = shard_batch(targets, spec, rank)
+    device = next(model.parameters()).device
+    lt, pos = (t.to(device) for t in shard_batch(tokens, spec, rank))
+    ltg = shard_batch(targets, spec, rank)[0].to(device)
     logits = model(lt, pos)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 or wider
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ltg.reshape(-1), reduction="sum")
@@ -73,8 +77,12 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     out = Path(t.out_dir)
     ckpt_dir = out / "checkpoints"
     torch.manual_seed(t.seed)
-    folded = fold(spec)
-    model = MoETransformer(mcfg, dtype=DTYPES[t.dtype])
+    # gloo ranks (local spawn, or torchrun on CPUs) train on the CPU; nccl ranks (torchrun on
+    # GPUs) on their own GPU, which the launcher already selected from LOCAL_RANK
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    folded = fold(spec, device.type)
+    model = MoETransformer(mcfg, dtype=DTYPES[t.dtype]).to(device)
     parallelize(model, folded)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                             betas=(0.9, 0.95), foreach=False)
@@ -88,7 +96,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         state = checkpoint.load(last, model, opt)
         start, skipped = state["step"], state.get("skipped", 0)
         resumed_from = str(last)
-    peak = _all_sum(torch.tensor(_measure_peak())).item()
+    peak = _all_sum(torch.tensor(_measure_peak(device=device), device=device)).item()
     flops = train_flops_per_step(mcfg, t.batch, t.seq)
     n_global = t.batch * t.seq
     metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
