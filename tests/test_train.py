@@ -147,3 +147,25 @@ def test_torchrun_launch(tmp_path):
          "--set", "fold.ep=2"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(losses(tmp_path)) == [1, 2, 3]
+
+
+def test_tile_sparse_training_reaches_each_stage_and_keeps_pruned_weights_zero(tmp_path):
+    proc = meshfold("train", "--steps", "9", "--out-dir", str(tmp_path), *SMALL,
+                    "--set", "sparsity.tile=[16, 16]", "--set", "sparsity.schedule=[0.25, 0.5]",
+                    "--set", "sparsity.start_step=3", "--set", "sparsity.steps_per_stage=3",
+                    "--set", "fold.ep=2", "--set", "fold.etp=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = losses(tmp_path)
+    assert [round(rows[s]["expert_sparsity"], 2) for s in (2, 3, 5, 6, 9)] == [0, 0.25, 0.25, 0.5, 0.5]
+    from meshfold.kernels.reference import expand_tile_mask
+    from meshfold.train.cli import load_trained
+
+    model, _ = load_trained(str(tmp_path))
+    for layer in model.moe_layers():
+        for w, mask in layer.sparse_layers().values():
+            keep = expand_tile_mask(mask, w.shape[1], w.shape[2])
+            assert torch_all_zero(w.detach()[~keep])  # pruned tiles stayed zero through AdamW steps
+
+
+def torch_all_zero(t):
+    return bool((t == 0).all())

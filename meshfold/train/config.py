@@ -17,6 +17,12 @@ ep = 4
 
 [train]
 steps = 200
+
+[sparsity]  # tile-sparse experts (meshfold.sparsity.ExpertSparsity fields)
+tile = [16, 16]
+schedule = [0.25, 0.5]
+start_step = 50
+steps_per_stage = 50
 ```
 
 Command-line overrides use ``section.key=value`` (``--set fold.ep=2 --set train.steps=50``);
@@ -76,6 +82,7 @@ class TrainConfig:
     fold: dict = field(default_factory=lambda: {"world_size": 4, "tp": 2, "ep": 4})
     train: TrainSettings = field(default_factory=TrainSettings)
     data: DataSettings = field(default_factory=DataSettings)
+    sparsity: dict = field(default_factory=dict)
 
     def fold_spec(self) -> FoldSpec:
         f = dict(self.fold)
@@ -100,6 +107,19 @@ class TrainConfig:
             if bad:
                 raise ValueError(f"[moe] has no settings {bad}")
             moe = dataclasses.replace(moe, **self.moe)
+        if self.sparsity:
+            if moe is None:
+                raise ValueError("[sparsity] settings given but the model has no MoE layers")
+            from meshfold.sparsity import ExpertSparsity
+
+            sp = dict(self.sparsity)
+            for key in ("tile", "schedule"):
+                if key in sp:
+                    sp[key] = tuple(sp[key])
+            bad = sorted(set(sp) - {f.name for f in dataclasses.fields(ExpertSparsity)})
+            if bad:
+                raise ValueError(f"[sparsity] has no settings {bad}")
+            moe = dataclasses.replace(moe, expert_sparsity=ExpertSparsity(**sp))
         if moe is not None and self.train.dtype == "float64":
             import torch
 
@@ -139,6 +159,12 @@ class TrainConfig:
         if cfg.heads % spec.tp or cfg.kv_heads % spec.tp:
             raise ValueError(f"heads = {cfg.heads} and kv_heads = {cfg.kv_heads} must both be "
                              f"divisible by tp = {spec.tp}")
+        if cfg.moe is not None and cfg.moe.expert_sparsity is not None:
+            from meshfold.sparsity import check_etp_alignment
+
+            tile = cfg.moe.expert_sparsity.tile
+            check_etp_alignment(cfg.hidden, cfg.moe.ffn, tile, spec.etp, "N")
+            check_etp_alignment(cfg.moe.ffn, cfg.hidden, tile, spec.etp, "K")
         if cfg.moe is not None:
             if cfg.moe.num_experts % spec.ep:
                 raise ValueError(f"num_experts = {cfg.moe.num_experts} is not divisible by ep = {spec.ep}")
@@ -178,11 +204,11 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConf
         raw.setdefault(section, {})[name] = value
     cfg = TrainConfig()
     for section, values in raw.items():
-        if section not in ("model", "moe", "fold", "train", "data"):
-            raise ValueError(f"unknown section [{section}]; valid: model, moe, fold, train, data")
+        if section not in ("model", "moe", "fold", "train", "data", "sparsity"):
+            raise ValueError(f"unknown section [{section}]; valid: model, moe, fold, train, data, sparsity")
         if not isinstance(values, dict):
             raise ValueError(f"[{section}] must be a table of settings")
-        if section in ("model", "moe", "fold"):
+        if section in ("model", "moe", "fold", "sparsity"):
             getattr(cfg, section).update(values)
             continue
         target = getattr(cfg, section)

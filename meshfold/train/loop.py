@@ -26,6 +26,7 @@ from meshfold.train import checkpoint
 from meshfold.train.config import TrainConfig
 from meshfold.train.flops import train_flops_per_step
 from meshfold.train.progress import Progress
+from meshfold.train.pruning import FoldedPruner
 
 __all__ = ["train_rank"]
 
@@ -89,6 +90,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     from meshfold.data import load_corpus
 
     corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
+    sp = mcfg.moe.expert_sparsity if mcfg.moe is not None else None
+    pruner = FoldedPruner(model, sp, opt) if sp is not None else None
     start, skipped = 0, 0
     resumed_from = None
     last = checkpoint.latest(ckpt_dir) if t.resume else None
@@ -128,6 +131,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             skipped += 1
             continue
         reduce_gradients(model)
+        if pruner is not None:
+            pruner.accumulate()
+            pruner.step(step + 1)  # between backward and optimizer.step, as TilePruner wants
         gnorm = grad_norm(model).item()
         if t.grad_clip and gnorm > t.grad_clip:
             for p in model.parameters():
@@ -148,6 +154,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                                     for k in moe[0].last_losses}
             record["tokens_per_expert"] = [m.last_metrics["tokens_per_expert"].tolist() for m in moe]
             record["dropped_fraction"] = sum(float(m.last_metrics["dropped_fraction"]) for m in moe) / len(moe)
+        if pruner is not None:
+            record["expert_sparsity"] = pruner.sparsity()
         if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
             record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
         if rank == 0:

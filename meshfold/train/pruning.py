@@ -1,0 +1,86 @@
+"""Tile-wise pruning of folded expert weights during ``meshfold train``.
+
+The pruning method lives in :mod:`meshfold.sparsity` and works on whole weights. Under EP / ETP
+each rank holds only a shard, yet the paper's threshold is global over the whole group of layers.
+So at a prune step every rank gathers the full expert weights (and, for the Taylor score, the
+full accumulated ``(dL/dW * W)^2``), runs the same :class:`~meshfold.sparsity.TilePruner` step
+on them (identical input, identical masks everywhere; the masks are full-size buffers that each
+layer slices for its shard), then zeroes its own weight shards and AdamW moments under the new
+masks. The gathers are all-gathers of expert weights, paid only at accumulation and prune steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshfold.kernels.reference import expand_tile_mask
+from meshfold.sparsity import ExpertSparsity, TilePruner
+
+__all__ = ["FoldedPruner"]
+
+
+class FoldedPruner:
+    """Prune every MoE layer of ``model`` together, on ``config``'s schedule."""
+
+    def __init__(self, model, config: ExpertSparsity, optimizer):
+        self.config, self.optimizer = config, optimizer
+        self.layers = model.moe_layers()
+        self.taylor: dict[str, torch.Tensor] = {}
+
+    def _params(self):
+        for i, layer in enumerate(self.layers):
+            ex = layer.experts
+            yield f"{i}.w_gate_up", layer, ex.w_gate_up, "experts.mask_gate_up", ex.mask_gate_up
+            yield f"{i}.w_down", layer, ex.w_down, "experts.mask_down", ex.mask_down
+
+    @staticmethod
+    def _full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Add this step's (dL/dW * W)^2 (full tensors; call after gradients are reduced)."""
+        if self.config.score != "taylor":
+            return
+        for name, _, p, _, _ in self._params():
+            if p.grad is None:
+                continue
+            score = (self._full(p.grad).float() * self._full(p).float()).pow(2)
+            self.taylor[name] = score if name not in self.taylor else self.taylor[name] + score
+
+    @torch.no_grad()
+    def step(self, step: int) -> bool:
+        """Prune when ``step`` is a stage boundary; True if it pruned."""
+        if step not in self.config.prune_steps():
+            return False
+        group = {}
+        for name, _, p, _, mask in self._params():
+            w = self._full(p).detach().clone()
+            E, K = w.shape[0], w.shape[1]
+            group[name] = (w.reshape(E, K, -1), mask.view(E, mask.shape[1], -1))
+        pruner = TilePruner(group, self.config)
+        for name in group:
+            if name in self.taylor:
+                pruner.taylor[name] = self.taylor[name].reshape(group[name][0].shape)
+        pruner.prune_to(self.config.target_at(step))  # updates the shared, full masks in place
+        self.taylor.clear()
+        for _, layer, p, mask_name, mask in self._params():
+            local_mask = layer.comm.local_mask(mask_name, mask)
+            local = p.to_local() if hasattr(p, "to_local") else p
+            E, K = local.shape[0], local.shape[1]
+            flat_mask = local_mask.reshape(E, local_mask.shape[1], -1)
+            keep = expand_tile_mask(flat_mask, K, local[0].numel() // K).reshape(local.shape)
+            local.mul_(keep.to(local.dtype))
+            if p.grad is not None:  # the pending gradient would otherwise feed Adam this step
+                g = p.grad
+                (g.to_local() if hasattr(g, "to_local") else g).mul_(keep.to(g.dtype))
+            state = self.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    m = state[key]
+                    (m.to_local() if hasattr(m, "to_local") else m).mul_(keep.to(m.dtype))
+        return True
+
+    def sparsity(self) -> float:
+        masks = [m for *_, m in self._params()]
+        return 1.0 - sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
