@@ -96,7 +96,7 @@ def load_trained(run_or_checkpoint: str):
         state = json.loads((path / "trainer.json").read_text())
     except FileNotFoundError:
         raise ValueError(f"{path} is neither a run folder nor a checkpoint (no trainer.json)") from None
-    cfg = TrainConfig(model=state["model"], moe=state.get("moe", {}))
+    cfg = TrainConfig(model=state["model"], moe=state.get("moe", {}), sparsity=state.get("sparsity", {}))
     model = MoETransformer(cfg.model_config())
     checkpoint.load(path, model, None, restore_rng=False)
     return model.eval(), state

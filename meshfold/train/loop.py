@@ -165,7 +165,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         history.append(record)
         if (step + 1) % t.ckpt_every == 0 or step + 1 == end:
             state = {"step": step + 1, "skipped": skipped, "fold": cfg.fold, "model": cfg.model,
-                     "moe": cfg.moe, "seed": t.seed, "world_size": world_size}
+                     "moe": cfg.moe, "sparsity": cfg.sparsity, "seed": t.seed,
+                     "world_size": world_size}
             crash = t.crash_in_save_at is not None and step + 1 == t.crash_in_save_at
             last_good = str(checkpoint.save(ckpt_dir, step + 1, model, opt, state, crash_before_rename=crash))
     if rank == 0:
