@@ -119,3 +119,54 @@ def test_cp_positions_are_load_balanced_mirrored_chunks():
     assert parts[0] + parts[1] == [0, 1, 2, 3, 12, 13, 14, 15]
     assert parts[2] + parts[3] == [4, 5, 6, 7, 8, 9, 10, 11]
     assert sorted(p for part in parts for p in part) == list(range(16))
+
+
+def _load_folded(rank, world_size, path, spec):
+    from meshfold.models import hf
+    from meshfold.models.hf import from_pretrained
+
+    read = []
+    original = hf._Checkpoint.slice
+
+    class Counting:
+        def __init__(self, sl):
+            self.sl = sl
+
+        def get_shape(self):
+            return self.sl.get_shape()
+
+        def __getitem__(self, idx):
+            t = self.sl[idx]
+            read.append(t.numel())
+            return t
+
+    hf._Checkpoint.slice = lambda self, key, param: Counting(original(self, key, param))
+    try:
+        folded = from_pretrained(path, mesh=_folded(spec), dtype=torch.float64)
+    finally:
+        hf._Checkpoint.slice = original
+    # this rank read exactly the elements of its own shards, nothing more
+    assert sum(read) == sum(p.to_local().numel() for p in folded.parameters())
+    single = from_pretrained(path, dtype=torch.float64)
+    tokens = torch.randint(0, single.cfg.vocab, (2 * spec.dp, 8 * spec.cp * spec.tp),
+                           generator=torch.Generator().manual_seed(0))
+    local, pos = shard_batch(tokens, spec, rank)
+    c = spec.coords(rank)["attn"]
+    b = tokens.shape[0] // spec.dp
+    expected = single(tokens)[c["dp"] * b:(c["dp"] + 1) * b][:, pos]
+    torch.testing.assert_close(folded(local, pos), expected, rtol=1e-9, atol=1e-9)
+    # every parameter is a shard of the checkpoint's tensor: the full tensors equal it
+    full = full_state_dict(folded)
+    for name, t in single.state_dict().items():
+        torch.testing.assert_close(full[name], t.to(full[name].dtype), rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("spec", [FoldSpec(4, tp=2, ep=4), FoldSpec(4, cp=2, ep=2, etp=2)])
+def test_hf_checkpoint_loads_folded_from_slices(worlds, tmp_path, spec):
+    from meshfold.models.configs import get_config
+    from meshfold.models.hf import save_pretrained
+
+    torch.manual_seed(0)
+    save_pretrained(MoETransformer(get_config("tiny-mixtral")), tmp_path)
+    assert all(worlds(4).run(_load_folded, str(tmp_path), spec))

@@ -360,23 +360,47 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def from_pretrained(path, mesh=None, dtype: torch.dtype | None = None) -> MoETransformer:
-    """Load a Hugging Face checkpoint directory into a single-device :class:`MoETransformer`.
+    """Load a Hugging Face checkpoint directory into a :class:`MoETransformer`.
 
-    ``dtype``: parameter dtype (None: the checkpoint's ``dtype``/``torch_dtype``, else fp32);
-    routers stay in ``MoEConfig.router_dtype`` (fp32) whatever the model dtype.
+    ``mesh=None``: a single-device model. ``mesh=folded`` (a FoldedMesh, every rank calling):
+    the model laid out as :func:`meshfold.models.transformer_parallel.parallelize` lays it out,
+    each rank reading only the slices of its own shards (safetensors lazy slices), never a whole
+    tensor it does not hold. ``dtype``: parameter dtype (None: the checkpoint's ``dtype`` /
+    ``torch_dtype``, else fp32); routers stay in ``MoEConfig.router_dtype`` (fp32).
     """
-    if mesh is not None:
-        raise NotImplementedError("folded loading: use meshfold.models.parallelize after loading")
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     cfg = config_from_hf(hf)
     if dtype is None:
         dtype = _DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"), torch.float32)
-    state = load_state(path, cfg, arch=_architecture(hf))
     with torch.device("meta"):  # no random init of weights about to be overwritten
         model = MoETransformer(cfg, dtype=dtype)
     params = dict(model.named_parameters())
+    if mesh is not None:
+        return _from_pretrained_folded(path, hf, cfg, model, mesh)
+    state = load_state(path, cfg, arch=_architecture(hf))
     model.load_state_dict({n: t.to(params[n].dtype) for n, t in state.items()}, strict=True, assign=True)
+    return model
+
+
+def _from_pretrained_folded(path, hf, cfg, model, mesh) -> MoETransformer:
+    from meshfold.models.moe_parallel import local_slices
+    from meshfold.models.transformer_parallel import param_layouts, parallelize
+
+    params = dict(model.named_parameters())
+    layouts = param_layouts(model, mesh)
+
+    def select(name):
+        m, placements = layouts[name]
+        return local_slices(params[name].shape, m, placements)
+
+    state = load_state(path, cfg, select=select, arch=_architecture(hf))
+    state = {n: t.to(params[n].dtype).contiguous() for n, t in state.items()}
+    parallelize(model, mesh, local_state=state)
+    for module in model.modules():  # buffers (none in HF MoE checkpoints) start at their defaults
+        for bname, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_meta:
+                module.register_buffer(bname, torch.zeros(buf.shape, dtype=buf.dtype))
     return model
 
 

@@ -230,10 +230,38 @@ class FoldedComm:
         return reduce_scatter_v(y_TH, self._shared_sizes, self.attn, "tp")
 
 
-def parallelize_moe(layer, folded) -> None:
+def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = None) -> DTensor:
+    """A DTensor of ``param`` laid out as ``placements``: sliced from the full tensor every rank
+    holds, or, given ``local`` (this rank's shard, e.g. read from a checkpoint), assembled from
+    the shards without any rank holding the whole (``param`` may then be on the meta device)."""
+    if local is None:
+        return distribute_tensor(param.detach(), mesh, placements)
+    shape = param.shape
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def local_slices(shape, mesh, placements) -> tuple[slice, ...]:
+    """The region of a tensor of ``shape`` this rank holds under ``placements`` on ``mesh``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+
+
+def moe_param_layout(name: str, comm: "FoldedComm"):
+    """(mesh, placements) of MoE-layer parameter ``name`` (relative to the layer)."""
+    if name not in MOE_LAYOUT:
+        raise ValueError(f"parameter {name!r} has no layout in MOE_LAYOUT ({list(MOE_LAYOUT)})")
+    view, placements = MOE_LAYOUT[name]
+    return (comm.attn if view == "attn" else comm.moe), placements
+
+
+def parallelize_moe(layer, folded, local_state: dict | None = None) -> None:
     """Apply :data:`MOE_LAYOUT`: turn ``layer``'s parameters into DTensors on the folded mesh
-    (from the full weights every rank holds, e.g. after seeding identically) and give the layer
-    a :class:`FoldedComm`. Raises if the layer's sizes do not divide over the mesh."""
+    (from the full weights every rank holds, e.g. after seeding identically, or from this rank's
+    shards in ``local_state``, keyed by parameter name within the layer) and give the layer a
+    :class:`FoldedComm`. Raises if the layer's sizes do not divide over the mesh."""
     comm = FoldedComm(folded)
     cfg = layer.cfg
     if cfg.num_experts % comm.ep:
@@ -249,12 +277,9 @@ def parallelize_moe(layer, folded) -> None:
         check_etp_alignment(cfg.hidden, cfg.ffn, cfg.expert_sparsity.tile, comm.etp, "N")
         check_etp_alignment(cfg.ffn, cfg.hidden, cfg.expert_sparsity.tile, comm.etp, "K")
     for name, param in list(layer.named_parameters()):
-        if name not in MOE_LAYOUT:
-            raise ValueError(f"parameter {name!r} has no layout in MOE_LAYOUT ({list(MOE_LAYOUT)})")
-        view, placements = MOE_LAYOUT[name]
-        mesh = comm.attn if view == "attn" else comm.moe
+        mesh, placements = moe_param_layout(name, comm)
         module_name, _, attr = name.rpartition(".")
         module = layer.get_submodule(module_name)
-        dt = distribute_tensor(param.detach(), mesh, placements)
+        dt = place(param, mesh, placements, None if local_state is None else local_state[name])
         setattr(module, attr, torch.nn.Parameter(dt, requires_grad=param.requires_grad))
     layer.comm = comm

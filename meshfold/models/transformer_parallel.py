@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshfold.models.moe import MoELayer
-from meshfold.models.moe_parallel import ATTN, parallelize_moe
+from meshfold.models.moe_parallel import ATTN, parallelize_moe, place
 from meshfold.placements import all_gather_v, reduce_scatter_v
 
-__all__ = ["TRANSFORMER_LAYOUT", "parallelize", "reduce_gradients", "shard_batch", "local_positions",
+__all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "shard_batch", "local_positions",
            "grad_norm", "full_state_dict"]
 
 R = Replicate()
@@ -123,8 +123,33 @@ class _KVGather:
         return gather(k), gather(v), _gather_positions(k_pos, sizes, self.mesh, "cp")
 
 
-def parallelize(model: nn.Module, folded) -> nn.Module:
-    """Lay ``model`` (a MoETransformer with identical weights on every rank) out on ``folded``.
+def _moe_prefix(model, name: str) -> str | None:
+    """``layers.N.mlp`` if parameter ``name`` belongs to a MoE layer, else None."""
+    if ".mlp." not in name:
+        return None
+    prefix = name.split(".mlp.")[0] + ".mlp"
+    return prefix if isinstance(model.get_submodule(prefix), MoELayer) else None
+
+
+def param_layouts(model: nn.Module, folded) -> dict[str, tuple]:
+    """``{parameter name: (mesh, placements)}`` for every parameter of an unparallelized model:
+    what :func:`parallelize` will do, as data (used to read only each rank's checkpoint slices)."""
+    from meshfold.models.moe_parallel import FoldedComm, moe_param_layout
+
+    attn_mesh = folded.attn[ATTN]
+    comm = FoldedComm(folded)
+    out = {}
+    for name, _ in model.named_parameters():
+        prefix = _moe_prefix(model, name)
+        out[name] = (moe_param_layout(name[len(prefix) + 1:], comm) if prefix
+                     else (attn_mesh, _placements(name)))
+    return out
+
+
+def parallelize(model: nn.Module, folded, local_state: dict | None = None) -> nn.Module:
+    """Lay ``model`` out on ``folded``, from identical full weights on every rank or, given
+    ``local_state`` (``{name: this rank's shard}``, see :func:`param_layouts`), from shards only
+    (the model may then live on the meta device).
 
     Raises ``ValueError`` naming the size that does not divide (heads, kv_heads, ffn over tp;
     experts over ep; expert ffn over etp). Returns the model (modified in place).
@@ -140,16 +165,19 @@ def parallelize(model: nn.Module, folded) -> nn.Module:
     if any(not isinstance(b.mlp, MoELayer) for b in model.layers) and cfg.ffn % spec.tp:
         raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
     attn_mesh = folded.attn[ATTN]
-    for block in model.layers:
+    for i, block in enumerate(model.layers):
         if isinstance(block.mlp, MoELayer):
-            parallelize_moe(block.mlp, folded)
+            prefix = f"layers.{i}.mlp."
+            sub = None if local_state is None else {
+                n[len(prefix):]: t for n, t in local_state.items() if n.startswith(prefix)}
+            parallelize_moe(block.mlp, folded, sub)
     for name, param in list(model.named_parameters()):
-        if ".mlp." in name and isinstance(model.get_submodule(name.split(".mlp.")[0] + ".mlp"), MoELayer):
+        if _moe_prefix(model, name):
             continue
         placements = _placements(name)
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        dt = distribute_tensor(param.detach(), attn_mesh, placements)
+        dt = place(param, attn_mesh, placements, None if local_state is None else local_state[name])
         setattr(module, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
         parametrize.register_parametrization(module, attr, _Local(_partial_grads(placements)), unsafe=True)
     for block in model.layers:
