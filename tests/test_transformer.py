@@ -257,11 +257,6 @@ def test_saving_a_config_the_architecture_cannot_express_names_the_features():
         config_to_hf(get_config("tiny-mixtral"), "Qwen3MoeForCausalLM")
 
 
-def test_folded_loading_is_not_wired_yet(hf):
-    with pytest.raises(NotImplementedError, match="parallelize"):
-        from_pretrained(hf("mixtral")[1], mesh=object())
-
-
 def test_bad_transformer_configs_name_the_value():
     with pytest.raises(ValueError, match=r"heads = 4 must be a multiple of kv_heads = 3"):
         TransformerConfig(vocab=8, hidden=16, layers=1, heads=4, kv_heads=3, ffn=8)
