@@ -89,6 +89,8 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert ckpts == ["step_000003", "step_000006.tmp"]
     proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL, "--set", "train.ckpt_every=3")
     assert proc.returncode == 0 and "step_000003 at step 3" in proc.stdout, proc.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6]  # steps 4-6 logged once, by the run that kept them
 
 
 def test_damaged_checkpoint_gives_a_clear_error(tmp_path):

@@ -102,6 +102,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     peak = _all_sum(torch.tensor(_measure_peak(device=device), device=device)).item()
     flops = train_flops_per_step(mcfg, t.batch, t.seq)
     n_global = t.batch * t.seq
+    if rank == 0:
+        _truncate_metrics(out / "metrics.jsonl", start)
     metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
     progress = Progress(t.steps, start) if rank == 0 else None
     if rank == 0 and resumed_from:
@@ -174,6 +176,17 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         metrics_file.close()
     return {"final_loss": history[-1]["loss"] if history else None, "steps": len(history),
             "checkpoint": last_good}
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep only rows up to ``step``: a run resumed from an earlier checkpoint than its last
+    logged step rewrites those steps, and the log should say what the model really went through."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in rows if json.loads(line)["step"] <= step]
+    if len(kept) != len(rows):
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 @torch.no_grad()
