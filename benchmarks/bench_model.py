@@ -1,0 +1,305 @@
+"""The whole MoE transformer on CPU: a training step vs Hugging Face, fold scaling, memory vs cp.
+
+    python benchmarks/bench_model.py                    # all three parts, about 3-5 minutes
+    python benchmarks/bench_model.py --parts a --rounds 3
+
+Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 KV heads,
+8 experts of ffn 512, top-2 (softmax, renormalised), fp32, untied head.
+
+(a) **Single process, one thread**: a training step (forward, cross-entropy, backward, AdamW) of
+    meshfold's ``MoETransformer`` vs transformers' ``MixtralForCausalLM`` holding the same weights
+    (meshfold's ``save_pretrained`` -> transformers' ``from_pretrained``; the logits are checked to
+    agree first), batch 8 x 256 tokens. Timed interleaved (one step of each per round), median over
+    rounds. FLOPs per step from ``meshfold.train.flops.train_flops_per_step`` (Megatron-Core's
+    count, identical for both); the MFU peak is a dense fp32 GEMM (1024^3, one thread) measured
+    in the same run just before and just after the steps, the better of the two.
+(b) **Folds on gloo ranks** (1, 2, 4 processes, one thread each, on this machine's cores): the
+    same step, folded (``parallelize``, ``shard_batch``, ``reduce_gradients``, AdamW on the
+    local shards), global batch 8 x 256 fixed. tokens/s = global tokens / median step time (the
+    slowest rank). MFU against the sum of the ranks' dense GEMM rates, measured concurrently.
+(c) **Per-rank peak memory vs cp** at one sequence of 2048 tokens, fold ``cp = world`` (dp = tp =
+    ep = 1, so weights, gradients and optimizer state are the same on every rank and only
+    activations can shrink). Each rank, in a fresh process with glibc's mmap threshold at 64 KiB
+    (freed tensors go back to the OS): a warm-up step (gradients and AdamW state now exist),
+    gradients set to None, ``malloc_trim``, reset of the kernel's peak-RSS counter
+    (``/proc/self/clear_refs`` = 5), then one step; ``peak`` = VmHWM - VmRSS before the step:
+    activations, temporaries and the re-created gradients. ``peak - grads`` subtracts the
+    gradient buffers (the parameter bytes, the same for every cp).
+
+Writes benchmarks/results/model.json; prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from meshfold import FoldSpec, fold  # noqa: E402
+from meshfold.launch import spawn  # noqa: E402
+from meshfold.models import MoETransformer, get_config, save_pretrained  # noqa: E402
+from meshfold.models.transformer_parallel import parallelize, reduce_gradients, shard_batch  # noqa: E402
+from meshfold.train.flops import train_flops_per_step  # noqa: E402
+
+B, S, S_LONG = 8, 256, 2048
+FOLDS = {  # world size -> folds timed in part (b)
+    1: [dict()],
+    2: [dict(), dict(tp=2), dict(ep=2)],
+    4: [dict(), dict(tp=2, ep=4), dict(ep=4), dict(cp=2, tp=2, ep=4)],
+}
+
+
+def model_config():
+    base = get_config("tiny-mixtral")
+    moe = replace(base.moe, hidden=256, ffn=512, num_experts=8, topk=2)
+    return replace(base, hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, ffn=512, moe=moe,
+                   max_seq=S_LONG)
+
+
+def batch(b, s, seed=0):
+    """(tokens, next-token targets) [b, s] from one random byte stream."""
+    stream = torch.randint(0, 256, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
+def gemm_rate(seconds=1.0, size=1024) -> float:
+    """Dense fp32 GEMM FLOP/s on this process's threads now: the MFU denominator."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    times = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 3:
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * size ** 3 / statistics.median(times)
+
+
+def fold_name(spec) -> str:
+    return (f"{spec.world_size} rank{'s' if spec.world_size > 1 else ''}: attn tp{spec.tp} cp{spec.cp} "
+            f"dp{spec.dp} | moe etp{spec.etp} ep{spec.ep} edp{spec.edp}")
+
+
+# ------------------------------------------------------------------ (a) meshfold vs transformers
+def part_a(rounds: int) -> dict:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = model_config()
+    ours = MoETransformer(cfg)
+    with tempfile.TemporaryDirectory() as path:
+        save_pretrained(ours, path)
+        hf = transformers.MixtralForCausalLM.from_pretrained(path)  # its defaults: sdpa, grouped_mm
+    hf.train()
+    tokens, targets = batch(B, S)
+    with torch.no_grad():
+        agree = (ours(tokens[:1]) - hf(tokens[:1]).logits).abs().max().item()
+    if agree > 1e-3:
+        raise RuntimeError(f"meshfold and transformers disagree on the logits by {agree:.2e}: not the same model")
+
+    def stepper(model, logits_of):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+
+        def step():
+            logits = logits_of(model, tokens)
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    steps = {"meshfold": stepper(ours, lambda m, t: m(t)),
+             "transformers": stepper(hf, lambda m, t: m(input_ids=t).logits)}
+    peak = gemm_rate()
+    for step in steps.values():  # warm-up: allocator, AdamW state
+        step()
+    times = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    peak = max(peak, gemm_rate())  # the better of before and after: other load only lowers it
+    flops = train_flops_per_step(cfg, B, S)
+    rows = []
+    for name, ts in times.items():
+        dt = statistics.median(ts)
+        rows.append(dict(impl=name, step_s=dt, tokens_per_s=B * S / dt, tflops=flops / dt / 1e12,
+                         mfu=flops / dt / peak, times=ts))
+    hf_impl = dict(attn=hf.config._attn_implementation, experts=getattr(hf.config, "_experts_implementation", None))
+    return dict(batch=B, seq=S, threads=1, flops_per_step=flops, peak_gemm_flops=peak,
+                logits_max_diff=agree, hf_implementation=hf_impl, rows=rows)
+
+
+# ------------------------------------------------------------------ (b) folds on gloo ranks
+def _train_step(model, opt, tokens, targets, spec, rank):
+    lt, pos = shard_batch(tokens, spec, rank)
+    ltg, _ = shard_batch(targets, spec, rank)
+    logits = model(lt, pos)
+    share = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ltg.reshape(-1), reduction="sum") / ltg.numel()
+    (share * ltg.numel() / tokens.numel()).backward()  # shares add up to the global mean loss
+    reduce_gradients(model)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def scaling_worker(rank, world_size, fold_kwargs: list, rounds: int) -> list:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    cfg = model_config()
+    tokens, targets = batch(B, S)
+    def summed_gemm_rate():  # all ranks at once: what the machine gives this many processes
+        dist.barrier()
+        rate = torch.tensor(gemm_rate(seconds=0.5), dtype=torch.float64)
+        dist.all_reduce(rate)
+        return rate.item()
+
+    peak = summed_gemm_rate()
+    out = []
+    for kw in fold_kwargs:
+        spec = FoldSpec(world_size, **kw)
+        torch.manual_seed(0)
+        model = parallelize(MoETransformer(cfg), fold(spec))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        _train_step(model, opt, tokens, targets, spec, rank)  # warm-up
+        times = []
+        for _ in range(rounds):
+            dist.barrier()
+            t0 = time.perf_counter()
+            _train_step(model, opt, tokens, targets, spec, rank)
+            slowest = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times.append(slowest.item())
+        out.append(dict(fold=fold_name(spec), step_s=statistics.median(times), times=times))
+        del model, opt
+        gc.collect()
+    peak = max(peak, summed_gemm_rate())
+    return [dict(r, peak_gemm_flops=peak) for r in out]
+
+
+def part_b(rounds: int) -> dict:
+    flops = train_flops_per_step(model_config(), B, S)
+    rows = []
+    for world, folds in FOLDS.items():
+        for r in spawn(scaling_worker, world, folds, rounds, timeout=600)[0]:
+            rows.append(dict(world_size=world, **r, tokens_per_s=B * S / r["step_s"],
+                             mfu=flops / r["step_s"] / r["peak_gemm_flops"]))
+    return dict(batch=B, seq=S, threads_per_rank=1, cpu_count=os.cpu_count(), flops_per_step=flops, rows=rows)
+
+
+# ------------------------------------------------------------------ (c) memory vs cp
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory_worker(rank, world_size) -> dict:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: tensors >= 64 KiB are mmapped, freed to the OS
+    torch.set_num_threads(1)
+    spec = FoldSpec(world_size, cp=world_size)
+    cfg = model_config()
+    tokens, targets = batch(1, S_LONG)
+    torch.manual_seed(0)
+    model = parallelize(MoETransformer(cfg), fold(spec))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    _train_step(model, opt, tokens, targets, spec, rank)  # gradients, AdamW state, gloo buffers
+    gc.collect()
+    libc.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    before = _status_kb("VmRSS:")
+    t0 = time.perf_counter()
+    _train_step(model, opt, tokens, targets, spec, rank)
+    dt = time.perf_counter() - t0
+    peak = _status_kb("VmHWM:") - before
+    grad_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return dict(rank=rank, peak_mib=peak / 1024, grads_mib=grad_bytes / 2 ** 20, step_s=dt)
+
+
+def part_c() -> dict:
+    rows = []
+    for cp in (1, 2, 4):
+        ranks = spawn(memory_worker, cp, timeout=600)
+        peak = max(r["peak_mib"] for r in ranks)
+        grads = ranks[0]["grads_mib"]
+        rows.append(dict(cp=cp, tokens_per_rank=S_LONG // cp, peak_mib=peak, grads_mib=grads,
+                         activations_mib=peak - grads, per_rank=ranks))
+    for r in rows:
+        r["vs_cp1"] = r["peak_mib"] / rows[0]["peak_mib"]
+        r["activations_vs_cp1"] = r["activations_mib"] / rows[0]["activations_mib"]
+    return dict(seq=S_LONG, batch=1, method="VmHWM - VmRSS around one training step, per rank (max over ranks)",
+                rows=rows)
+
+
+# ------------------------------------------------------------------ report
+def print_tables(res: dict) -> None:
+    if "a" in res:
+        a = res["a"]
+        print(f"\n(a) training step, batch {a['batch']} x {a['seq']}, 1 thread; dense fp32 GEMM peak "
+              f"{a['peak_gemm_flops'] / 1e9:.1f} GFLOP/s; {a['flops_per_step'] / 1e9:.1f} GFLOP/step; "
+              f"logits agree to {a['logits_max_diff']:.1e}; transformers: {a['hf_implementation']}")
+        print("| implementation | step (s) | tokens/s | GFLOP/s | MFU |\n|---|---:|---:|---:|---:|")
+        for r in a["rows"]:
+            print(f"| {r['impl']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops'] * 1e3:.1f} "
+                  f"| {100 * r['mfu']:.1f}% |")
+    if "b" in res:
+        b = res["b"]
+        print(f"\n(b) folded training step on gloo, global batch {b['batch']} x {b['seq']}, 1 thread per rank, "
+              f"{b['cpu_count']} CPUs")
+        print("| fold | step (s) | tokens/s | MFU (vs the ranks' summed GEMM rate) |\n|---|---:|---:|---:|")
+        for r in b["rows"]:
+            print(f"| {r['fold']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% |")
+    if "c" in res:
+        c = res["c"]
+        print(f"\n(c) per-rank peak memory of a training step, one sequence of {c['seq']} tokens, fold cp = ranks "
+              f"({c['method']})")
+        print("| cp | tokens/rank | peak (MiB) | vs cp=1 | grads (MiB) | peak - grads (MiB) | vs cp=1 |\n"
+              "|---:|---:|---:|---:|---:|---:|---:|")
+        for r in c["rows"]:
+            print(f"| {r['cp']} | {r['tokens_per_rank']} | {r['peak_mib']:.0f} | {r['vs_cp1']:.2f} | "
+                  f"{r['grads_mib']:.0f} | {r['activations_mib']:.0f} | {r['activations_vs_cp1']:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="abc", help="any of a, b, c")
+    ap.add_argument("--rounds", type=int, default=5, help="timed steps per implementation (a) / fold (b)")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    res = dict(torch=torch.__version__, machine=platform.machine(), processor=platform.processor(),
+               cpu_count=os.cpu_count())
+    if "a" in args.parts:
+        res["a"] = part_a(args.rounds)
+    if "b" in args.parts:
+        res["b"] = part_b(max(3, args.rounds - 2))
+    if "c" in args.parts:
+        res["c"] = part_c()
+    res["wall_s"] = time.perf_counter() - t0
+    print_tables(res)
+    out = ROOT / "benchmarks" / "results" / "model.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"\nwrote {out.relative_to(ROOT)} ({res['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
