@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import socket
 import sys
@@ -59,6 +60,12 @@ def _loopback_listener() -> socket.socket:
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     return sock
+
+
+def _loopback_interface() -> str:
+    """The loopback interface's name: ``lo`` on Linux, ``lo0`` on macOS."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), names[0] if names else "lo")
 
 
 def _under_torchrun() -> bool:
@@ -96,7 +103,7 @@ def _run_under_torchrun(fn: Callable, world_size: int, args: tuple, timeout: flo
 
 def _init_worker(rank: int, world_size: int, port: int, timeout: float) -> None:
     # Gloo's own sockets follow GLOO_SOCKET_IFNAME; pin them to loopback like the store.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     import torch
@@ -112,7 +119,9 @@ def _spawn_entry(rank, world_size, port, timeout, fn, args, results) -> None:
     try:
         _init_worker(rank, world_size, port, timeout)
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # by value: the queue's default pickler would share tensors through memory that this
+        # process frees when it exits, before the parent has read it
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put((rank, False, traceback.format_exc()))
         sys.exit(1)
@@ -136,7 +145,7 @@ def _world_entry(rank, world_size, port, timeout, tasks, results) -> None:
             break
         fn, args = task
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         except BaseException:  # noqa: BLE001
             results.put((rank, False, traceback.format_exc()))
     import torch.distributed as dist
@@ -184,7 +193,7 @@ class _Procs:
                 continue
             if not ok:
                 self._fail(out, (rank, value))
-            out[rank] = value
+            out[rank] = pickle.loads(value) if isinstance(value, bytes) else value
         return [out[r] for r in range(self.world_size)]
 
     def _fail(self, out: dict, first_error: tuple[int, str] | None) -> None:
@@ -226,14 +235,16 @@ class _Procs:
         self.store = None  # closes the rendezvous server
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+          run_timeout: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return each rank's result.
 
     Locally this starts ``world_size`` CPU processes with the gloo backend, rendezvous on a free
     loopback port. Under torchrun it runs ``fn`` in the current process on the existing group.
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout`` bounds each
-    collective and the whole run; a rank that raises makes this raise :class:`RankError` with that
-    rank's number and traceback, after the other ranks are terminated.
+    collective (and start-up); ``run_timeout`` (None: no limit) bounds the whole run. A rank that
+    raises makes this raise :class:`RankError` with that rank's number and traceback, after the
+    other ranks are terminated.
     """
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -241,8 +252,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TI
         return _run_under_torchrun(fn, world_size, args, timeout)
     procs = _Procs(_spawn_entry, world_size, timeout, lambda rank: (fn, args))
     try:
-        # Start-up (a torch import per process) is not collective time: allow for it on top.
-        results = procs.collect(time.monotonic() + timeout + 60.0, f"spawn({fn.__name__})")
+        deadline = float("inf") if run_timeout is None else time.monotonic() + run_timeout
+        results = procs.collect(deadline, f"spawn({fn.__name__})")
     finally:
         procs.terminate()
     return results

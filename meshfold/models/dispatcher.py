@@ -11,13 +11,17 @@ the identity.
 Dropping (``capacity_factor`` set): an expert keeps at most ``capacity = ceil(cf * T * k / E)``
 pairs of the token set that decides (this rank's tokens for sub-sequence dropping, the DP rank's
 whole micro-batch for full-sequence dropping). Policy ``probs`` keeps the highest routing weights
-(ties to the earlier token), ``position`` the earliest tokens (deterministic). Dropped pairs
+(ties to the earlier token), ``position`` the earliest tokens (deterministic). "Earlier" is the
+order of the deciding token set: a rank's local order for sub-sequence dropping, and for
+full-sequence dropping the (cp, tp) rank-major order of the gathered tokens, which with
+load-balanced CP chunks is not the order within the sequence. Dropped pairs
 contribute nothing; a token whose every pair is dropped outputs zero (plus shared experts).
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +30,10 @@ __all__ = ["capacity", "keep_mask", "permute", "unpermute", "Permuted"]
 
 
 def capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
-    """Pairs one expert may keep: ``ceil(capacity_factor * tokens * k / E)``."""
-    return math.ceil(capacity_factor * num_tokens * topk / num_experts)
+    """Pairs one expert may keep: ``ceil(capacity_factor * tokens * k / E)``, in exact arithmetic
+    (``1.1 * 25 * 4 / 2`` is 55.000000000000007 in floats, which would round up to 56)."""
+    cf = Fraction(str(capacity_factor)) if isinstance(capacity_factor, float) else Fraction(capacity_factor)
+    return math.ceil(cf * num_tokens * topk / num_experts)
 
 
 def keep_mask(experts_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, cap: int,

@@ -33,8 +33,9 @@ Dispatch (the paper's token dispatcher), per layer: one host sync, when the per-
 every rank in this rank's ``ep x etp`` block are gathered (two small all-gathers, one
 ``.tolist()``); then all-to-all-v over ``ep``, all-gather-v over ``etp``, a local re-sort so each
 local expert's rows are contiguous; the reverse after the experts (re-sort back, reduce-scatter-v
-over ``etp``, all-to-all-v back over ``ep``). With pad-to-capacity the counts are static and the
-sync disappears.
+over ``etp``, all-to-all-v back over ``ep``). With pad-to-capacity every expert gets the same
+number of rows, but the counts are still exchanged this way (and, on CUDA, dropping selects the
+kept pairs with a boolean mask, a second sync): a static-split path is a possible optimisation.
 """
 
 from __future__ import annotations
@@ -153,17 +154,17 @@ class FoldedComm:
         for d in reversed(dims):  # tp first, then cp: the group's rank order
             if getattr(self, d) == 1:
                 continue
-            sizes = self._even_sizes(t.shape[0], d)
+            sizes = self._even_sizes(t.shape[0], d, t.device)
             offset += self.attn.get_local_rank(d) * t.shape[0]
             t = all_gather_v(t.detach(), sizes, self.attn, d)
         return t, offset
 
-    def _even_sizes(self, n_local: int, dim: str) -> list[int]:
+    def _even_sizes(self, n_local: int, dim: str, device) -> list[int]:
         """[n_local] * group size; with debug checks on, verified across the group first."""
         n = getattr(self, dim)
         if debug_checks_enabled():
-            seen = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-            dist.all_gather(seen, torch.tensor([n_local]), group=self.attn.get_group(dim))
+            seen = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+            dist.all_gather(seen, torch.tensor([n_local], device=device), group=self.attn.get_group(dim))
             if len({int(v) for v in seen}) > 1:
                 raise ValueError(f"ranks of attn dim {dim!r} hold different token counts "
                                  f"{[int(v) for v in seen]}; the MoE layer needs an even split")
@@ -221,7 +222,7 @@ class FoldedComm:
     def shared_in(self, x_TH):
         if self.tp == 1:
             return x_TH
-        self._shared_sizes = self._even_sizes(x_TH.shape[0], "tp")  # even sequence-parallel split
+        self._shared_sizes = self._even_sizes(x_TH.shape[0], "tp", x_TH.device)  # even sequence-parallel split
         return all_gather_v(x_TH, self._shared_sizes, self.attn, "tp")
 
     def shared_out(self, y_TH):

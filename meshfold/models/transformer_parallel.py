@@ -199,6 +199,10 @@ def local_positions(S: int, spec, rank: int) -> torch.Tensor:
     split contiguously over tp.
     """
     c = spec.coords(rank)["attn"]
+    split = 2 * spec.cp * spec.tp if spec.cp > 1 else spec.tp
+    if S % split:
+        raise ValueError(f"sequence length {S} is not divisible by {split} (cp = {spec.cp} gives "
+                         f"2*cp load-balanced chunks, each split over tp = {spec.tp})")
     if spec.cp > 1:
         chunk = S // (2 * spec.cp)
         part = torch.cat([torch.arange(c["cp"] * chunk, (c["cp"] + 1) * chunk),
@@ -213,6 +217,8 @@ def shard_batch(tokens: torch.Tensor, spec, rank: int) -> tuple[torch.Tensor, to
     """This rank's slice of a global [B, S] batch (batch over dp, sequence over cp x tp) and the
     positions of its tokens."""
     B, S = tokens.shape
+    if B % spec.dp:
+        raise ValueError(f"batch of {B} sequences is not divisible by dp = {spec.dp}")
     c = spec.coords(rank)["attn"]
     b = B // spec.dp
     pos = local_positions(S, spec, rank)

@@ -1,9 +1,10 @@
 """Variable-size collectives over one named mesh dim, with autograd.
 
 Each collective moves rows (dim 0) between the ranks of one mesh dim. Split sizes are host ints
-that every rank already knows; the only device-to-host sync is in :func:`exchange_splits`, which a
-dispatcher calls once to learn how many rows it will receive (one ``.tolist()`` of a [group] int64
-tensor).
+that every rank already knows, so the collectives themselves never sync with the device. Learning
+the receive sizes is the dispatch's one device-to-host sync: :func:`exchange_splits` does it for
+one mesh dim (one ``.tolist()`` of a [group] int64 tensor); the MoE dispatcher gathers the counts
+of its whole ep x etp block instead, also with one ``.tolist()``.
 
 =====================  =============================================  =========================
 forward                meaning                                        backward
@@ -49,22 +50,18 @@ def debug_checks_enabled() -> bool:
     return _DEBUG
 
 
-_GROUPS: dict = {}
-
-
 def _group(mesh, dim: str):
-    """(process group, group size, my position) of a named mesh dim, cached: DeviceMesh lookups
-    cost microseconds that add up on a per-layer hot path."""
-    key = (id(mesh), dim)
-    hit = _GROUPS.get(key)
-    if hit is not None and hit[0] is mesh:
-        return hit[1]
-    names = mesh.mesh_dim_names or ()
-    if dim not in names:
-        raise ValueError(f"mesh has no dim {dim!r}; its dims are {list(names)}")
-    value = (mesh.get_group(dim), mesh.size(names.index(dim)), mesh.get_local_rank(dim))
-    _GROUPS[key] = (mesh, value)
-    return value
+    """(process group, group size, my position) of a named mesh dim, cached on the mesh object
+    itself (not in a global table, which would keep discarded meshes alive, nor keyed by mesh
+    equality, which two folds of one spec share while owning different groups): DeviceMesh
+    lookups cost microseconds that add up on a per-layer hot path."""
+    cache = mesh.__dict__.setdefault("_meshfold_groups", {})
+    if dim not in cache:
+        names = mesh.mesh_dim_names or ()
+        if dim not in names:
+            raise ValueError(f"mesh has no dim {dim!r}; its dims are {list(names)}")
+        cache[dim] = (mesh.get_group(dim), mesh.size(names.index(dim)), mesh.get_local_rank(dim))
+    return cache[dim]
 
 
 def _check_splits(name: str, splits: Sequence[int], group_size: int, total: int | None,

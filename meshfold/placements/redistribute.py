@@ -23,7 +23,7 @@ Moving between the folded views (the ``attn`` and ``moe`` meshes hold the same r
 the tensor without copying when every rank's local piece is the same rows of the global tensor
 under both layouts (e.g. tokens ``Shard(0)`` over attn ``(dp, cp, tp)`` are ``Shard(0)`` over moe
 ``(edp, ep, etp)``); otherwise it raises. Every rank decides locally and one all-reduce of a flag
-makes them agree, so no rank re-labels while another raises.
+over the source mesh's dims makes them agree, so no rank re-labels while another raises.
 
 The token dispatch itself (rank i sends ``splits[j]`` rows to rank j, a block transpose of the
 rows) is not a re-layout of one global tensor, so it is the collective
@@ -244,9 +244,13 @@ def _dtensor_box(shape, mesh, placements):
     return list(zip(offset, local_shape))
 
 
-def _agree(flag: bool, device) -> bool:
+def _agree(flag: bool, mesh, device) -> bool:
+    """True iff the flag is set on every rank of ``mesh`` (a MIN over each of its dims in turn,
+    so only the mesh's own ranks take part): all of them re-label, or all raise."""
     ok = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # all ranks re-label, or all raise
+    for i in range(mesh.ndim):
+        if mesh.size(i) > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=mesh.get_group(i))
     return bool(ok.item())
 
 
@@ -264,7 +268,7 @@ def _relabel(x, mesh, placements):
         # DTensor-only layouts, nested shards allowed: compare boxes with DTensor's own rule.
         src_box = _dtensor_box(x.shape, x.device_mesh, x.placements)
         tgt_box = _dtensor_box(x.shape, mesh, placements)
-        if not _agree(src_box == tgt_box, x.device):
+        if not _agree(src_box == tgt_box, x.device_mesh, x.device):
             raise _relabel_error(x.device_mesh, mesh, x.placements, src_box, placements, tgt_box)
         return DTensor.from_local(x.to_local(), mesh, placements, run_check=False,
                                   shape=x.shape, stride=x.stride())
@@ -279,7 +283,7 @@ def _relabel(x, mesh, placements):
         tgt.append(p)
     src_box = _box(src, local.shape, src_mesh.get_coordinate())
     tgt_box = _box(tgt, local.shape, mesh.get_coordinate())
-    if not _agree(src_box is not None and src_box == tgt_box, local.device):
+    if not _agree(src_box is not None and src_box == tgt_box, src_mesh, local.device):
         raise _relabel_error(src_mesh, mesh, src, src_box, tgt, tgt_box)
     if any(isinstance(p, RaggedShard) for p in placements):
         return RaggedTensor(local, mesh, tgt)

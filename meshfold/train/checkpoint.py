@@ -142,12 +142,3 @@ def load(path: str | os.PathLike, model, optimizer=None, restore_rng: bool = Tru
             with open(rng) as f:
                 torch.set_rng_state(torch.tensor(json.load(f)["torch"], dtype=torch.uint8))
     return state
-
-
-def full_model_state(path: str | os.PathLike, model) -> None:
-    """Load a checkpoint's model weights into a single-process, unparallelized model."""
-    load(path, model, None, restore_rng=False)
-
-
-def is_dtensor(t) -> bool:
-    return isinstance(t, DTensor)

@@ -54,10 +54,13 @@ def main(args: argparse.Namespace) -> int:
               f"moe  pp{spec.pp} x edp{spec.edp} x ep{spec.ep} x etp{spec.etp}", flush=True)
         print(f"  data: {corpus_description(cfg.data.paths)}; {cfg.train.steps} steps of "
               f"{cfg.train.batch} x {cfg.train.seq} tokens; output in {out}/", flush=True)
-    try:
+    try:  # train.timeout bounds each collective; the run itself may take as long as it needs
         results = spawn(train_rank, spec.world_size, cfg, timeout=cfg.train.timeout)
     except RankError as err:
         print(f"meshfold train: rank {err.rank} failed:\n{err.remote_traceback}", file=sys.stderr)
+        return 1
+    except TimeoutError as err:
+        print(f"meshfold train: {err}", file=sys.stderr)
         return 1
     if rank == 0:
         plots = write_plots(out)

@@ -55,15 +55,14 @@ class TrainSettings:
     dtype: str = "float32"
     eval_every: int = 50
     eval_batches: int = 4
-    log_every: int = 1
     ckpt_every: int = 100
     out_dir: str = "runs/default"
     resume: bool = True
     stop_at: int | None = None  # end this invocation after this step (the schedule still spans steps)
     skip_nonfinite: bool = False  # skip steps whose loss is not finite instead of stopping
     timeout: float = 300.0  # seconds a collective may wait before the run is declared hung
-    # testing aids for failure handling (tests/test_train.py): make the loss NaN at a step, kill
-    # one rank at a step ([rank, step]), or crash rank 0 in the middle of saving a checkpoint
+    # testing aids for failure handling (tests/test_train.py), steps counted from 1: make the loss
+    # NaN at a step, kill one rank at a step ([rank, step]), or crash rank 0 while it saves
     inject_nan_at: int | None = None
     kill_rank_at: list | None = None
     crash_in_save_at: int | None = None
@@ -136,7 +135,7 @@ class TrainConfig:
         spec = self.fold_spec()
         cfg = self.model_config()
         t = self.train
-        for name in ("steps", "batch", "seq", "eval_every", "log_every", "ckpt_every", "eval_batches"):
+        for name in ("steps", "batch", "seq", "eval_every", "ckpt_every", "eval_batches"):
             v = getattr(t, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"train.{name} must be a positive integer, got {v!r}")
@@ -170,8 +169,10 @@ class TrainConfig:
                 raise ValueError(f"num_experts = {cfg.moe.num_experts} is not divisible by ep = {spec.ep}")
             if cfg.moe.ffn % spec.etp:
                 raise ValueError(f"moe ffn = {cfg.moe.ffn} is not divisible by etp = {spec.etp}")
-        if cfg.ffn % spec.tp:
+        if any(not cfg.is_moe_layer(i) for i in range(cfg.layers)) and cfg.ffn % spec.tp:
             raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
+        if cfg.moe is not None and cfg.moe.shared_ffn % spec.tp:
+            raise ValueError(f"moe shared_ffn = {cfg.moe.shared_ffn} is not divisible by tp = {spec.tp}")
         return spec, cfg
 
 

@@ -41,11 +41,13 @@ def _lr(step: int, t) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def _measure_peak(seconds: float = 0.5, device=None) -> float:
-    """Dense fp32 GEMM FLOP/s this process reaches now (all ranks measure at once, so the sum is
-    what the machine gives this layout): the MFU denominator, measured in the same run."""
+def _measure_peak(seconds: float = 0.5, device=None, dtype=torch.float32) -> float:
+    """Dense GEMM FLOP/s this process reaches now in the training dtype (all ranks measure at
+    once, so the sum is what the machine gives this layout): the MFU denominator, measured in the
+    same run."""
     size = 384 if device is None or device.type == "cpu" else 4096
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -99,7 +101,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         state = checkpoint.load(last, model, opt)
         start, skipped = state["step"], state.get("skipped", 0)
         resumed_from = str(last)
-    peak = _all_sum(torch.tensor(_measure_peak(device=device), device=device)).item()
+    peak = _all_sum(torch.tensor(_measure_peak(device=device, dtype=DTYPES[t.dtype]), device=device)).item()
     flops = train_flops_per_step(mcfg, t.batch, t.seq)
     n_global = t.batch * t.seq
     if rank == 0:
@@ -112,70 +114,78 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     history = []
     end = t.steps if t.stop_at is None else min(t.steps, t.stop_at)
     for step in range(start, end):
+        n = step + 1  # steps are counted from 1 in logs, checkpoints and settings
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = _lr(step, t)
         tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed)
         share = _local_loss(model, tokens, targets, spec, rank, n_global)
-        if t.inject_nan_at is not None and step == t.inject_nan_at:
+        if t.inject_nan_at is not None and n == t.inject_nan_at:
             share = share * float("nan")
-        if t.kill_rank_at is not None and [rank, step] == list(t.kill_rank_at):
+        if t.kill_rank_at is not None and [rank, n] == list(t.kill_rank_at):
             os.kill(os.getpid(), signal.SIGKILL)
         share.backward()
-        loss = _all_sum(share).item()
-        if not math.isfinite(loss):
+        loss = _all_sum(share).item()  # the same value on every rank: all stop or skip together
+        if math.isfinite(loss):
+            record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0)
+            if n % t.eval_every == 0 or n == t.steps:
+                record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
+            if rank == 0:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                progress.update(record)
+            history.append(record)
+        elif t.skip_nonfinite:
             opt.zero_grad(set_to_none=True)
-            if not t.skip_nonfinite:
-                raise FloatingPointError(
-                    f"non-finite loss {loss} at step {step}; last good checkpoint: "
-                    f"{last_good or 'none (no checkpoint saved yet)'}; set train.skip_nonfinite=true "
-                    f"to skip such steps instead")
+            for layer in model.moe_layers():
+                layer._bias_counts = None  # this step's routing must not steer the bias
             skipped += 1
-            continue
-        reduce_gradients(model)
-        if pruner is not None:
-            pruner.accumulate()
-            pruner.step(step + 1)  # between backward and optimizer.step, as TilePruner wants
-        gnorm = grad_norm(model).item()
-        if t.grad_clip and gnorm > t.grad_clip:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(t.grad_clip / gnorm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        for layer in model.moe_layers():
-            if layer.cfg.expert_bias:
-                layer.update_expert_bias()
-        dt = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": loss, "lr": _lr(step, t), "grad_norm": gnorm,
-                  "tokens_per_s": n_global / dt, "mfu": flops / dt / peak, "step_s": dt,
-                  "skipped_steps": skipped}
-        moe = model.moe_layers()
-        if moe:
-            record["aux_losses"] = {k: sum(float(m.last_losses[k]) for m in moe)
-                                    for k in moe[0].last_losses}
-            record["tokens_per_expert"] = [m.last_metrics["tokens_per_expert"].tolist() for m in moe]
-            record["dropped_fraction"] = sum(float(m.last_metrics["dropped_fraction"]) for m in moe) / len(moe)
-        if pruner is not None:
-            record["expert_sparsity"] = pruner.sparsity()
-        if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
-            record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
-        if rank == 0:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            progress.update(record)
-        history.append(record)
-        if (step + 1) % t.ckpt_every == 0 or step + 1 == end:
-            state = {"step": step + 1, "skipped": skipped, "fold": cfg.fold, "model": cfg.model,
+        else:
+            raise FloatingPointError(
+                f"non-finite loss {loss} at step {n}; last good checkpoint: "
+                f"{last_good or 'none (no checkpoint saved yet)'}; set train.skip_nonfinite=true "
+                f"to skip such steps instead")
+        if n % t.ckpt_every == 0 or n == end:  # skipped steps too: the schedule stays on time
+            state = {"step": n, "skipped": skipped, "fold": cfg.fold, "model": cfg.model,
                      "moe": cfg.moe, "sparsity": cfg.sparsity, "seed": t.seed,
                      "world_size": world_size}
-            crash = t.crash_in_save_at is not None and step + 1 == t.crash_in_save_at
-            last_good = str(checkpoint.save(ckpt_dir, step + 1, model, opt, state, crash_before_rename=crash))
+            crash = t.crash_in_save_at is not None and n == t.crash_in_save_at
+            last_good = str(checkpoint.save(ckpt_dir, n, model, opt, state, crash_before_rename=crash))
     if rank == 0:
         progress.close()
         metrics_file.close()
     return {"final_loss": history[-1]["loss"] if history else None, "steps": len(history),
             "checkpoint": last_good}
+
+
+def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0) -> dict:
+    """Reduce gradients, prune, clip, step; returns step ``n``'s metrics."""
+    reduce_gradients(model)
+    if pruner is not None:
+        pruner.accumulate()
+        pruner.step(n)  # between backward and optimizer.step, as TilePruner wants
+    gnorm = grad_norm(model).item()
+    if t.grad_clip and gnorm > t.grad_clip:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(t.grad_clip / gnorm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for layer in model.moe_layers():
+        if layer.cfg.expert_bias:
+            layer.update_expert_bias()
+    dt = time.perf_counter() - t0
+    record = {"step": n, "loss": loss, "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm,
+              "tokens_per_s": n_global / dt, "mfu": flops / dt / peak, "step_s": dt,
+              "skipped_steps": skipped}
+    moe = model.moe_layers()
+    if moe:
+        record["aux_losses"] = {k: sum(float(m.last_losses[k]) for m in moe) for k in moe[0].last_losses}
+        record["tokens_per_expert"] = [m.last_metrics["tokens_per_expert"].tolist() for m in moe]
+        record["dropped_fraction"] = sum(float(m.last_metrics["dropped_fraction"]) for m in moe) / len(moe)
+    if pruner is not None:
+        record["expert_sparsity"] = pruner.sparsity()
+    return record
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

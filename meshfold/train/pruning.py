@@ -6,7 +6,11 @@ So at a prune step every rank gathers the full expert weights (and, for the Tayl
 full accumulated ``(dL/dW * W)^2``), runs the same :class:`~meshfold.sparsity.TilePruner` step
 on them (identical input, identical masks everywhere; the masks are full-size buffers that each
 layer slices for its shard), then zeroes its own weight shards and AdamW moments under the new
-masks. The gathers are all-gathers of expert weights, paid only at accumulation and prune steps.
+masks. The cost: with the Taylor score, full weights and gradients are gathered every step until
+the last stage (and every rank keeps full fp32 scores), magnitude scoring gathers only at prune
+steps. That suits the CPU-scale models ``meshfold train`` runs; scoring shards locally and
+reducing only per-tile scores is the step to take for large models. Scores accumulated since the
+last stage are not checkpointed, so a run resumed mid-stage scores from the resume on.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class FoldedPruner:
         self.config, self.optimizer = config, optimizer
         self.layers = model.moe_layers()
         self.taylor: dict[str, torch.Tensor] = {}
+        self.last_target: float | None = None  # sparsity of the last stage applied
 
     def _params(self):
         for i, layer in enumerate(self.layers):
@@ -40,7 +45,7 @@ class FoldedPruner:
     @torch.no_grad()
     def accumulate(self) -> None:
         """Add this step's (dL/dW * W)^2 (full tensors; call after gradients are reduced)."""
-        if self.config.score != "taylor":
+        if self.config.score != "taylor" or self._done():
             return
         for name, _, p, _, _ in self._params():
             if p.grad is None:
@@ -50,9 +55,14 @@ class FoldedPruner:
 
     @torch.no_grad()
     def step(self, step: int) -> bool:
-        """Prune when ``step`` is a stage boundary; True if it pruned."""
-        if step not in self.config.prune_steps():
+        """Prune when ``step`` reaches a new stage (a boundary skipped for a non-finite loss is
+        caught up at the next step); True if it pruned."""
+        if self.last_target is None:  # first call, maybe after a resume: masks hold step - 1's stage
+            self.last_target = self.config.target_at(step - 1)
+        target = self.config.target_at(step)
+        if target <= self.last_target:
             return False
+        self.last_target = target
         group = {}
         for name, _, p, _, mask in self._params():
             w = self._full(p).detach().clone()
@@ -62,7 +72,7 @@ class FoldedPruner:
         for name in group:
             if name in self.taylor:
                 pruner.taylor[name] = self.taylor[name].reshape(group[name][0].shape)
-        pruner.prune_to(self.config.target_at(step))  # updates the shared, full masks in place
+        pruner.prune_to(target)  # updates the shared, full masks in place
         self.taylor.clear()
         for _, layer, p, mask_name, mask in self._params():
             local_mask = layer.comm.local_mask(mask_name, mask)
@@ -80,6 +90,9 @@ class FoldedPruner:
                     m = state[key]
                     (m.to_local() if hasattr(m, "to_local") else m).mul_(keep.to(m.dtype))
         return True
+
+    def _done(self) -> bool:
+        return self.last_target is not None and self.last_target >= max(self.config.schedule, default=0.0)
 
     def sparsity(self) -> float:
         masks = [m for *_, m in self._params()]
