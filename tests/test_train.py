@@ -171,3 +171,27 @@ def test_tile_sparse_training_reaches_each_stage_and_keeps_pruned_weights_zero(t
 
 def torch_all_zero(t):
     return bool((t == 0).all())
+
+
+def test_config_file_and_own_data(tmp_path):
+    """Settings from a TOML file (overridden on the command line) and --data text files, with a
+    held-out validation split."""
+    text = tmp_path / "corpus"
+    text.mkdir()
+    (text / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    (text / "b.txt").write_text("pack my box with five dozen liquor jugs! " * 400)
+    config = tmp_path / "run.toml"
+    config.write_text('[fold]\nworld_size = 2\ntp = 1\nep = 2\n\n[train]\nsteps = 50\nbatch = 4\n'
+                      'seq = 32\neval_every = 3\n\n[model]\nlayers = 1\n\n[moe]\ncapacity_factor = 1.0\n')
+    proc = meshfold("train", "--config", str(config), "--steps", "6", "--out-dir", str(tmp_path / "run"),
+                    "--data", str(text))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on 2 ranks" in proc.stdout and "corpus" in proc.stdout
+    rows = losses(tmp_path / "run")
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6] and "val_loss" in rows[3]  # steps from --steps
+    from meshfold.data import load_corpus
+
+    corpus = load_corpus([text], val_fraction=0.05)
+    total = len(corpus.train) + len(corpus.val)
+    assert total == 400 * 45 + 400 * 41 + 1  # both files, joined by one newline
+    assert abs(len(corpus.val) - 0.05 * total) <= 1  # the last 5% is held out
