@@ -23,8 +23,24 @@ from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec
 
-__all__ = ["divisors", "fold_specs", "invalid_fold_kwargs", "placements", "ragged_shards",
+__all__ = ["cached_fold", "divisors", "fold_specs", "invalid_fold_kwargs", "placements", "ragged_shards",
            "split_sizes"]
+
+
+_FOLDS: dict = {}
+
+
+def cached_fold(spec: FoldSpec, device_type: str = "cpu"):
+    """``meshfold.fold(spec)``, built once per process and spec: property tests that run many
+    examples on one long-lived world (``meshfold.launch.World``) would otherwise create new
+    process groups for every example. Every rank must call it for the same specs in the same
+    order, as with ``fold``."""
+    from meshfold.mesh import fold
+
+    key = (spec, device_type)
+    if key not in _FOLDS:
+        _FOLDS[key] = fold(spec, device_type)
+    return _FOLDS[key]
 
 
 def divisors(n: int) -> list[int]:

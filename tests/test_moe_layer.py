@@ -15,21 +15,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshfold.mesh import FoldSpec, fold
+from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig, MoELayer, parallelize_moe
 from meshfold.sparsity import ExpertSparsity
-from meshfold.testing import divisors, fold_specs
+from meshfold.testing import cached_fold, divisors, fold_specs
 
 pytestmark = pytest.mark.multirank
 
-_FOLDS = {}
 TOL = dict(rtol=1e-9, atol=1e-10)
 
 
-def _folded(spec):
-    if spec not in _FOLDS:
-        _FOLDS[spec] = fold(spec)
-    return _FOLDS[spec]
 
 
 def _token_slice(spec, rank, B, S):
@@ -109,7 +104,7 @@ def _run_case(rank, world_size, case):
 
     folded = MoELayer(cfg, dtype=torch.float64)
     folded.load_state_dict(ref.state_dict())
-    parallelize_moe(folded, _folded(spec))
+    parallelize_moe(folded, cached_fold(spec))
 
     # ---- reference ----
     Xr = X.clone().requires_grad_(True)
@@ -222,7 +217,7 @@ def _run_empty(rank, world_size, spec):
     """A rank with zero tokens still takes part in the dispatch and gets a [0, H] output."""
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(hidden=4, ffn=2, num_experts=2, topk=1, shared_ffn=2), dtype=torch.float64)
-    parallelize_moe(layer, _folded(spec))
+    parallelize_moe(layer, cached_fold(spec))
     x = torch.randn(3 if rank else 0, 4, dtype=torch.float64, requires_grad=True)
     y = layer(x)
     y.sum().backward()
@@ -245,7 +240,7 @@ def test_bad_configs_raise(kwargs, message):
 def _indivisible(rank, world_size):
     layer = MoELayer(MoEConfig(hidden=4, ffn=4, num_experts=3, topk=1))
     try:
-        parallelize_moe(layer, _folded(FoldSpec(world_size, ep=world_size)))
+        parallelize_moe(layer, cached_fold(FoldSpec(world_size, ep=world_size)))
     except ValueError as err:
         return str(err)
     return None

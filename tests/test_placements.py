@@ -11,22 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshfold.mesh import VIEWS, fold
+from meshfold.mesh import VIEWS
 from meshfold.placements import (RaggedShard, RaggedTensor, all_gather_v, all_to_all_v,
                                  exchange_splits, redistribute, reduce_scatter_v, set_debug_checks)
-from meshfold.testing import fold_specs, split_sizes
+from meshfold.testing import cached_fold, fold_specs, split_sizes
 
 pytestmark = pytest.mark.multirank
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-_FOLDS = {}
 
 
-def _folded(spec):
-    """One FoldedMesh per spec per rank process (process groups are costly to create)."""
-    if spec not in _FOLDS:
-        _FOLDS[spec] = fold(spec)
-    return _FOLDS[spec]
 
 
 def _data(seed, rank, shape, noncontig=False, dtype=torch.float64):
@@ -44,7 +38,7 @@ def _tol(dtype):
 # ---- collectives -------------------------------------------------------------------------------
 def _check_collective(rank, world_size, case):
     spec, view, dim, kind, splits, F, dtype, noncontig, seed = case
-    fm = _folded(spec)
+    fm = cached_fold(spec)
     group = spec.group_of(rank, view, dim)
     G, me = len(group), group.index(rank)
     tol = _tol(dtype)
@@ -118,7 +112,7 @@ def _zero_rows_everywhere(rank, world_size):
     """Ranks that send and receive nothing at all still get a (zero) gradient."""
     from meshfold.mesh import FoldSpec
 
-    fm = _folded(FoldSpec(world_size, ep=world_size))
+    fm = cached_fold(FoldSpec(world_size, ep=world_size))
     x = torch.zeros(0, 3, dtype=torch.float64, requires_grad=True)
     out = all_to_all_v(x, [0] * world_size, [0] * world_size, fm.moe, "ep")
     out.sum().backward()
@@ -132,7 +126,7 @@ def test_zero_size_contributions_everywhere(worlds):
 def _exchange(rank, world_size, send):
     from meshfold.mesh import FoldSpec
 
-    fm = _folded(FoldSpec(world_size, ep=world_size))
+    fm = cached_fold(FoldSpec(world_size, ep=world_size))
     return exchange_splits(send[rank], fm.moe, "ep")
 
 
@@ -144,7 +138,7 @@ def test_exchange_splits_transposes_the_send_matrix(worlds):
 
 # ---- redistribute ------------------------------------------------------------------------------
 def _mesh_and_pos(spec, view, dim):
-    fm = _folded(spec)
+    fm = cached_fold(spec)
     mesh = fm.view(view)
     return mesh, list(mesh.mesh_dim_names).index(dim)
 
@@ -248,7 +242,7 @@ def test_redistribute_matches_reference_and_round_trips(worlds, world_size):
 
 # ---- moving between the folded views ------------------------------------------------------------
 def _check_relabel(rank, world_size, spec, seed):
-    fm = _folded(spec)
+    fm = cached_fold(spec)
     N = 2 * world_size
     full = _data(seed, 0, (N, 3))
     tokens = [Replicate(), Shard(0), Shard(0), Shard(0)]  # batch over every non-pp dim
@@ -296,7 +290,7 @@ def test_moving_between_folded_views_relabels_without_copy(worlds, world_size):
 def _misuse(rank, world_size):
     from meshfold.mesh import FoldSpec
 
-    fm = _folded(FoldSpec(world_size, ep=world_size))
+    fm = cached_fold(FoldSpec(world_size, ep=world_size))
     errors = {}
 
     def catch(name, fn):

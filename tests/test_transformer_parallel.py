@@ -5,23 +5,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshfold.mesh import FoldSpec, fold
+from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.models.transformer_parallel import (full_state_dict, grad_norm, local_positions,
                                                   parallelize, reduce_gradients, shard_batch)
-from meshfold.testing import fold_specs
+from meshfold.testing import cached_fold, fold_specs
 
 pytestmark = pytest.mark.multirank
 
-_FOLDS = {}
 TOL = dict(rtol=1e-9, atol=1e-11)
 
 
-def _folded(spec):
-    if spec not in _FOLDS:
-        _FOLDS[spec] = fold(spec)
-    return _FOLDS[spec]
 
 
 def _config(spec, qkv_bias, qk_norm, tie, aux):
@@ -48,7 +43,7 @@ def _run(rank, world_size, case):
 
     model = MoETransformer(cfg, dtype=torch.float64)
     model.load_state_dict(ref.state_dict())
-    parallelize(model, _folded(spec))
+    parallelize(model, cached_fold(spec))
 
     # the single-device loss: mean cross-entropy + the attached balancing losses
     ref_loss = ref.loss(tokens, targets)
@@ -142,7 +137,7 @@ def _load_folded(rank, world_size, path, spec):
 
     hf._Checkpoint.slice = lambda self, key, param: Counting(original(self, key, param))
     try:
-        folded = from_pretrained(path, mesh=_folded(spec), dtype=torch.float64)
+        folded = from_pretrained(path, mesh=cached_fold(spec), dtype=torch.float64)
     finally:
         hf._Checkpoint.slice = original
     # this rank read exactly the elements of its own shards, nothing more

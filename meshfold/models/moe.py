@@ -188,7 +188,7 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def _metrics(self, routed_E, experts_TK, keep_TK):
-        comm, E = self.comm, self.cfg.num_experts
+        comm = self.comm
         total_E = comm.sum(routed_E, ("dp", "cp", "tp"))
         kept_E = total_E
         if keep_TK is not None:

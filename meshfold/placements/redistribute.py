@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshfold.placements.collectives import (_group, _scatter_v, all_gather_v, all_to_all_v,
-                                             reduce_scatter_v)
+from meshfold.placements.collectives import _group, all_gather_v, all_to_all_v, reduce_scatter_v
 from meshfold.placements.ragged import RaggedShard, RaggedTensor, chunk_sizes
 
 __all__ = ["redistribute", "resplit_sizes"]

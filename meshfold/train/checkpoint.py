@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
-from torch.distributed.tensor import DTensor
 
 __all__ = ["save", "load", "latest", "clean_name", "CheckpointError"]
 
