@@ -23,6 +23,8 @@ Each rank attaches only its share of every loss (its tokens' probabilities times
 counts), so the shares of all ranks sum to the loss and so do their gradients: a DP gradient sum
 gives exactly the single-device gradient. ``last_losses`` holds the full values (weighted by
 their coefficients) and ``last_metrics`` tokens per expert, dropped fraction and load imbalance.
+All token statistics of one forward travel in two fused vectors (over (cp, tp), then dp): three
+small all-reduces per layer on a folded mesh, besides the dispatch's own count exchange.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class MoELayer(nn.Module):
         if cfg.expert_sparsity is not None:
             self._add_tile_masks(cfg.expert_sparsity, mesh)
         self.comm = LocalComm()
-        self.last_losses: dict[str, torch.Tensor] = {}
+        self._loss_shares: dict[str, torch.Tensor] = {}
+        self._loss_totals: dict[str, torch.Tensor] | None = {}
         self.last_metrics: dict[str, torch.Tensor] = {}
         self._bias_counts = None
         if mesh is not None:
@@ -72,12 +75,10 @@ class MoELayer(nn.Module):
         router_w = comm.local("router.weight", self.router.weight)
         probs_TK, experts_TK, logits_TE = self.router(x_TH, router_w)
 
-        # token counts of the routing map (before dropping): losses, bias and metrics use these
-        routed_E = torch.zeros(cfg.num_experts, dtype=torch.int64, device=x.device)
-        routed_E.scatter_add_(0, experts_TK.reshape(-1), torch.ones_like(experts_TK.reshape(-1)))
-        probs_TK = self._attach_losses(probs_TK, logits_TE, experts_TK, routed_E, B, S, T)
-
         keep_TK, pad_to = self._drop(experts_TK, probs_TK, T)
+        stats = self._token_stats(experts_TK, keep_TK, B, S, T)
+        probs_TK = self._attach_losses(probs_TK, logits_TE, stats, B, S, T)
+
         perm = permute(x_TH, experts_TK, probs_TK, cfg.num_experts, keep_TK, pad_to)
         x_MH, offsets, handle = comm.dispatch(perm.x_NH, perm.counts_E, cfg.num_experts)
         w1 = comm.local("experts.w_gate_up", self.experts.w_gate_up)
@@ -93,7 +94,7 @@ class MoELayer(nn.Module):
 
         if self.shared is not None:
             y_TH = y_TH + self._shared(x_TH)
-        self._metrics(routed_E, experts_TK, keep_TK)
+        self._metrics(stats)
         return y_TH.reshape(shape)
 
     # ---- tile-sparse experts ---------------------------------------------------------------
@@ -146,55 +147,75 @@ class MoELayer(nn.Module):
             keep = keep_mask(g_experts, g_probs, cfg.num_experts, cap, cfg.drop_policy)[offset:offset + T]
         return keep, (cap if cfg.pad_to_capacity else None)
 
-    def _attach_losses(self, probs_TK, logits_TE, experts_TK, routed_E, B, S, T):
+    @torch.no_grad()
+    def _token_stats(self, experts_TK, keep_TK, B, S, T) -> dict:
+        """Every token statistic the losses and metrics need, summed over the right attention
+        dims in one fused vector per stage: (cp, tp) first (one sequence's ranks), then dp.
+        Counts are of the routing map before dropping (Megatron-LM#2767: losses must see the
+        map dispatch uses); ``kept`` after dropping. Three small all-reduces per layer at most."""
+        cfg, comm, E = self.cfg, self.comm, self.cfg.num_experts
+        dev = experts_TK.device
+        e = experts_TK.reshape(-1)
+        routed_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
+        kept_E = routed_E if keep_TK is None else torch.zeros_like(routed_E).scatter_add_(
+            0, e, keep_TK.reshape(-1).to(torch.int64))
+        parts = [routed_E, kept_E, torch.tensor([T, S], device=dev)]
+        if cfg.seq_aux_loss_coeff:
+            seq_of = torch.arange(T, device=dev).div(S, rounding_mode="floor").repeat_interleave(cfg.topk)
+            seq_BE = torch.zeros(B, E, dtype=torch.int64, device=dev).index_put_(
+                (seq_of, e), torch.ones_like(e), accumulate=True)
+            parts.append(seq_BE.reshape(-1))
+        seq_part = comm.sum(torch.cat(parts), ("cp", "tp"))  # one sequence group's totals
+        routed_seq, kept_seq, (T_seq, S_seq) = seq_part[:E], seq_part[E:2 * E], seq_part[2 * E:2 * E + 2]
+        every = comm.sum(torch.cat([routed_seq, kept_seq, T_seq.reshape(1),
+                                    torch.tensor([B], device=dev)]), ("dp",))
+        return {"routed_seq": routed_seq, "T_seq": T_seq.double(), "S_seq": S_seq.double(),
+                "seq_BE": seq_part[2 * E + 2:].reshape(B, E) if cfg.seq_aux_loss_coeff else None,
+                "routed_all": every[:E], "kept_all": every[E:2 * E],
+                "T_all": every[2 * E].double(), "B_all": every[2 * E + 1].double()}
+
+    def _attach_losses(self, probs_TK, logits_TE, st, B, S, T):
         cfg, comm = self.cfg, self.comm
-        x_dev = logits_TE.device
         losses = {}
         if cfg.any_aux_loss:
             scores_TE = aux_scores(logits_TE, cfg)
         if cfg.aux_loss_coeff:
-            counts = comm.sum(routed_E, ("cp", "tp"))
-            n = comm.sum(self._n(T, x_dev), ("cp", "tp"))
-            losses["aux"] = cfg.aux_loss_coeff * switch_aux_loss(scores_TE, counts, n, cfg) / comm.dp
+            losses["aux"] = cfg.aux_loss_coeff * switch_aux_loss(
+                scores_TE, st["routed_seq"], st["T_seq"], cfg) / comm.dp
         if cfg.global_aux_loss_coeff:
-            counts = comm.sum(routed_E, ("dp", "cp", "tp"))
-            n = comm.sum(self._n(T, x_dev), ("dp", "cp", "tp"))
-            losses["global_aux"] = cfg.global_aux_loss_coeff * switch_aux_loss(scores_TE, counts, n, cfg)
+            losses["global_aux"] = cfg.global_aux_loss_coeff * switch_aux_loss(
+                scores_TE, st["routed_all"], st["T_all"], cfg)
         if cfg.seq_aux_loss_coeff:
-            seq_counts_BE = torch.zeros(B, cfg.num_experts, dtype=torch.int64, device=logits_TE.device)
-            seq_of = torch.arange(T, device=logits_TE.device).div(S, rounding_mode="floor")
-            seq_counts_BE.index_put_((seq_of.repeat_interleave(cfg.topk), experts_TK.reshape(-1)),
-                                     torch.ones(T * cfg.topk, dtype=torch.int64, device=x_dev), accumulate=True)
-            seq_counts_BE = comm.sum(seq_counts_BE, ("cp", "tp"))
-            seq_len = comm.sum(self._n(S, x_dev), ("cp", "tp"))
-            n_seq = comm.sum(self._n(B, x_dev), ("dp",))
             per_seq_scores = scores_TE.reshape(B, S, -1).sum(1)  # [B, E]
             E, k = cfg.num_experts, cfg.topk
-            share = (per_seq_scores * seq_counts_BE).sum() * (E / (k * seq_len ** 2))
-            losses["seq_aux"] = cfg.seq_aux_loss_coeff * share / n_seq
+            share = (per_seq_scores * st["seq_BE"]).sum() * (E / (k * st["S_seq"] ** 2))
+            losses["seq_aux"] = cfg.seq_aux_loss_coeff * share / st["B_all"]
         if cfg.z_loss_coeff:
-            n = comm.sum(self._n(T, x_dev), ("dp", "cp", "tp"))
-            losses["z"] = cfg.z_loss_coeff * z_loss(logits_TE, n)
+            losses["z"] = cfg.z_loss_coeff * z_loss(logits_TE, st["T_all"])
         for value in losses.values():
             probs_TK = attach_loss(probs_TK, value)
-        self.last_losses = {name: comm.sum(v, ("dp", "cp", "tp")) for name, v in losses.items()}
+        self._loss_shares = {name: v.detach() for name, v in losses.items()}
+        self._loss_totals = None
         return probs_TK
 
-    @staticmethod
-    def _n(count: int, device) -> torch.Tensor:
-        # token counts as fp64 tensors on the layer's device: summed over ranks without a host
-        # sync, exact, and never rounding an fp64 loss through fp32
-        return torch.tensor(float(count), dtype=torch.float64, device=device)
+    @property
+    def last_losses(self) -> dict[str, torch.Tensor]:
+        """The last forward's balancing losses (coefficient-weighted), summed over every rank's
+        share. On a folded layer reading it is a collective (one fused all-reduce per attention
+        dim, only the first time): every rank must read it."""
+        if self._loss_totals is None:
+            names = list(self._loss_shares)
+            if names:
+                total = self.comm.sum(torch.stack([self._loss_shares[n].double() for n in names]),
+                                      ("dp", "cp", "tp"))
+                self._loss_totals = dict(zip(names, total.unbind()))
+            else:
+                self._loss_totals = {}
+        return self._loss_totals
 
     @torch.no_grad()
-    def _metrics(self, routed_E, experts_TK, keep_TK):
-        comm = self.comm
-        total_E = comm.sum(routed_E, ("dp", "cp", "tp"))
-        kept_E = total_E
-        if keep_TK is not None:
-            kept_E = torch.zeros_like(routed_E).scatter_add_(
-                0, experts_TK.reshape(-1), keep_TK.reshape(-1).to(routed_E.dtype))
-            kept_E = comm.sum(kept_E, ("dp", "cp", "tp"))
+    def _metrics(self, st) -> None:
+        total_E, kept_E = st["routed_all"], st["kept_all"]
         self.last_metrics = {
             "tokens_per_expert": total_E,
             "dropped_fraction": 1.0 - kept_E.sum() / total_E.sum().clamp(min=1),
