@@ -40,7 +40,7 @@ from meshfold.models.moe_parallel import ATTN, parallelize_moe, place
 from meshfold.placements import all_gather_v, reduce_scatter_v
 
 __all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "shard_batch", "local_positions",
-           "grad_norm", "full_state_dict"]
+           "grad_norm", "full_state_dict", "single_device_name"]
 
 R = Replicate()
 
@@ -279,10 +279,15 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     return total.sqrt()
 
 
+def single_device_name(name: str) -> str:
+    """The single-device name of a parameter of a parallelized model (parallelize adds
+    ``parametrizations.<attr>.original`` and wraps TP modules in ``.inner``)."""
+    return name.replace("parametrizations.", "").replace(".original", "").replace(".inner", "")
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as a full tensor, under its single-device name (collective)."""
     out = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        clean = name.replace("parametrizations.", "").replace(".original", "").replace(".inner", "")
-        out[clean] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+        out[single_device_name(name)] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
     return out

@@ -34,18 +34,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
 
-__all__ = ["save", "load", "latest", "clean_name", "CheckpointError"]
+from meshfold.models.transformer_parallel import single_device_name
+
+__all__ = ["save", "load", "latest", "CheckpointError"]
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or damaged."""
-
-
-def clean_name(name: str) -> str:
-    """Single-device parameter name of a parallelized one."""
-    return name.replace("parametrizations.", "").replace(".original", "").replace(".inner", "")
 
 
 def latest(ckpt_dir: str | os.PathLike) -> Path | None:
@@ -62,7 +59,7 @@ def _tensors(model, optimizer) -> dict[str, torch.Tensor]:
     missing, so a fresh optimizer can be loaded into)."""
     out = {}
     for name, p in model.named_parameters():
-        out["model." + clean_name(name)] = p
+        out["model." + single_device_name(name)] = p
         if optimizer is not None:
             st = optimizer.state[p]
             if not st:
@@ -70,10 +67,10 @@ def _tensors(model, optimizer) -> dict[str, torch.Tensor]:
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"optim.{clean_name(name)}.{key}"] = st[key]
-            out[f"optim.{clean_name(name)}.step"] = st["step"]
+                out[f"optim.{single_device_name(name)}.{key}"] = st[key]
+            out[f"optim.{single_device_name(name)}.step"] = st["step"]
     for name, b in model.named_buffers():
-        out["model." + clean_name(name)] = b
+        out["model." + single_device_name(name)] = b
     return out
 
 
