@@ -6,7 +6,8 @@ the sequence, dp divides the global batch) and, for each, every micro-batch size
 size and DP sharding. :func:`plan` estimates them all and ranks the feasible ones by MFU.
 
 Pruning never drops a layout that could rank first: full recomputation only saves memory and
-costs a forward pass, so it is tried only where the same layout without it does not fit.
+costs a forward pass, so it is tried only where the same layout without it does not fit (and
+then both are kept: the one without recomputation, out of memory, and the one with it).
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
         shardings: DP shardings to try (``"zero1"``, ``"zero3"``).
 
     Returns feasible estimates by decreasing MFU, then infeasible ones (out of memory, with
-    ``reason``) by increasing memory. Full recomputation is added for a layout only where the
-    layout without it is out of memory.
+    ``reason``) by increasing memory. Full recomputation is tried for a layout only where the
+    layout without it is out of memory; both estimates are then returned, so a constraint that
+    rules recomputation out (the paper's Megatron strategies) still finds its out-of-memory layouts.
     """
     shape, hw = model_shape(model), hardware(hw)
     validate_request(gpus, seq, global_batch)
@@ -94,12 +96,11 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
         if where is not None and not where(layout):
             continue
         e = estimate(shape, hw, layout, seq, global_batch)
+        out.append(e)
         if not e.feasible:
             rc = Layout(layout.spec, layout.mbs, layout.vpp, True, layout.sharding)
             if where is None or where(rc):
-                e_rc = estimate(shape, hw, rc, seq, global_batch)
-                e = e_rc if e_rc.feasible or e_rc.memory_total < e.memory_total else e
-        out.append(e)
+                out.append(estimate(shape, hw, rc, seq, global_batch))
     if not out:
         raise ValueError(
             f"no layout of {gpus} GPUs can run {shape.name} with seq={seq}, global batch={global_batch}"
