@@ -269,6 +269,7 @@ class FoldedMesh:
     num_process_groups: int
     num_process_groups_unshared: int
     _owned_groups: list = field(default_factory=list, repr=False)
+    _stages: dict = field(default_factory=dict, repr=False)
 
     @property
     def device_type(self) -> str:
@@ -287,6 +288,14 @@ class FoldedMesh:
         if name not in VIEWS:
             raise ValueError(f"unknown view {name!r}; valid views: {list(VIEWS)}")
         return getattr(self, name)
+
+    def stage(self, name: str):
+        """This rank's pipeline stage of view ``name``: the DeviceMesh without ``pp``, i.e.
+        ``(dp, cp, tp)`` or ``(edp, ep, etp)``. Always the same object per view, so all the
+        parameters laid out on it share one mesh (FSDP2 groups parameters by mesh identity)."""
+        if name not in self._stages:
+            self._stages[name] = self.view(name)[VIEWS[name][1:]]
+        return self._stages[name]
 
 
 def fold(spec: FoldSpec, device_type: str = "cpu") -> FoldedMesh:

@@ -386,7 +386,7 @@ class _StubMesh:
 
 
 def test_experts_not_divisible_by_ep_is_rejected_by_parallelize_moe():
-    folded = types.SimpleNamespace(spec=FoldSpec(world_size=4, ep=4), attn=_StubMesh(), moe=_StubMesh())
+    folded = types.SimpleNamespace(spec=FoldSpec(world_size=4, ep=4), stage=lambda view: _StubMesh())
     lay = MoELayer(MoEConfig(hidden=8, ffn=8, num_experts=6, topk=2))
     with pytest.raises(ValueError, match=r"num_experts = 6 is not divisible by ep = 4"):
         parallelize_moe(lay, folded)

@@ -1,5 +1,7 @@
 """The whole MoE transformer on folded layouts: loss and every gradient equal one device (fp64)."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -8,8 +10,9 @@ from hypothesis import strategies as st
 from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
+from meshfold.models.moe_parallel import local_slices
 from meshfold.models.transformer_parallel import (full_state_dict, single_device_name, grad_norm, local_positions,
-                                                  parallelize, reduce_gradients, shard_batch)
+                                                  param_layouts, parallelize, reduce_gradients, shard_batch)
 from meshfold.testing import cached_fold, fold_specs
 
 pytestmark = pytest.mark.multirank
@@ -28,7 +31,7 @@ def _config(spec, qkv_bias, qk_norm, tie, aux):
                              tie_embeddings=tie)
 
 
-def _run(rank, world_size, case):
+def _run(rank, world_size, case, data_parallel="fsdp"):
     spec, B, S, seed, qkv_bias, qk_norm, tie, aux = case
     cfg = _config(spec, qkv_bias, qk_norm, tie, aux)
     torch.manual_seed(seed)
@@ -43,7 +46,7 @@ def _run(rank, world_size, case):
 
     model = MoETransformer(cfg, dtype=torch.float64)
     model.load_state_dict(ref.state_dict())
-    parallelize(model, cached_fold(spec))
+    parallelize(model, cached_fold(spec), data_parallel=data_parallel)
 
     # the single-device loss: mean cross-entropy + the attached balancing losses
     ref_loss = ref.loss(tokens, targets)
@@ -52,13 +55,9 @@ def _run(rank, world_size, case):
 
     local_tokens, pos = shard_batch(tokens, spec, rank)
     local_targets, _ = shard_batch(targets, spec, rank)
-    logits = model(local_tokens, pos)
-    share = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), local_targets.reshape(-1),
-                                              reduction="sum") / (B * S)
-    share.backward()
-    total = share.detach().clone()
-    torch.distributed.all_reduce(total)
-    torch.testing.assert_close(total, ref_loss.detach(), **TOL)  # balancing losses: in the grads
+    loss = model.loss(local_tokens, local_targets, pos)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), **TOL)  # balancing losses: in the grads
     reduce_gradients(model)
     got = {}
     for name, p in model.named_parameters():
@@ -72,6 +71,10 @@ def _run(rank, world_size, case):
     full = full_state_dict(model)
     for name, t in ref.state_dict().items():
         torch.testing.assert_close(full[name], t, rtol=0, atol=0)
+    with torch.no_grad():  # the forward's DTensor holds the global logits
+        logits = model(local_tokens, pos)
+        assert logits.device_mesh is model.folded.stage("attn")
+        torch.testing.assert_close(logits.full_tensor(), ref(tokens), **TOL)
     return True
 
 
@@ -85,14 +88,17 @@ def cases(draw, world_size):
             draw(st.booleans()), draw(st.sampled_from([0.0, 0.01])))
 
 
+DATA_PARALLEL = st.sampled_from(["fsdp", "allreduce"])
+
+
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_transformer_loss_and_grads_equal_single_device(worlds, world_size):
     world = worlds(world_size)
 
     @settings(max_examples=8 if world_size == 4 else 6)
-    @given(cases(world_size))
-    def check(case):
-        world.run(_run, case)
+    @given(cases(world_size), DATA_PARALLEL)
+    def check(case, data_parallel):
+        world.run(_run, case, data_parallel)
 
     check()
 
@@ -139,16 +145,20 @@ def _load_folded(rank, world_size, path, spec):
         folded = from_pretrained(path, mesh=cached_fold(spec), dtype=torch.float64)
     finally:
         hf._Checkpoint.slice = original
-    # this rank read exactly the elements of its own shards, nothing more
-    assert sum(read) == sum(p.to_local().numel() for p in folded.parameters())
     single = from_pretrained(path, dtype=torch.float64)
+    # this rank read exactly the elements of its own TP/EP shards, nothing more (FSDP2 then keeps
+    # its dp part of them)
+    shards = [local_slices(p.shape, mesh, placements)
+              for (mesh, placements), p in zip(param_layouts(single, cached_fold(spec)).values(), single.parameters())]
+    assert sum(read) == sum(math.prod(s.stop - s.start for s in sl) for sl in shards)
     tokens = torch.randint(0, single.cfg.vocab, (2 * spec.dp, 8 * spec.cp * spec.tp),
                            generator=torch.Generator().manual_seed(0))
     local, pos = shard_batch(tokens, spec, rank)
     c = spec.coords(rank)["attn"]
     b = tokens.shape[0] // spec.dp
     expected = single(tokens)[c["dp"] * b:(c["dp"] + 1) * b][:, pos]
-    torch.testing.assert_close(folded(local, pos), expected, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(folded.local_logits(local, pos), expected, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(folded(local, pos).full_tensor(), single(tokens), rtol=1e-9, atol=1e-9)
     # every parameter is a shard of the checkpoint's tensor: the full tensors equal it
     full = full_state_dict(folded)
     for name, t in single.state_dict().items():

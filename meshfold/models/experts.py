@@ -50,6 +50,13 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_gate_up, std=hidden ** -0.5)
         nn.init.normal_(self.w_down, std=ffn ** -0.5)
 
+    def forward(self, x_MH, offsets_E, local=lambda name, p: p, masks=(None, None)):
+        """:func:`expert_ffn` on ``local(name, weight)``, this rank's shards (the layer's comm).
+        The weights are read here, inside the module call, so module hooks (FSDP2's all-gather
+        of expert weights over ``edp``) see it."""
+        return expert_ffn(x_MH, local("experts.w_gate_up", self.w_gate_up), local("experts.w_down", self.w_down),
+                          offsets_E, self.kind, masks)
+
 
 class SharedExpert(nn.Module):
     """A dense SwiGLU MLP every token goes through (Qwen2-MoE / DeepSeek shared experts).

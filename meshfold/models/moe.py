@@ -35,7 +35,7 @@ from torch import nn
 
 from meshfold.models.config import MoEConfig
 from meshfold.models.dispatcher import capacity, keep_mask, permute, unpermute
-from meshfold.models.experts import Experts, SharedExpert, expert_ffn, shared_expert_ffn
+from meshfold.models.experts import Experts, SharedExpert, shared_expert_ffn
 from meshfold.models.moe_parallel import LocalComm, parallelize_moe
 from meshfold.models.router import Router, attach_loss, aux_scores, switch_aux_loss, z_loss
 
@@ -72,8 +72,7 @@ class MoELayer(nn.Module):
         B, S = (shape[0], shape[1]) if x.dim() == 3 else (1, shape[0])
         x_TH = x.reshape(-1, shape[-1])
         T = x_TH.shape[0]
-        router_w = comm.local("router.weight", self.router.weight)
-        probs_TK, experts_TK, logits_TE = self.router(x_TH, router_w)
+        probs_TK, experts_TK, logits_TE = self.router(x_TH, comm.local)
 
         keep_TK, pad_to = self._drop(experts_TK, probs_TK, T)
         stats = self._token_stats(experts_TK, keep_TK, B, S, T)
@@ -81,14 +80,12 @@ class MoELayer(nn.Module):
 
         perm = permute(x_TH, experts_TK, probs_TK, cfg.num_experts, keep_TK, pad_to)
         x_MH, offsets, handle = comm.dispatch(perm.x_NH, perm.counts_E, cfg.num_experts)
-        w1 = comm.local("experts.w_gate_up", self.experts.w_gate_up)
-        w2 = comm.local("experts.w_down", self.experts.w_down)
         masks = (None, None)
         if cfg.expert_sparsity is not None:
             m1 = comm.local_mask("experts.mask_gate_up", self.experts.mask_gate_up)
             masks = (m1.reshape(m1.shape[0], m1.shape[1], -1),
                      comm.local_mask("experts.mask_down", self.experts.mask_down))
-        y_MH = expert_ffn(x_MH, w1, w2, offsets, cfg.expert_kind, masks)
+        y_MH = self.experts(x_MH, offsets, comm.local, masks)
         y_NH = comm.combine(y_MH, handle)
         y_TH = unpermute(y_NH, perm, T)
 

@@ -40,11 +40,12 @@ kept pairs with a boolean mask, a second sync): a static-split path is a possibl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshfold.placements import all_gather_v, all_to_all_v, reduce_scatter_v
 from meshfold.placements.collectives import debug_checks_enabled
@@ -113,8 +114,8 @@ class FoldedComm:
     """The folded mesh: ``attn`` = (dp, cp, tp) and ``moe`` = (edp, ep, etp) of this pp stage."""
 
     def __init__(self, folded):
-        self.attn = folded.attn[ATTN]
-        self.moe = folded.moe[MOE]
+        self.attn = folded.stage("attn")
+        self.moe = folded.stage("moe")
         spec = folded.spec
         self.dp, self.cp, self.tp = spec.dp, spec.cp, spec.tp
         self.ep, self.etp = spec.ep, spec.etp
@@ -231,15 +232,21 @@ class FoldedComm:
         return reduce_scatter_v(y_TH, self._shared_sizes, self.attn, "tp")
 
 
-def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = None) -> DTensor:
-    """A DTensor of ``param`` laid out as ``placements``: sliced from the full tensor every rank
-    holds, or, given ``local`` (this rank's shard, e.g. read from a checkpoint), assembled from
-    the shards without any rank holding the whole (``param`` may then be on the meta device)."""
+def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = None) -> torch.nn.Parameter:
+    """``param`` as a DTensor parameter laid out as ``placements`` on ``mesh``: sliced from the
+    full tensor every rank holds, or, given ``local`` (this rank's shard, e.g. read from a
+    checkpoint), assembled from the shards without any rank holding the whole (``param`` may then
+    be on the meta device)."""
     if local is None:
-        return distribute_tensor(param.detach(), mesh, placements)
-    shape = param.shape
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        local = param.detach()[local_slices(param.shape, mesh, placements)].clone()
+    stride = torch.empty(param.shape, device="meta").stride()
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=stride)
+    out = torch.nn.Parameter(dt, requires_grad=param.requires_grad)
+    if out.device_mesh is not mesh:
+        # DTensor's op cache treats equal meshes as one and may return an equal mesh of an
+        # earlier fold; FSDP2 groups parameters by mesh identity, so pin ours
+        out._spec = dataclasses.replace(out._spec, mesh=mesh)
+    return out
 
 
 def local_slices(shape, mesh, placements) -> tuple[slice, ...]:
@@ -281,6 +288,5 @@ def parallelize_moe(layer, folded, local_state: dict | None = None) -> None:
         mesh, placements = moe_param_layout(name, comm)
         module_name, _, attr = name.rpartition(".")
         module = layer.get_submodule(module_name)
-        dt = place(param, mesh, placements, None if local_state is None else local_state[name])
-        setattr(module, attr, torch.nn.Parameter(dt, requires_grad=param.requires_grad))
+        setattr(module, attr, place(param, mesh, placements, None if local_state is None else local_state[name]))
     layer.comm = comm

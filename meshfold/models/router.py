@@ -146,9 +146,11 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
-    def forward(self, x_TH: torch.Tensor, weight_EH: torch.Tensor | None = None):
+    def forward(self, x_TH: torch.Tensor, local=None):
+        """``local(name, weight)``: this rank's view of the gate weight (the layer's comm); read
+        here, inside the module call, so module hooks (FSDP2) see it."""
         cfg = self.cfg
-        w = self.weight if weight_EH is None else weight_EH
+        w = self.weight if local is None else local("router.weight", self.weight)
         x = x_TH.to(cfg.router_dtype)
         if self.training and cfg.input_jitter:
             eps = cfg.input_jitter

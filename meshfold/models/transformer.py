@@ -21,7 +21,7 @@ from meshfold.models.config import MoEConfig
 from meshfold.models.layers import MLP, RMSNorm
 from meshfold.models.moe import MoELayer
 
-__all__ = ["TransformerConfig", "Block", "MoETransformer"]
+__all__ = ["TransformerConfig", "Block", "MoETransformer", "run_blocks"]
 
 
 @dataclass
@@ -105,6 +105,19 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def run_blocks(blocks, x: torch.Tensor, positions: torch.Tensor | None, cfg: TransformerConfig) -> torch.Tensor:
+    """``x`` [B, S, H] through ``blocks`` in order (RoPE tables computed once, shared by all)."""
+    B, S, _ = x.shape
+    pos = torch.arange(S, device=x.device) if positions is None else positions
+    if pos.shape[-1] != S or pos.dim() not in (1, 2) or (pos.dim() == 2 and pos.shape[0] != B):
+        raise ValueError(f"positions has shape {tuple(pos.shape)}; valid: [{S}] or [{B}, {S}] "
+                         f"for tokens [{B}, {S}]")
+    rope = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+    for block in blocks:
+        x = block(x, positions, rope)
+    return x
+
+
 class MoETransformer(nn.Module):
     """``forward(tokens [B, S] int64, positions [S] | [B, S] | None) -> logits [B, S, V]``.
 
@@ -126,27 +139,40 @@ class MoETransformer(nn.Module):
             self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)  # weight [V, H]
             nn.init.normal_(self.head.weight, std=cfg.hidden ** -0.5)
 
+    # Set by parallelize (single device: None): how local logits become the global DTensor, and
+    # how a per-rank (sum of cross-entropy, token count) becomes the global mean loss.
+    gather_logits = None
+    reduce_loss = None
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, S = tokens.shape
-        x = self.embed(tokens)  # [B, S, H]
-        pos = torch.arange(S, device=tokens.device) if positions is None else positions
-        if pos.shape[-1] != S or pos.dim() not in (1, 2) or (pos.dim() == 2 and pos.shape[0] != B):
-            raise ValueError(f"positions has shape {tuple(pos.shape)}; valid: [{S}] or [{B}, {S}] "
-                             f"for tokens [{B}, {S}]")
-        rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # shared by all layers
-        for block in self.layers:
-            x = block(x, positions, rope)
-        x = self.norm(x)
+        """Logits [B, S, V]; on a folded mesh a DTensor on the attention mesh whose
+        ``.full_tensor()`` is the global batch's logits."""
+        logits = self._logits(tokens, positions)
+        return logits if self.gather_logits is None else self.gather_logits(logits)
+
+    def local_logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V] of the tokens this call sees (on a folded mesh: this rank's)."""
+        return self._logits(tokens, positions)
+
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        x = run_blocks(self.layers, self.embed(tokens), positions, self.cfg)  # [B, S, H]
         w_head = self.embed.weight if self.head is None else self.head.weight  # [V, H]
-        return F.linear(x, w_head)  # [B, S, V]
+        return F.linear(self.norm(x), w_head)  # [B, S, V]
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor,
              positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean cross-entropy over targets != -100 (fp32 or wider). MoE balancing losses, if
-        configured, are already attached to the graph by each MoELayer (see ``last_losses``)."""
-        logits = self.forward(tokens, positions)
+        """Mean cross-entropy over targets != -100 (fp32 or wider); on a folded mesh the mean over
+        the global batch, the same value on every rank. MoE balancing losses, if configured, are
+        already attached to the graph by each MoELayer (see ``last_losses``)."""
+        logits = self._logits(tokens, positions)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        targets = targets.reshape(-1)
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=-100,
+                                reduction="sum")
+        count = (targets != -100).sum()
+        if self.reduce_loss is not None:
+            return self.reduce_loss(total, count)
+        return total / count
 
     def moe_layers(self) -> list[MoELayer]:
         return [b.mlp for b in self.layers if isinstance(b.mlp, MoELayer)]

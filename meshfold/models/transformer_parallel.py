@@ -36,7 +36,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshfold.models.moe import MoELayer
-from meshfold.models.moe_parallel import ATTN, parallelize_moe, place
+from meshfold.models.transformer import MoETransformer
+from meshfold.models.moe_parallel import parallelize_moe, place
 from meshfold.placements import all_gather_v, reduce_scatter_v
 
 __all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "shard_batch", "local_positions",
@@ -136,7 +137,7 @@ def param_layouts(model: nn.Module, folded) -> dict[str, tuple]:
     what :func:`parallelize` will do, as data (used to read only each rank's checkpoint slices)."""
     from meshfold.models.moe_parallel import FoldedComm, moe_param_layout
 
-    attn_mesh = folded.attn[ATTN]
+    attn_mesh = folded.stage("attn")
     comm = FoldedComm(folded)
     out = {}
     for name, _ in model.named_parameters():
@@ -146,26 +147,39 @@ def param_layouts(model: nn.Module, folded) -> dict[str, tuple]:
     return out
 
 
-def parallelize(model: nn.Module, folded, local_state: dict | None = None) -> nn.Module:
+DATA_PARALLEL = ("fsdp", "allreduce")
+
+
+def parallelize(model: nn.Module, folded, local_state: dict | None = None,
+                data_parallel: str = "fsdp") -> nn.Module:
     """Lay ``model`` out on ``folded``, from identical full weights on every rank or, given
     ``local_state`` (``{name: this rank's shard}``, see :func:`param_layouts`), from shards only
     (the model may then live on the meta device).
 
+    ``data_parallel``: ``"fsdp"`` shards every parameter over its data-parallel dims with FSDP2
+    (:func:`fully_shard`; dense weights over ``dp x cp``, expert weights over ``edp``), which also
+    reduces the gradients; ``"allreduce"`` keeps whole replicas and leaves the gradients Partial
+    until :func:`reduce_gradients`. Either way the reduced gradients are the single-device ones.
+
     Raises ``ValueError`` naming the size that does not divide (heads, kv_heads, ffn over tp;
     experts over ep; expert ffn over etp). Returns the model (modified in place).
     """
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel = {data_parallel!r}; valid: {list(DATA_PARALLEL)}")
     spec = folded.spec
-    if spec.pp != 1:
-        raise ValueError(f"pp = {spec.pp}: pipeline parallelism is not implemented for "
-                         f"MoETransformer yet (valid: pp = 1)")
+    if spec.pp != 1 and isinstance(model, MoETransformer):
+        raise ValueError(f"pp = {spec.pp}: a whole MoETransformer runs with pp = 1; for pipeline "
+                         f"parallelism use meshfold.models.pipeline.Pipeline, which parallelizes "
+                         f"each rank's model chunks")
     cfg = model.cfg
+    blocks = dict(model.layers.named_children())  # ModuleList, or a pipeline chunk's ModuleDict
     for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
         if n % spec.tp:
             raise ValueError(f"{what} = {n} is not divisible by tp = {spec.tp}")
-    if any(not isinstance(b.mlp, MoELayer) for b in model.layers) and cfg.ffn % spec.tp:
+    if any(not isinstance(b.mlp, MoELayer) for b in blocks.values()) and cfg.ffn % spec.tp:
         raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
-    attn_mesh = folded.attn[ATTN]
-    for i, block in enumerate(model.layers):
+    attn_mesh = folded.stage("attn")
+    for i, block in blocks.items():
         if isinstance(block.mlp, MoELayer):
             prefix = f"layers.{i}.mlp."
             sub = None if local_state is None else {
@@ -177,10 +191,9 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None) -> nn
         placements = _placements(name)
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        dt = place(param, attn_mesh, placements, None if local_state is None else local_state[name])
-        setattr(module, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
+        setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
         parametrize.register_parametrization(module, attr, _Local(_partial_grads(placements)), unsafe=True)
-    for block in model.layers:
+    for block in blocks.values():
         if spec.cp > 1:
             block.attn.kv_gather = _KVGather(attn_mesh, spec.cp)
         if spec.tp > 1:
@@ -188,7 +201,93 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None) -> nn
             if not isinstance(block.mlp, MoELayer):
                 block.mlp = _TensorParallel(block.mlp, attn_mesh, spec.tp, positional=False)
     model.folded = folded
+    model.gather_logits = _GlobalLogits(attn_mesh, spec)
+    model.reduce_loss = _global_mean
+    if data_parallel == "fsdp":
+        _fully_shard(model, folded)
     return model
+
+
+def _fully_shard(model: nn.Module, folded) -> None:
+    """FSDP2 over the folded mesh's data-parallel dims, bottom-up: each MoE layer's experts are
+    one group on the moe mesh (sharded over ``edp``), each block one group on the attention mesh
+    (sharded over ``dp x cp``), the root holds embeddings, final norm and head.
+
+    Parameters are already DTensors on the whole stage mesh with ``Replicate`` on the data dims,
+    which is FSDP2's SPMD mode (``dp_mesh_dims``): it shards them further, all-gathers before each
+    group's forward and backward, and reduce-scatters the gradients, turning our ``Partial``
+    gradient placements into sums (non-data dims such as ``tp`` for norms are all-reduced
+    first). The loss is already a global mean split into per-rank shares, so gradients are summed,
+    not averaged: divide factor 1.
+    """
+    from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard, register_fsdp_forward_method
+
+    attn, moe = folded.stage("attn"), folded.stage("moe")
+    dense_dims, expert_dims = DataParallelMeshDims(shard=("dp", "cp")), DataParallelMeshDims(shard="edp")
+    for block in model.layers.children():
+        if isinstance(block.mlp, MoELayer):
+            fully_shard(block.mlp.experts, mesh=moe, dp_mesh_dims=expert_dims)
+            if block.mlp.router.weight.dtype != block.mlp_norm.weight.dtype:  # fp32 gate in a bf16 model:
+                fully_shard(block.mlp.router, mesh=attn, dp_mesh_dims=dense_dims)  # FSDP2 groups one dtype
+        fully_shard(block, mesh=attn, dp_mesh_dims=dense_dims)
+    fully_shard(model, mesh=attn, dp_mesh_dims=dense_dims)
+    for method in ("loss", "local_logits"):  # entry points besides forward: gather the root's weights too
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+class _GlobalLogits:
+    """Local logits [b, s, V] -> DTensor on the attention mesh, placements (Shard(0), Shard(1),
+    Shard(1)) over (dp, cp, tp) in natural sequence order, so ``.full_tensor()`` is the global
+    [B, S, V]. Without cp, the local pieces already are that layout (a relabel, no copy). With
+    cp, ranks hold mirrored chunks, so the cp x tp group all-gathers its sequence, reorders it and
+    keeps its natural slice: the loss path (``model.loss``) never needs this."""
+
+    def __init__(self, mesh, spec):
+        self.mesh, self.spec = mesh, spec
+
+    def __call__(self, logits):
+        natural = (Shard(0), Shard(1), Shard(1))
+        if self.spec.cp == 1:
+            return DTensor.from_local(logits, self.mesh, natural, run_check=False)
+        z = DTensor.from_local(logits, self.mesh, natural, run_check=False)  # mirrored-chunk order
+        full = z.redistribute(self.mesh, (Shard(0), R, R)).to_local()  # [b, S, V], chunk order
+        S = full.shape[1]
+        order = torch.cat([local_positions(S, self.spec, r) for r in self._cp_tp_ranks()])
+        natural_full = torch.empty_like(full).index_copy(1, order.to(full.device), full)
+        return DTensor.from_local(natural_full, self.mesh, (Shard(0), R, R),
+                                  run_check=False).redistribute(self.mesh, natural)
+
+    def _cp_tp_ranks(self):
+        """Global ranks of this rank's (cp, tp) block, in (cp, tp) order."""
+        me = self.spec.coords(dist.get_rank())["attn"]
+        return [self.spec.rank("attn", **{**me, "cp": c, "tp": t})
+                for c in range(self.spec.cp) for t in range(self.spec.tp)]
+
+
+class _GlobalMean(torch.autograd.Function):
+    """Forward: sum of every rank's ``(loss sum, token count)``, divided. Backward: each rank's
+    local sum gets ``1 / global count``, its own share (not the all-reduce's adjoint, which would
+    count every rank's gradient world-size times)."""
+
+    @staticmethod
+    def forward(ctx, total, count):
+        both = torch.stack([total.detach().double(), count.double()])
+        dist.all_reduce(both)
+        ctx.n = both[1]
+        return (both[0] / both[1]).to(total.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.n.to(grad.dtype), None
+
+
+def _global_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return _GlobalMean.apply(total, count)
 
 
 # ---- data layout -----------------------------------------------------------------------------
@@ -245,6 +344,8 @@ def reduce_gradients(model: nn.Module) -> None:
         dims = tuple(i for i, q in enumerate(g.placements) if isinstance(q, Partial))
         buckets.setdefault((id(p.device_mesh), dims), []).append(p)
     for (_, dims), params in buckets.items():
+        if not dims:  # already reduced (FSDP2's reduce-scatter)
+            continue
         mesh = params[0].device_mesh
         locals_ = [p.grad.to_local() for p in params]
         flat = torch.cat([t.reshape(-1) for t in locals_]) if locals_ else None

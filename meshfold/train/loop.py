@@ -62,7 +62,7 @@ def _local_loss(model, tokens, targets, spec, rank, n_global):
     device = next(model.parameters()).device
     lt, pos = (t.to(device) for t in shard_batch(tokens, spec, rank))
     ltg = shard_batch(targets, spec, rank)[0].to(device)
-    logits = model(lt, pos)
+    logits = model.local_logits(lt, pos)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 or wider
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ltg.reshape(-1), reduction="sum")
     return ce / n_global
