@@ -21,7 +21,12 @@ from outside:
   ``cp - 1`` overlapped steps, and it is exact by construction; a ring would cut peak K/V memory
   for very long sequences and is the natural next step.
 * **DP**: batch over ``dp``; gradients of dense weights are summed over ``dp x cp`` (and over
-  ``tp`` for weights applied to local tokens), expert weights over ``edp``.
+  ``tp`` for weights applied to local tokens), expert weights over ``edp``. By default with FSDP2
+  (``fully_shard`` in its SPMD mode): dense weights are sharded over ``dp x cp``, expert weights
+  over ``edp``, all-gathered per block and reduce-scattered after backward; ``data_parallel=
+  "allreduce"`` keeps whole replicas and sums in :func:`reduce_gradients`.
+* **PP**: :mod:`meshfold.models.pipeline` cuts the model into chunks and parallelizes each with
+  this function on the rank's pipeline stage (``folded.stage``).
 
 The loss each rank returns is its share (sum of its tokens' cross-entropy over the global token
 count), so the shares add up to the single-device mean loss and so do the gradients.

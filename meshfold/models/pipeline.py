@@ -1,0 +1,178 @@
+"""Pipeline parallelism (``pp``) for :class:`~meshfold.models.transformer.MoETransformer`.
+
+The model is cut into ``pp * virtual`` contiguous *chunks* of layers (Megatron's "model chunks"):
+chunk ``s`` holds layers ``[s * L // n, (s + 1) * L // n)`` of ``n = pp * virtual``, the first also
+the embeddings, the last the final norm and head. Pipeline rank ``r`` holds chunks ``r, r + pp,
+r + 2 pp, ...`` (one chunk without virtual stages; ``virtual`` chunks for the interleaved
+schedule). Inside a chunk everything is the single-device code, laid out on the rank's stage of
+the folded mesh by :func:`~meshfold.models.transformer_parallel.parallelize` (TP, CP, DP or
+FSDP2, EP): both views share the ``pp`` groups, so every attention rank and every MoE rank of a
+chunk lives on the same pipeline stage.
+
+Activations move between stages with ``torch.distributed.pipelining`` (``PipelineStage`` over
+the ``pp`` process group) and one of its schedules:
+
+===================  =====================================  ==================================
+``schedule``         torch class                            needs
+===================  =====================================  ==================================
+``gpipe``            ``ScheduleGPipe``                      all forwards, then all backwards
+``1f1b``             ``Schedule1F1B``                       microbatches >= pp
+``interleaved-1f1b`` ``ScheduleInterleaved1F1B``            virtual >= 2, microbatches % pp == 0
+===================  =====================================  ==================================
+
+Each rank's local batch (``B / dp`` sequences) is split into ``microbatches`` along the batch
+dim. The loss of a microbatch is its summed cross-entropy over the *global* token count, so the
+microbatch losses of all ranks add up to the single-device mean loss and the gradients they
+accumulate are the single-device gradients (``scale_grads=False``: nothing is averaged). MoE
+balancing losses are attached per microbatch (Megatron's definition), so the single-device
+equivalent is gradient accumulation over the same microbatches.
+
+Tied embeddings need the embedding on the first and the head on the last stage to be one tensor;
+with ``pp > 1`` that is not supported (a clear error says so).
+
+Example (4 ranks: pp2 x tp2 | pp2 x ep2)::
+
+    pipe = Pipeline(MoETransformer(cfg), fold(FoldSpec(4, pp=2, tp=2, ep=2)), microbatches=2)
+    tokens, positions = shard_batch(global_tokens, spec, rank)
+    targets, _ = shard_batch(global_targets, spec, rank)
+    loss = pipe.step(tokens, targets, positions)   # the global mean loss, on every rank
+    optimizer.step()                               # over pipe.parameters()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshfold.models.transformer import MoETransformer, run_blocks
+from meshfold.models.transformer_parallel import parallelize
+
+__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "Pipeline"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
+    """Layer ids of each of ``num_chunks`` contiguous, balanced model chunks."""
+    if num_chunks > num_layers:
+        raise ValueError(f"{num_chunks} pipeline chunks (pp x virtual) but only {num_layers} layers; "
+                         f"every chunk needs at least one layer")
+    return [list(range(s * num_layers // num_chunks, (s + 1) * num_layers // num_chunks))
+            for s in range(num_chunks)]
+
+
+class ModelChunk(nn.Module):
+    """A run of a MoETransformer's layers, with the embeddings if it is the first chunk and the
+    final norm and head if it is the last. ``forward(x)``: tokens [B, S] (first chunk) or hidden
+    [B, S, H] -> hidden [B, S, H] or logits [B, S, V] (last chunk). Parameter names are the
+    whole model's (``layers.<i>...``). ``positions`` (absolute, this rank's tokens) is set per
+    step, the same for every microbatch."""
+
+    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+        self.positions: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        x = run_blocks(self.layers.values(), x, self.positions, self.cfg)
+        if self.norm is not None:
+            x = F.linear(self.norm(x), self.head.weight)
+        return x
+
+
+class Pipeline:
+    """This rank's model chunks of ``model`` on ``folded`` and a pipeline schedule over them.
+
+    ``model`` is the whole single-device model (identical weights on every rank, e.g. seeded
+    alike); each rank keeps only its chunks' layers. ``schedule`` is one of :data:`SCHEDULES`,
+    ``virtual`` the number of chunks per rank (interleaved schedule), ``data_parallel`` as in
+    :func:`~meshfold.models.transformer_parallel.parallelize`.
+    """
+
+    def __init__(self, model: MoETransformer, folded, microbatches: int, schedule: str = "1f1b",
+                 virtual: int = 1, data_parallel: str = "fsdp"):
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+
+        spec = folded.spec
+        pp = spec.pp
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule = {schedule!r}; valid: {list(SCHEDULES)}")
+        if not (isinstance(virtual, int) and virtual >= 1):
+            raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
+        if (schedule == "interleaved-1f1b") != (virtual > 1):
+            raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the interleaved schedule "
+                             f"needs virtual >= 2 chunks per rank, the others virtual = 1")
+        if not (isinstance(microbatches, int) and microbatches >= 1):
+            raise ValueError(f"microbatches = {microbatches!r}; valid: an integer >= 1")
+        if schedule != "gpipe" and microbatches < pp:
+            raise ValueError(f"microbatches = {microbatches} < pp = {pp}: {schedule} needs at least "
+                             f"one microbatch per stage")
+        if schedule == "interleaved-1f1b" and microbatches % pp:
+            raise ValueError(f"microbatches = {microbatches} is not a multiple of pp = {pp} "
+                             f"(the interleaved schedule runs them in rounds of pp)")
+        if model.cfg.tie_embeddings and pp > 1:
+            raise ValueError("tie_embeddings with pp > 1: the embedding (first stage) and the head "
+                             "(last stage) would have to be one tensor; untie them or use pp = 1")
+        self.folded, self.microbatches = folded, microbatches
+        n = pp * virtual
+        layers = chunk_layers(model.cfg.layers, n)
+        r = spec.coords(dist.get_rank())["attn"]["pp"]
+        self.stage_ids = [r + k * pp for k in range(virtual)]
+        self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1) for s in self.stage_ids]
+        for chunk in self.chunks:
+            parallelize(chunk, folded, data_parallel=data_parallel)
+        device = (torch.device(folded.device_type, torch.cuda.current_device())
+                  if folded.device_type == "cuda" else torch.device(folded.device_type))
+        group = folded.attn["pp"].get_group()
+        stages = [PipelineStage(c, s, n, device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
+        self.has_last = any(s == n - 1 for s in self.stage_ids)
+        self._n_global = None
+        if schedule == "interleaved-1f1b":
+            self.schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=self._loss, scale_grads=False)
+        else:
+            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            self.schedule = cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                             reduction="sum")
+        return ce / self._n_global
+
+    def parameters(self):
+        """This rank's parameters (all its chunks), e.g. for the optimizer."""
+        return [p for c in self.chunks for p in c.parameters()]
+
+    def named_parameters(self):
+        """``(single-device-style name, parameter)`` of this rank's chunks (``layers.<i>...``)."""
+        return [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One forward + backward of this rank's local batch (from ``shard_batch``), microbatched
+        through the schedule; gradients accumulate in the parameters. Returns the global mean
+        loss (cross-entropy, without the balancing losses, which are in the gradients), the same
+        value on every rank."""
+        if tokens.shape[0] % self.microbatches:
+            raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
+                             f"microbatches = {self.microbatches}")
+        count = (targets != -100).sum().double()
+        dist.all_reduce(count)  # every pp stage holds the same data: pp x the global count
+        self._n_global = count / self.folded.spec.pp
+        for chunk in self.chunks:
+            chunk.positions = positions
+        losses: list[torch.Tensor] = []
+        self.schedule.step(tokens, target=targets, losses=losses)
+        share = torch.zeros((), dtype=torch.float64, device=count.device)
+        if self.has_last:
+            share += torch.stack([x.detach() for x in losses]).sum().double()
+        dist.all_reduce(share)  # only the last stage's ranks hold losses
+        return share
