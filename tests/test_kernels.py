@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshfold.kernels import dense_tile_mask, expand_tile_mask, grouped_mm, grouped_mm_reference
+from meshfold.kernels import cpu_grouped, dense_tile_mask, expand_tile_mask, grouped_mm, grouped_mm_reference
 from meshfold.kernels.grouped_mm import _f_grouped_mm_ok
 from meshfold.testing import split_sizes
 
@@ -45,7 +45,6 @@ def assert_matches_reference(x, w, offsets, mask, *, atol=0.0, rtol=0.0, backend
         torch.testing.assert_close(g_, w_, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
 
-# fp32 K, N: multiples of 4 meet F.grouped_mm's 16-byte stride rule, the others take the loop
 @given(counts=st.integers(1, 5).flatmap(lambda E: split_sizes(E, max_total=40)),
        K=st.sampled_from([3, 4, 8, 12]), N=st.sampled_from([2, 4, 8, 16]), tail=st.integers(0, 3),
        dtype=st.sampled_from([torch.float32, torch.float64]), masked=st.booleans())
@@ -56,17 +55,44 @@ def test_torch_path_matches_reference_over_shapes_and_offsets(counts, K, N, tail
     assert_matches_reference(x, w, offsets, mask, atol=tol, rtol=tol)
 
 
-def test_both_torch_routes_are_exercised():
-    """The property test above covers F.grouped_mm and the loop: aligned fp32 takes the former."""
-    x4, w4, _, _ = make_case([2], 4, 8)
-    x3, w3, _, _ = make_case([2], 3, 8)
-    assert _f_grouped_mm_ok(x4, w4) and not _f_grouped_mm_ok(x3, w3)
-    assert not _f_grouped_mm_ok(x4.double(), w4.double())
+def test_cuda_torch_route_takes_f_grouped_mm_only_for_aligned_bf16():
+    """On CUDA the torch backend uses F.grouped_mm for aligned bf16, else its loop (CPU always
+    takes meshfold.kernels.cpu_grouped)."""
+    x8, w8, _, _ = make_case([2], 8, 8, dtype=torch.bfloat16)
+    x3, w3, _, _ = make_case([2], 3, 8, dtype=torch.bfloat16)
+    assert _f_grouped_mm_ok(x8, w8) and not _f_grouped_mm_ok(x3, w3)
+    assert not _f_grouped_mm_ok(x8.float(), w8.float())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpu_blocks_match_reference_for_any_worker_count(threads, dtype, monkeypatch):
+    """Blocks of rows (and of dW's output rows) shared among 1-3 workers: the reference's values,
+    with empty experts (dw = 0), rows past offsets[-1] and experts split into several blocks."""
+    monkeypatch.setattr(cpu_grouped, "ROW_BLOCK", 8)
+    x, w, offsets, _ = make_case([0, 21, 3, 0, 40, 1], 128, 24, tail=2, dtype=dtype)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 0.1}[dtype]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_matches_reference(x, w, offsets, None, atol=tol, rtol=tol if dtype != torch.bfloat16 else 0.02)
+        assert torch.get_num_threads() == threads  # the caller's setting survives the workers
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_blocks_are_deterministic_and_fp32_accumulating_in_bf16():
+    """Same call twice: bitwise equal (each block is one GEMM of a fixed shape, whichever worker
+    runs it); bf16 output equals fp32 math rounded once, up to one bf16 ulp."""
+    x, w, offsets, _ = make_case([300, 5, 0, 200], 64, 32, dtype=torch.bfloat16)
+    y1, y2 = grouped_mm(x, w, offsets), grouped_mm(x, w, offsets)
+    assert torch.equal(y1, y2)
+    want = grouped_mm_reference(x, w, offsets).float()  # fp32 products, rounded once to bf16
+    assert ((y1.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all()
 
 
 def test_bf16_torch_path_matches_fp32_accumulating_reference():
     x, w, offsets, mask = make_case([5, 0, 17, 9], 16, 32, tail=3, tile=(8, 16), density=0.5, dtype=torch.bfloat16)
-    assert _f_grouped_mm_ok(x, w)
     assert_matches_reference(x, w, offsets, mask, atol=0.1, rtol=0.02)
 
 

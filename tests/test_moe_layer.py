@@ -306,3 +306,66 @@ def test_pruning_schedule_on_the_moe_layer_keeps_masks_after_steps():
             keep = mask.repeat_interleave(2, 1).repeat_interleave(2, 2)
             assert torch.all(w.detach()[~keep] == 0)  # pruned weights stay zero: no regrowth
     assert reached[0] == 0.25 and reached[-1] == 0.5
+
+
+# ---- local fast paths against their plain references ---------------------------------------
+
+
+def _routed(T, k, E, H, dtype, seed=0):
+    """x [T, H], a dropless Permuted of it (fp32 router probs) and its expert outputs y [T k, H]."""
+    from meshfold.models.dispatcher import permute
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    logits = torch.randn(T, E, generator=g)
+    probs, experts = logits.softmax(-1).topk(k, dim=-1)
+    probs = probs.requires_grad_()
+    perm = permute(x, experts, probs, E)
+    y = torch.randn(T * k, H, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    return x, probs, perm, y
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fast_combine_equals_reference_with_gradients(dtype, tol):
+    """The dropless combine (token-major bmm in y's dtype) gives the plain weighted index_add's
+    output and gradients for y and the router probabilities (bf16: to bf16 rounding)."""
+    from meshfold.models.dispatcher import unpermute, unpermute_reference
+
+    _, probs, perm, y = _routed(37, 3, 5, 16, dtype)
+    assert perm.pair_N is not None
+    dout = torch.randn(37, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    got = unpermute(y, perm, 37)
+    want = unpermute_reference(y, perm, 37)
+    g_got = torch.autograd.grad(got, (y, probs), dout)
+    g_want = torch.autograd.grad(want, (y, probs), dout)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=tol * 4, rtol=tol)
+
+
+def test_fast_permute_gradient_equals_plain_indexing():
+    """gather_rows' backward (index_add) is autograd's x[token] backward, fp32-accumulated in
+    bf16: equal to the fp64 sum rounded once."""
+    from meshfold.models.dispatcher import gather_rows
+
+    for dtype in (torch.float64, torch.bfloat16):
+        x, _, perm, _ = _routed(29, 4, 6, 8, dtype)
+        dy = torch.randn(29 * 4, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        (got,) = torch.autograd.grad(gather_rows(x, perm.token_N), x, dy.to(dtype))
+        want = torch.zeros(29, 8, dtype=torch.float64).index_put_((perm.token_N,), dy.to(dtype).double(),
+                                                                   accumulate=True)
+        assert torch.equal(got, want.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fast_swiglu_equals_reference_with_gradients(dtype):
+    from meshfold.models.experts import swiglu, swiglu_reference
+
+    h = torch.randn(23, 2, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+    h.requires_grad_()
+    da = torch.randn(23, 7, dtype=torch.float64).to(dtype)
+    got, want = swiglu(h), swiglu_reference(h)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.autograd.grad(got, h, da)[0], torch.autograd.grad(want, h, da)[0])
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(swiglu, (h.detach().requires_grad_(),))

@@ -8,9 +8,10 @@ contract and the tile-mask format). Backends:
 
 * ``"triton"``: the Triton kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``);
   offsets stay on the device, nothing syncs with the host.
-* ``"torch"``: ``F.grouped_mm`` where its rules hold (CPU: fp32/fp16/bf16; CUDA: bf16; every
-  row stride a multiple of 16 bytes), else a per-expert loop (fp64, odd sizes). The loop reads
-  the offsets on the host.
+* ``"torch"``: on CPU, :mod:`.cpu_grouped` (one ``mm`` per expert block, shared among a few
+  threads; it reads the offsets on the host, as every CPU path does). On CUDA, ``F.grouped_mm``
+  where its rules hold (bf16, every row stride a multiple of 16 bytes), else a per-expert loop
+  that reads the offsets on the host.
 * ``"reference"``: the plain loop of :mod:`.reference`, differentiated by autograd.
 * ``"auto"``: ``"triton"`` for CUDA tensors of fp32/fp16/bf16 (and mask tiles in multiples of
   16), ``"torch"`` otherwise.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from meshfold.kernels import cpu_grouped
 from meshfold.kernels.reference import apply_tile_mask, grouped_mm_reference, tile_shape
 
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -111,11 +113,9 @@ def _resolve_backend(x: torch.Tensor, w: torch.Tensor, tile_mask: torch.Tensor |
 
 
 def _f_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
-    """Whether F.grouped_mm accepts these operands: its dtypes, a unit stride in one of the last
+    """Whether F.grouped_mm accepts these CUDA operands: bf16, a unit stride in one of the last
     two dims, and every other stride (and the base address) a multiple of 16 bytes."""
-    t0 = tensors[0]
-    ok_dtypes = (torch.bfloat16,) if t0.is_cuda else (torch.float32, torch.float16, torch.bfloat16)
-    if t0.dtype not in ok_dtypes:
+    if tensors[0].dtype != torch.bfloat16:
         return False
     for t in tensors:
         es = t.element_size()
@@ -132,12 +132,11 @@ def _masked(w: torch.Tensor, tile_mask: torch.Tensor | None) -> torch.Tensor:
 
 def _torch_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """c [M, N] = a [M, K] @ b [E, K, N] per row group; rows past offsets[-1] are zero."""
+    if a.device.type == "cpu":
+        return cpu_grouped.rows_mm(a, b, offsets)
     M, N = a.shape[0], b.shape[2]
     if _f_grouped_mm_ok(a, b):
         c = F.grouped_mm(a, b, offs=offsets)  # leaves rows past offsets[-1] unset
-        if offsets.device.type == "cpu":
-            c[int(offsets[-1]):] = 0  # free to read on the host; touches only the tail
-            return c
         owned = torch.arange(M, device=a.device) < offsets[-1]  # no host sync on a device
         return torch.where(owned[:, None], c, torch.zeros((), dtype=c.dtype, device=c.device))
     c = a.new_zeros((M, N))
@@ -150,6 +149,8 @@ def _torch_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
 
 def _torch_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """dw [E, K, N] = x_e^T [K, M_e] @ dy_e [M_e, N] per expert (zero for experts without rows)."""
+    if x.device.type == "cpu":
+        return cpu_grouped.dw_mm(x, dy, offsets)
     if _f_grouped_mm_ok(x.t(), dy):
         return F.grouped_mm(x.t(), dy, offs=offsets)
     dw = x.new_zeros((offsets.numel(), x.shape[1], dy.shape[1]))

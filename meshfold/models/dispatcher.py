@@ -25,8 +25,9 @@ from fractions import Fraction
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
-__all__ = ["capacity", "keep_mask", "permute", "unpermute", "Permuted"]
+__all__ = ["capacity", "gather_rows", "keep_mask", "permute", "unpermute", "unpermute_reference", "Permuted"]
 
 
 def capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
@@ -97,38 +98,93 @@ def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None) 
     order = torch.argsort(e, stable=True)
     e, token, p = e[order], token[order], p[order]
     counts_E = _counts(e, num_experts)
+    x_NH = gather_rows(x_TH, token)
     if pad_to is None:
         if keep_TK is None:
-            return Permuted(x_TH[token], counts_E, token, p, pair_N=order, probs_TK=probs_TK)
-        return Permuted(x_TH[token], counts_E, token, p)
+            return Permuted(x_NH, counts_E, token, p, pair_N=order, probs_TK=probs_TK)
+        return Permuted(x_NH, counts_E, token, p)
     # row r of expert e goes to slot e * pad_to + (r - start_e)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     slot = e * pad_to + torch.arange(e.numel(), device=e.device) - start_E[e]
     n = num_experts * pad_to
     token_N = torch.full((n,), -1, dtype=token.dtype, device=token.device).index_copy(0, slot, token)
     probs_N = torch.zeros(n, dtype=p.dtype, device=p.device).index_copy(0, slot, p)
-    x_NH = x_TH.new_zeros(n, x_TH.shape[1]).index_copy(0, slot, x_TH[token])
+    x_NH = x_TH.new_zeros(n, x_TH.shape[1]).index_copy(0, slot, x_NH)
     return Permuted(x_NH, torch.full_like(counts_E, pad_to), token_N, probs_N)
 
 
 def unpermute(y_NH: torch.Tensor, perm: Permuted, num_tokens: int) -> torch.Tensor:
     """``out[t] = sum over t's kept pairs of probs * y`` -> [T, H] in y's dtype.
 
-    The weighting runs in the wider of y's and the probabilities' dtypes (bf16 experts with an fp32
-    router: fp32; fp64 experts with an fp32 router: fp64, never rounding y down to fp32).
+    Dropless and unpadded (``perm.pair_N`` set), every token has exactly k rows: the fast path
+    :class:`_CombineTopK` weights them in one batched ``[1, k] @ [k, H]`` per token in y's dtype
+    (the weights rounded to it; bf16 GEMMs accumulate in fp32). Otherwise, and as the definition
+    the fast path is tested against, :func:`unpermute_reference`.
     """
+    if perm.pair_N is not None:
+        return _CombineTopK.apply(y_NH, perm.probs_TK, perm.pair_N, perm.token_N)
+    return unpermute_reference(y_NH, perm, num_tokens)
+
+
+def unpermute_reference(y_NH: torch.Tensor, perm: Permuted, num_tokens: int) -> torch.Tensor:
+    """The plain combine: weight every row, then add it into its token, in the wider of y's and
+    the probabilities' dtypes (bf16 experts with an fp32 router: fp32; fp64 experts with an fp32
+    router: fp64, never rounding y down to fp32), rounded to y's dtype at the end."""
     y = y_NH
     dtype = torch.promote_types(y.dtype, perm.probs_N.dtype)
-    if perm.pair_N is not None:
-        # every token has exactly k rows: gather them token-major, then one batched
-        # [1, k] @ [k, H] per token (no scatter-add, no [N, H] weighted copy)
-        T, k = perm.probs_TK.shape
-        y_TKH = y.new_empty(y.shape).index_copy(0, perm.pair_N, y).view(T, k, y.shape[1])
-        p_T1K = perm.probs_TK.to(dtype).unsqueeze(1)
-        return torch.bmm(p_T1K, y_TKH.to(dtype)).squeeze(1).to(y.dtype)
     # Padding rows carry weight 0 and an all-zero expert output; sending them to token 0 avoids
     # a data-dependent filter (a host sync).
-    token, p = perm.token_N.clamp(min=0), perm.probs_N
-    weighted = (y.to(dtype) * p.to(dtype).unsqueeze(-1)).to(y.dtype)
-    out = y.new_zeros(num_tokens, y.shape[1])
-    return out.index_add(0, token, weighted)
+    token = perm.token_N.clamp(min=0)
+    weighted = y.to(dtype) * perm.probs_N.to(dtype).unsqueeze(-1)
+    out = weighted.new_zeros(num_tokens, y.shape[1])
+    return out.index_add(0, token, weighted).to(y.dtype)
+
+
+def gather_rows(x_TH: torch.Tensor, token_N: torch.Tensor) -> torch.Tensor:
+    """``x_TH[token_N]`` [N, H] whose backward adds the rows back with ``index_add`` (fp32
+    accumulation for bf16) instead of autograd's ``index_put(accumulate=True)``, 4-14x slower."""
+    return _GatherRows.apply(x_TH, token_N)
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, token_N):
+        ctx.save_for_backward(token_N)
+        ctx.num_tokens = x_TH.shape[0]
+        return x_TH.index_select(0, token_N)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_NH):
+        (token_N,) = ctx.saved_tensors
+        dx = g_NH.new_zeros(ctx.num_tokens, g_NH.shape[1]).index_add_(0, token_N, g_NH)
+        return dx, None
+
+
+class _CombineTopK(torch.autograd.Function):
+    """out [T, H] = probs_TK [T, 1, k] @ y_TKH [T, k, H] (token-major rows), in y's dtype.
+
+    Saves y_TKH (one [N, H] buffer in y's dtype): the probabilities' gradient is
+    ``y_TKH @ dout`` per token. The old path multiplied in fp32 and kept an fp32 copy of y,
+    twice the memory in bf16 and ~2x slower (benchmarks/RESULTS.md, moe_layer).
+    """
+
+    @staticmethod
+    def forward(ctx, y_NH, probs_TK, pair_N, token_N):
+        T, k = probs_TK.shape
+        y_TKH = y_NH.new_empty(y_NH.shape).index_copy_(0, pair_N, y_NH).view(T, k, y_NH.shape[1])
+        p_TK = probs_TK.to(y_NH.dtype)
+        ctx.save_for_backward(y_TKH, p_TK, pair_N, token_N)
+        ctx.probs_dtype = probs_TK.dtype
+        return torch.bmm(p_TK.unsqueeze(1), y_TKH).squeeze(1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout_TH):
+        y_TKH, p_TK, pair_N, token_N = ctx.saved_tensors
+        dy_NH = dprobs_TK = None
+        if ctx.needs_input_grad[0]:  # row n gets dout[token_n] * p_n, expert-major
+            dy_NH = dout_TH.index_select(0, token_N).mul_(p_TK.reshape(-1)[pair_N].unsqueeze(1))
+        if ctx.needs_input_grad[1]:
+            dprobs_TK = torch.bmm(y_TKH, dout_TH.unsqueeze(2)).squeeze(2).to(ctx.probs_dtype)
+        return dy_NH, dprobs_TK, None, None

@@ -12,12 +12,13 @@ would hand one rank all gates and another all ups). ``w_down`` is [E, F, H]. Bot
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
 from meshfold.kernels import grouped_mm
 
-__all__ = ["Experts", "SharedExpert", "expert_ffn"]
+__all__ = ["Experts", "SharedExpert", "expert_ffn", "swiglu", "swiglu_reference"]
 
 
 def expert_ffn(x_NH, w_gate_up, w_down, offsets_E, kind: str, masks=(None, None)):
@@ -30,11 +31,40 @@ def expert_ffn(x_NH, w_gate_up, w_down, offsets_E, kind: str, masks=(None, None)
     h = grouped_mm(x_NH, w_gate_up.reshape(E, H, two * Fl), offsets_E,
                    **({"tile_mask": masks[0]} if masks[0] is not None else {}))
     if kind == "swiglu":
-        gate, up = h.view(-1, 2, Fl).unbind(1)
-        a = F.silu(gate) * up
+        a = swiglu(h.view(-1, 2, Fl))
     else:
         a = F.gelu(h)
     return grouped_mm(a, w_down, offsets_E, **({"tile_mask": masks[1]} if masks[1] is not None else {}))
+
+
+def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of h [N, 2, F] (gate, up) -> [N, F]: :func:`swiglu_reference`'s
+    values, with a backward that keeps only h (not ``silu(gate)`` too: one [N, F] buffer less)
+    and writes both halves of dh into one [N, 2, F] tensor (no stack of the two halves)."""
+    return _SwiGLU.apply(h_N2F)
+
+
+def swiglu_reference(h_N2F: torch.Tensor) -> torch.Tensor:
+    gate, up = h_N2F.unbind(1)
+    return F.silu(gate) * up
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_N2F):
+        ctx.save_for_backward(h_N2F)
+        gate, up = h_N2F.unbind(1)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da_NF):
+        (h_N2F,) = ctx.saved_tensors
+        gate, up = h_N2F.unbind(1)
+        dh_N2F = torch.empty_like(h_N2F, memory_format=torch.contiguous_format)
+        torch.mul(da_NF, F.silu(gate), out=dh_N2F[:, 1])
+        torch.ops.aten.silu_backward.grad_input(da_NF * up, gate, grad_input=dh_N2F[:, 0])
+        return dh_N2F
 
 
 class Experts(nn.Module):
