@@ -14,12 +14,13 @@ Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 
     count, identical for both); the MFU peak is a dense fp32 GEMM (1024^3, one thread) measured
     in the same run just before and just after the steps, the better of the two.
 (b) **Folds on gloo ranks** (1, 2, 4 processes, one thread each, on this machine's cores): the
-    same step, folded (``parallelize``, ``shard_batch``, ``reduce_gradients``, AdamW on the
-    local shards), global batch 8 x 256 fixed. tokens/s = global tokens / median step time (the
+    same step, folded (``parallelize`` with FSDP2 data parallelism unless a row says
+    ``allreduce``; pp folds through ``Pipeline`` with 2 microbatches), AdamW on the local shards,
+    global batch 8 x 256 fixed. tokens/s = global tokens / median step time (the
     slowest rank). MFU against the sum of the ranks' dense GEMM rates, measured concurrently.
 (c) **Per-rank peak memory vs cp** at one sequence of 2048 tokens, fold ``cp = world`` (dp = tp =
-    ep = 1, so weights, gradients and optimizer state are the same on every rank and only
-    activations can shrink). Each rank, in a fresh process with glibc's mmap threshold at 64 KiB
+    ep = 1, all-reduce data parallelism rather than FSDP2, so weights, gradients and optimizer
+    state are the same on every rank and only activations can shrink). Each rank, in a fresh process with glibc's mmap threshold at 64 KiB
     (freed tensors go back to the OS): a warm-up step (gradients and AdamW state now exist),
     gradients set to None, ``malloc_trim``, reset of the kernel's peak-RSS counter
     (``/proc/self/clear_refs`` = 5), then one step; ``peak`` = VmHWM - VmRSS before the step:
@@ -53,15 +54,19 @@ sys.path.insert(0, str(ROOT))
 from meshfold import FoldSpec, fold  # noqa: E402
 from meshfold.launch import spawn  # noqa: E402
 from meshfold.models import MoETransformer, get_config, save_pretrained  # noqa: E402
+from meshfold.models.pipeline import Pipeline  # noqa: E402
 from meshfold.models.transformer_parallel import parallelize, reduce_gradients, shard_batch  # noqa: E402
 from meshfold.train.flops import train_flops_per_step  # noqa: E402
 
 B, S, S_LONG = 8, 256, 2048
-FOLDS = {  # world size -> folds timed in part (b)
+FOLDS = {  # world size -> folds timed in part (b); data_parallel defaults to "fsdp"
     1: [dict()],
     2: [dict(), dict(tp=2), dict(ep=2)],
-    4: [dict(), dict(tp=2, ep=4), dict(ep=4), dict(cp=2, tp=2, ep=4)],
+    4: [dict(), dict(tp=2, ep=4), dict(ep=4), dict(ep=4, data_parallel="allreduce"), dict(cp=2, tp=2, ep=4),
+        dict(pp=2, ep=2, schedule="1f1b"), dict(pp=2, ep=2, schedule="interleaved-1f1b"),
+        dict(pp=2, tp=2, ep=2, schedule="1f1b")],
 }
+MICROBATCHES = 2  # per pipeline step (pp folds)
 
 
 def model_config():
@@ -90,9 +95,12 @@ def gemm_rate(seconds=1.0, size=1024) -> float:
     return 2 * size ** 3 / statistics.median(times)
 
 
-def fold_name(spec) -> str:
-    return (f"{spec.world_size} rank{'s' if spec.world_size > 1 else ''}: attn tp{spec.tp} cp{spec.cp} "
-            f"dp{spec.dp} | moe etp{spec.etp} ep{spec.ep} edp{spec.edp}")
+def fold_name(spec, data_parallel="fsdp", schedule=None) -> str:
+    pp = f"pp{spec.pp} " if spec.pp > 1 else ""
+    how = f" ({data_parallel}{', ' + schedule + f' x{MICROBATCHES} mb' if schedule else ''})" if spec.dp * spec.cp > 1 \
+        or spec.edp > 1 or schedule else ""
+    return (f"{spec.world_size} rank{'s' if spec.world_size > 1 else ''}: attn {pp}tp{spec.tp} cp{spec.cp} "
+            f"dp{spec.dp} | moe {pp}etp{spec.etp} ep{spec.ep} edp{spec.edp}{how}")
 
 
 # ------------------------------------------------------------------ (a) meshfold vs transformers
@@ -149,14 +157,32 @@ def part_a(rounds: int) -> dict:
 
 # ------------------------------------------------------------------ (b) folds on gloo ranks
 def _train_step(model, opt, tokens, targets, spec, rank):
+    """``model`` is a parallelized MoETransformer or, with pp > 1, a Pipeline."""
     lt, pos = shard_batch(tokens, spec, rank)
     ltg, _ = shard_batch(targets, spec, rank)
-    logits = model(lt, pos)
-    share = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ltg.reshape(-1), reduction="sum") / ltg.numel()
-    (share * ltg.numel() / tokens.numel()).backward()  # shares add up to the global mean loss
-    reduce_gradients(model)
+    if isinstance(model, Pipeline):
+        model.step(lt, ltg, pos)
+        chunks = model.chunks
+    else:
+        model.loss(lt, ltg, pos).backward()  # the global mean loss
+        chunks = [model]
+    for chunk in chunks:
+        reduce_gradients(chunk)  # a no-op under FSDP2, which reduce-scattered in backward
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+def _build(cfg, world_size, kw):
+    kw = dict(kw)
+    data_parallel, schedule = kw.pop("data_parallel", "fsdp"), kw.pop("schedule", None)
+    spec = FoldSpec(world_size, **kw)
+    torch.manual_seed(0)
+    if spec.pp > 1:
+        model = Pipeline(MoETransformer(cfg), fold(spec), MICROBATCHES, schedule,
+                         virtual=2 if schedule == "interleaved-1f1b" else 1, data_parallel=data_parallel)
+    else:
+        model = parallelize(MoETransformer(cfg), fold(spec), data_parallel=data_parallel)
+    return spec, model, fold_name(spec, data_parallel, schedule)
 
 
 def scaling_worker(rank, world_size, fold_kwargs: list, rounds: int) -> list:
@@ -174,9 +200,7 @@ def scaling_worker(rank, world_size, fold_kwargs: list, rounds: int) -> list:
     peak = summed_gemm_rate()
     out = []
     for kw in fold_kwargs:
-        spec = FoldSpec(world_size, **kw)
-        torch.manual_seed(0)
-        model = parallelize(MoETransformer(cfg), fold(spec))
+        spec, model, name = _build(cfg, world_size, kw)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         _train_step(model, opt, tokens, targets, spec, rank)  # warm-up
         times = []
@@ -187,7 +211,7 @@ def scaling_worker(rank, world_size, fold_kwargs: list, rounds: int) -> list:
             slowest = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             times.append(slowest.item())
-        out.append(dict(fold=fold_name(spec), step_s=statistics.median(times), times=times))
+        out.append(dict(fold=name, step_s=statistics.median(times), times=times))
         del model, opt
         gc.collect()
     peak = max(peak, summed_gemm_rate())
@@ -220,7 +244,9 @@ def memory_worker(rank, world_size) -> dict:
     cfg = model_config()
     tokens, targets = batch(1, S_LONG)
     torch.manual_seed(0)
-    model = parallelize(MoETransformer(cfg), fold(spec))
+    # whole replicas (no FSDP2), so weights, gradients and optimizer state are the same for every
+    # cp and only activations can shrink
+    model = parallelize(MoETransformer(cfg), fold(spec), data_parallel="allreduce")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     _train_step(model, opt, tokens, targets, spec, rank)  # gradients, AdamW state, gloo buffers
     gc.collect()

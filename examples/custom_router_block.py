@@ -47,8 +47,9 @@ MOE_LAYOUT.update(XMOE_LAYOUT)  # parallelize_moe looks every layer parameter up
 class CosineRouter(Router):
     """X-MoE routing: ``logits_TE = cos(x_TH @ proj_DH.T, weight_ED) / exp(log_temp)``.
 
-    ``weight`` (the expert embeddings, [E, D]) keeps the name and layout of the linear router's
-    weight, so MoELayer hands it over already local; ``proj`` [D, H] and ``log_temp`` [] are new.
+    ``weight`` (the expert embeddings, [E, D]) keeps the name of the linear router's weight;
+    ``proj`` [D, H] and ``log_temp`` [] are new. ``local(name, param)`` (the layer's comm) gives
+    this rank's view of each parameter; on one device it is None.
     """
 
     def __init__(self, cfg: MoEConfig, dim: int = 8, temperature: float = 0.3):
@@ -57,13 +58,13 @@ class CosineRouter(Router):
         self.weight = nn.Parameter(torch.randn(cfg.num_experts, dim, dtype=dt))
         self.proj = nn.Parameter(torch.randn(dim, cfg.hidden, dtype=dt) * cfg.hidden ** -0.5)
         self.log_temp = nn.Parameter(torch.tensor(math.log(temperature), dtype=dt))
-        self.local = lambda name, p: p  # one device; the folded layer passes its comm.local
 
-    def forward(self, x_TH, weight_ED=None):
+    def forward(self, x_TH, local=None):
+        local = local or (lambda name, p: p)
         dt = self.cfg.router_dtype
-        z_TD = F.normalize(F.linear(x_TH.to(dt), self.local("router.proj", self.proj)), dim=-1)
-        e_ED = F.normalize(self.weight if weight_ED is None else weight_ED, dim=-1)
-        logits_TE = z_TD @ e_ED.T / self.local("router.log_temp", self.log_temp).exp()
+        z_TD = F.normalize(F.linear(x_TH.to(dt), local("router.proj", self.proj)), dim=-1)
+        e_ED = F.normalize(local("router.weight", self.weight), dim=-1)
+        logits_TE = z_TD @ e_ED.T / local("router.log_temp", self.log_temp).exp()
         probs_TK, experts_TK = topk_routing(logits_TE, self.cfg)
         return probs_TK, experts_TK, logits_TE
 
@@ -76,10 +77,6 @@ class XMoELayer(MoELayer):
         self.router = CosineRouter(cfg)
         if mesh is not None:
             parallelize_moe(self, mesh)
-
-    def forward(self, x):
-        self.router.local = self.comm.local  # the router's own parameters, as local views
-        return super().forward(x)
 
 
 # ---------------------------------------------------------------- check against one device

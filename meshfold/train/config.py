@@ -153,8 +153,9 @@ class TrainConfig:
         if t.seq > cfg.max_seq:
             raise ValueError(f"train.seq = {t.seq} exceeds model max_seq = {cfg.max_seq}")
         if spec.pp > 1:
-            raise ValueError(f"fold.pp = {spec.pp}: pipeline parallelism is not implemented in "
-                             f"meshfold train yet (valid: pp = 1)")
+            raise ValueError(f"fold.pp = {spec.pp}: meshfold train runs pp = 1 only (valid: pp = 1); "
+                             f"pipeline parallelism is meshfold.models.pipeline.Pipeline, for your own "
+                             f"training loop")
         if cfg.heads % spec.tp or cfg.kv_heads % spec.tp:
             raise ValueError(f"heads = {cfg.heads} and kv_heads = {cfg.kv_heads} must both be "
                              f"divisible by tp = {spec.tp}")
