@@ -81,6 +81,23 @@ def test_resharded_resume_continues_with_the_same_loss(tmp_path):
     assert abs(losses(a)[4]["loss"] - losses(b)[4]["loss"]) < 1e-9 * losses(a)[4]["loss"]
 
 
+def test_pipeline_run_checkpoint_resumes_without_pp_with_the_same_loss(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    fp64 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "train.ckpt_every=3", "--set", "model.layers=4"]
+    # 4 ranks pp2 x dp2 | pp2 x ep2, interleaved 1F1B with 2 chunks per rank
+    proc = meshfold("train", "--steps", "4", "--out-dir", str(a), *fp64, "--set", "fold.pp=2", "--set", "fold.tp=1",
+                    "--set", "fold.ep=2", "--set", "train.schedule=\"interleaved-1f1b\"", "--set", "train.virtual=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pp2 x dp2 x cp1 x tp1" in proc.stdout
+    rows = losses(a)
+    assert len(rows[4]["tokens_per_expert"]) == 4  # every stage's MoE layers are in the metrics
+    Path(b / "checkpoints").mkdir(parents=True)
+    os.replace(a / "checkpoints" / "step_000003", b / "checkpoints" / "step_000003")
+    proc = meshfold("train", "--steps", "4", "--out-dir", str(b), *fp64)  # the default fold, pp = 1
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert abs(rows[4]["loss"] - losses(b)[4]["loss"]) < 1e-9 * rows[4]["loss"]
+
+
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL,
                     "--set", "train.ckpt_every=3", "--set", "train.crash_in_save_at=6")

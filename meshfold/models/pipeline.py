@@ -46,10 +46,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer, run_blocks
 from meshfold.models.transformer_parallel import parallelize
 
-__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "Pipeline"]
+__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -88,6 +89,29 @@ class ModelChunk(nn.Module):
         return x
 
 
+def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int) -> None:
+    """Raise ``ValueError`` naming the setting if this pipeline cannot run (no process needed)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule = {schedule!r}; valid: {list(SCHEDULES)}")
+    if not (isinstance(virtual, int) and virtual >= 1):
+        raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
+    if (schedule == "interleaved-1f1b") != (virtual > 1):
+        raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the interleaved schedule "
+                         f"needs virtual >= 2 chunks per rank, the others virtual = 1")
+    if not (isinstance(microbatches, int) and microbatches >= 1):
+        raise ValueError(f"microbatches = {microbatches!r}; valid: an integer >= 1")
+    if schedule != "gpipe" and microbatches < pp:
+        raise ValueError(f"microbatches = {microbatches} < pp = {pp}: {schedule} needs at least "
+                         f"one microbatch per stage")
+    if schedule == "interleaved-1f1b" and microbatches % pp:
+        raise ValueError(f"microbatches = {microbatches} is not a multiple of pp = {pp} "
+                         f"(the interleaved schedule runs them in rounds of pp)")
+    if cfg.tie_embeddings and pp > 1:
+        raise ValueError("tie_embeddings with pp > 1: the embedding (first stage) and the head "
+                         "(last stage) would have to be one tensor; untie them or use pp = 1")
+    chunk_layers(cfg.layers, pp * virtual)
+
+
 class Pipeline:
     """This rank's model chunks of ``model`` on ``folded`` and a pipeline schedule over them.
 
@@ -104,24 +128,7 @@ class Pipeline:
 
         spec = folded.spec
         pp = spec.pp
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule = {schedule!r}; valid: {list(SCHEDULES)}")
-        if not (isinstance(virtual, int) and virtual >= 1):
-            raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
-        if (schedule == "interleaved-1f1b") != (virtual > 1):
-            raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the interleaved schedule "
-                             f"needs virtual >= 2 chunks per rank, the others virtual = 1")
-        if not (isinstance(microbatches, int) and microbatches >= 1):
-            raise ValueError(f"microbatches = {microbatches!r}; valid: an integer >= 1")
-        if schedule != "gpipe" and microbatches < pp:
-            raise ValueError(f"microbatches = {microbatches} < pp = {pp}: {schedule} needs at least "
-                             f"one microbatch per stage")
-        if schedule == "interleaved-1f1b" and microbatches % pp:
-            raise ValueError(f"microbatches = {microbatches} is not a multiple of pp = {pp} "
-                             f"(the interleaved schedule runs them in rounds of pp)")
-        if model.cfg.tie_embeddings and pp > 1:
-            raise ValueError("tie_embeddings with pp > 1: the embedding (first stage) and the head "
-                             "(last stage) would have to be one tensor; untie them or use pp = 1")
+        check_pipeline(pp, model.cfg, microbatches, schedule, virtual)
         self.folded, self.microbatches = folded, microbatches
         n = pp * virtual
         layers = chunk_layers(model.cfg.layers, n)
@@ -148,19 +155,42 @@ class Pipeline:
                              reduction="sum")
         return ce / self._n_global
 
+    # ---- what a training loop needs of a model: this rank's part of it -----------------------
     def parameters(self):
         """This rank's parameters (all its chunks), e.g. for the optimizer."""
-        return [p for c in self.chunks for p in c.parameters()]
+        return (p for c in self.chunks for p in c.parameters())
 
     def named_parameters(self):
-        """``(single-device-style name, parameter)`` of this rank's chunks (``layers.<i>...``)."""
-        return [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        """``(name, parameter)`` of this rank's chunks, named as in the whole model
+        (``layers.<i>...``), so checkpoints of any fold and pp agree."""
+        return ((n, p) for c in self.chunks for n, p in c.named_parameters())
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def named_buffers(self):
+        return ((n, b) for c in self.chunks for n, b in c.named_buffers())
+
+    def moe_layers(self):
+        """This rank's MoE layers, in layer order."""
+        return [b.mlp for _, b in self.moe_blocks()]
+
+    def moe_blocks(self):
+        """``(layer id, block)`` of this rank's blocks with an MoE layer."""
+        return [(int(i), b) for c in self.chunks for i, b in c.layers.named_children()
+                if isinstance(b.mlp, MoELayer)]
+
+    def train(self, mode: bool = True):
+        for c in self.chunks:
+            c.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+             backward: bool = True) -> torch.Tensor:
         """One forward + backward of this rank's local batch (from ``shard_batch``), microbatched
         through the schedule; gradients accumulate in the parameters. Returns the global mean
         loss (cross-entropy, without the balancing losses, which are in the gradients), the same
-        value on every rank."""
+        value on every rank. ``backward=False``: forward only (evaluation)."""
         if tokens.shape[0] % self.microbatches:
             raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
                              f"microbatches = {self.microbatches}")
@@ -170,7 +200,11 @@ class Pipeline:
         for chunk in self.chunks:
             chunk.positions = positions
         losses: list[torch.Tensor] = []
-        self.schedule.step(tokens, target=targets, losses=losses)
+        if backward:
+            self.schedule.step(tokens, target=targets, losses=losses)
+        else:
+            with torch.no_grad():
+                self.schedule.eval(tokens, target=targets, losses=losses)
         share = torch.zeros((), dtype=torch.float64, device=count.device)
         if self.has_last:
             share += torch.stack([x.detach() for x in losses]).sum().double()

@@ -61,6 +61,11 @@ class TrainSettings:
     stop_at: int | None = None  # end this invocation after this step (the schedule still spans steps)
     skip_nonfinite: bool = False  # skip steps whose loss is not finite instead of stopping
     timeout: float = 300.0  # seconds a collective may wait before the run is declared hung
+    # pipeline parallelism (fold.pp > 1): microbatches per step (default pp), schedule
+    # ("gpipe", "1f1b", "interleaved-1f1b") and model chunks per rank (interleaved: >= 2)
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    virtual: int = 1
     # testing aids for failure handling (tests/test_train.py), steps counted from 1: make the loss
     # NaN at a step, kill one rank at a step ([rank, step]), or crash rank 0 while it saves
     inject_nan_at: int | None = None
@@ -153,9 +158,20 @@ class TrainConfig:
         if t.seq > cfg.max_seq:
             raise ValueError(f"train.seq = {t.seq} exceeds model max_seq = {cfg.max_seq}")
         if spec.pp > 1:
-            raise ValueError(f"fold.pp = {spec.pp}: meshfold train runs pp = 1 only (valid: pp = 1); "
-                             f"pipeline parallelism is meshfold.models.pipeline.Pipeline, for your own "
-                             f"training loop")
+            from meshfold.models.pipeline import check_pipeline
+
+            mb = t.microbatches or spec.pp
+            try:
+                check_pipeline(spec.pp, cfg, mb, t.schedule, t.virtual)
+            except ValueError as err:
+                raise ValueError(f"fold.pp = {spec.pp}: {err} (train.microbatches, train.schedule, "
+                                 f"train.virtual)") from None
+            if (t.batch // spec.dp) % mb:
+                raise ValueError(f"train.batch / dp = {t.batch // spec.dp} sequences per rank is not "
+                                 f"divisible by train.microbatches = {mb}")
+            if self.sparsity:
+                raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
+                                 "all layers, which pipeline stages hold apart; use pp = 1")
         if cfg.heads % spec.tp or cfg.kv_heads % spec.tp:
             raise ValueError(f"heads = {cfg.heads} and kv_heads = {cfg.kv_heads} must both be "
                              f"divisible by tp = {spec.tp}")

@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshfold.mesh import fold
+from meshfold.models.moe import MoELayer
+from meshfold.models.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients, shard_batch
 from meshfold.train import checkpoint
@@ -68,6 +70,21 @@ def _local_loss(model, tokens, targets, spec, rank, n_global):
     return ce / n_global
 
 
+def _forward_backward(model, tokens, targets, spec, rank, n_global) -> float:
+    """Backpropagate this rank's part of the global mean loss; returns that loss."""
+    if isinstance(model, Pipeline):
+        return _pipeline_loss(model, tokens, targets, spec, rank, backward=True)
+    share = _local_loss(model, tokens, targets, spec, rank, n_global)
+    share.backward()
+    return _all_sum(share).item()
+
+
+def _pipeline_loss(pipe, tokens, targets, spec, rank, backward: bool) -> float:
+    device = next(pipe.parameters()).device
+    lt, pos = (x.to(device) for x in shard_batch(tokens, spec, rank))
+    return pipe.step(lt, shard_batch(targets, spec, rank)[0].to(device), pos, backward=backward).item()
+
+
 def _all_sum(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().clone().double()
     dist.all_reduce(t)
@@ -86,7 +103,10 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         else torch.device("cpu")
     folded = fold(spec, device.type)
     model = MoETransformer(mcfg, dtype=DTYPES[t.dtype]).to(device)
-    parallelize(model, folded)
+    if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
+        model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual)
+    else:
+        parallelize(model, folded)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                             betas=(0.9, 0.95), foreach=False)
     from meshfold.data import load_corpus
@@ -119,13 +139,11 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         for group in opt.param_groups:
             group["lr"] = _lr(step, t)
         tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed)
-        share = _local_loss(model, tokens, targets, spec, rank, n_global)
-        if t.inject_nan_at is not None and n == t.inject_nan_at:
-            share = share * float("nan")
         if t.kill_rank_at is not None and [rank, n] == list(t.kill_rank_at):
             os.kill(os.getpid(), signal.SIGKILL)
-        share.backward()
-        loss = _all_sum(share).item()  # the same value on every rank: all stop or skip together
+        loss = _forward_backward(model, tokens, targets, spec, rank, n_global)  # same on every rank
+        if t.inject_nan_at is not None and n == t.inject_nan_at:
+            loss = float("nan")  # all ranks stop or skip together
         if math.isfinite(loss):
             record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0)
             if n % t.eval_every == 0 or n == t.steps:
@@ -160,7 +178,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
 
 def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0) -> dict:
     """Reduce gradients, prune, clip, step; returns step ``n``'s metrics."""
-    reduce_gradients(model)
+    for module in model.chunks if isinstance(model, Pipeline) else [model]:
+        reduce_gradients(module)  # a no-op under FSDP2, which reduce-scattered in backward
     if pruner is not None:
         pruner.accumulate()
         pruner.step(n)  # between backward and optimizer.step, as TilePruner wants
@@ -178,14 +197,29 @@ def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0) 
     record = {"step": n, "loss": loss, "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm,
               "tokens_per_s": n_global / dt, "mfu": flops / dt / peak, "step_s": dt,
               "skipped_steps": skipped}
-    moe = model.moe_layers()
+    moe = _moe_metrics(model)
     if moe:
-        record["aux_losses"] = {k: sum(float(m.last_losses[k]) for m in moe) for k in moe[0].last_losses}
-        record["tokens_per_expert"] = [m.last_metrics["tokens_per_expert"].tolist() for m in moe]
-        record["dropped_fraction"] = sum(float(m.last_metrics["dropped_fraction"]) for m in moe) / len(moe)
+        record["aux_losses"] = {k: sum(m["losses"][k] for m in moe) for k in moe[0]["losses"]}
+        record["tokens_per_expert"] = [m["tokens_per_expert"] for m in moe]
+        record["dropped_fraction"] = sum(m["dropped_fraction"] for m in moe) / len(moe)
     if pruner is not None:
         record["expert_sparsity"] = pruner.sparsity()
     return record
+
+
+def _moe_metrics(model) -> list[dict]:
+    """Per MoE layer, in layer order: losses, tokens per expert, dropped fraction (collective:
+    ``last_losses`` sums over the stage's ranks; with pp, the stages' layers are gathered)."""
+    blocks = model.moe_blocks() if isinstance(model, Pipeline) else \
+        [(i, b) for i, b in enumerate(model.layers) if isinstance(b.mlp, MoELayer)]
+    mine = [(i, {"losses": {k: float(v) for k, v in b.mlp.last_losses.items()},
+                 "tokens_per_expert": b.mlp.last_metrics["tokens_per_expert"].tolist(),
+                 "dropped_fraction": float(b.mlp.last_metrics["dropped_fraction"])}) for i, b in blocks]
+    if not isinstance(model, Pipeline):
+        return [m for _, m in mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [m for _, m in sorted({i: m for part in everyone for i, m in part}.items())]
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -208,7 +242,10 @@ def evaluate(model, corpus, cfg, spec, rank) -> float:
     try:
         for i in range(t.eval_batches):
             tokens, targets = corpus.batch("val", i, t.batch, t.seq, t.seed)
-            total += _all_sum(_local_loss(model, tokens, targets, spec, rank, t.batch * t.seq)).item()
+            if isinstance(model, Pipeline):
+                total += _pipeline_loss(model, tokens, targets, spec, rank, backward=False)
+            else:
+                total += _all_sum(_local_loss(model, tokens, targets, spec, rank, t.batch * t.seq)).item()
     finally:
         model.train()
     return total / t.eval_batches
