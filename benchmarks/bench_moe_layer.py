@@ -12,6 +12,11 @@ median over rounds is reported):
   ``x [T, H] @ W1 [H, 2kF] -> silu(gate) * up -> @ W2 [kF, H]``: the k expert FFNs every token
   visits, fused into one GEMM pair (no routing, no permutation).
 * ``meshfold``: ``MoELayer`` (fp32 router, dropless, grouped GEMM through meshfold.kernels).
+* ``experts_only``: the ceiling of ``meshfold``: exactly the expert computation it runs
+  (``meshfold.models.experts.expert_ffn``: grouped GEMM, SwiGLU, grouped GEMM, and their backward
+  with the gradients of the rows and of both weights) on rows already permuted, with the same
+  per-expert row counts as meshfold's routing of the same input. No router, no permute, no
+  combine: the fraction of dense it reaches is what the grouped expert GEMMs allow at this shape.
 * ``hf_eager`` / ``hf_grouped_mm``: transformers' ``MixtralSparseMoeBlock`` with
   ``experts_implementation`` "eager" (a Python loop over the experts hit) or "grouped_mm"
   (sort + ``F.grouped_mm``). Its router runs in the model dtype. hf_eager is 5-50x slower than
@@ -21,6 +26,8 @@ meshfold and HF share weights (HF's are copied into meshfold), so they route ide
 FLOPs counted: the expert GEMMs only, ``18 T k H F`` per forward + backward (3 GEMMs of
 ``2 T k H F`` each way, x3 for fwd + bwd), identical for every method; the router (``6 T H E``)
 is left out. ``vs_dense`` = dense time / method time = the fraction of the dense chain's FLOP/s.
+``CPU ms`` / ``vs_dense_cpu``: the same from process CPU time (all threads; includes OpenMP
+spin-waits), which other processes on a shared machine disturb far less than wall time.
 
 Memory: each (shape, dtype, method) runs in a fresh subprocess with glibc's mmap threshold fixed
 at 64 KiB (so freed tensors go back to the OS). After a warm-up step, grads set to None,
@@ -52,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshfold.models import MoEConfig, MoELayer  # noqa: E402
+from meshfold.models.experts import expert_ffn  # noqa: E402
 
 # name -> (E, k, H, F, T)
 SHAPES = {
@@ -59,7 +67,7 @@ SHAPES = {
     "fine E64 top8": (64, 8, 512, 256, 2048),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-METHODS = ("dense", "meshfold", "hf_eager", "hf_grouped_mm")
+METHODS = ("dense", "meshfold", "experts_only", "hf_eager", "hf_grouped_mm")
 
 
 class DenseChain(torch.nn.Module):
@@ -100,17 +108,52 @@ def meshfold_layer(E, k, H, F_, dtype):
     return layer
 
 
+class ExpertsOnly(torch.nn.Module):
+    """meshfold's expert computation alone, on expert-major rows x_NH with fixed offsets_E."""
+
+    def __init__(self, layer: MoELayer, offsets_E: torch.Tensor):
+        super().__init__()
+        self.w_gate_up = torch.nn.Parameter(layer.experts.w_gate_up.detach().clone())  # [E, H, 2, F]
+        self.w_down = torch.nn.Parameter(layer.experts.w_down.detach().clone())  # [E, F, H]
+        self.register_buffer("offsets_E", offsets_E)
+
+    def forward(self, x_NH):
+        return expert_ffn(x_NH, self.w_gate_up, self.w_down, self.offsets_E, "swiglu")
+
+
+def experts_only(E, k, H, F_, dtype, x_TH):
+    """(module, rows x_NH, grad dy_NH): the rows per expert are those meshfold's router gives x_TH."""
+    layer = meshfold_layer(E, k, H, F_, dtype)
+    with torch.no_grad():
+        _, experts_TK, _ = layer.router(x_TH)
+    counts_E = torch.bincount(experts_TK.reshape(-1), minlength=E)
+    module = ExpertsOnly(layer, torch.cumsum(counts_E, 0).to(torch.int32))
+    N = experts_TK.numel()
+    x_NH = torch.randn(N, H, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_()
+    dy_NH = torch.randn(N, H, generator=torch.Generator().manual_seed(4)).to(dtype)
+    return module, x_NH, dy_NH
+
+
 def build(method, shape, dtype):
     """(module, step) where step() runs one forward + backward from fresh gradients."""
     E, k, H, F_, T = SHAPES[shape]
+    x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    dy = torch.randn(1, T, H, generator=torch.Generator().manual_seed(2)).to(dtype)
     if method == "dense":
         module = DenseChain(H, F_, k, dtype)
     elif method == "meshfold":
         module = meshfold_layer(E, k, H, F_, dtype)
+    elif method == "experts_only":
+        module, x_NH, dy_NH = experts_only(E, k, H, F_, dtype, x[0].detach())
+
+        def step():
+            module.zero_grad(set_to_none=True)
+            x_NH.grad = None
+            module(x_NH).backward(dy_NH)
+
+        return module, step
     else:
         module = hf_block(E, k, H, F_, dtype, method.removeprefix("hf_"))
-    x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
-    dy = torch.randn(1, T, H, generator=torch.Generator().manual_seed(2)).to(dtype)
 
     def step():
         module.zero_grad(set_to_none=True)
@@ -166,14 +209,17 @@ def time_shape(shape, dtype_name, rounds, methods, eager_rounds) -> dict:
     for s in steps.values():
         s()  # warm-up
     times = {m: [] for m in methods}
+    cpu = {m: [] for m in methods}
     for r in range(rounds):
         for m in methods:  # interleaved: a slow spell on the shared CPU hits every method
             if m == "hf_eager" and r >= eager_rounds:
                 continue
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             steps[m]()
             times[m].append(time.perf_counter() - t0)
-    return {m: statistics.median(ts) for m, ts in times.items()}
+            cpu[m].append(time.process_time() - c0)
+    return ({m: statistics.median(ts) for m, ts in times.items()},
+            {m: statistics.median(cs) for m, cs in cpu.items()})
 
 
 def main() -> None:
@@ -197,12 +243,15 @@ def main() -> None:
     for shape in args.shapes:
         E, k, H, F_, T = SHAPES[shape]
         for dt in args.dtypes:
-            med = time_shape(shape, dt, args.rounds, args.methods, args.eager_rounds)
-            mem = {} if args.no_memory else {m: measure_memory(m, shape, dt) for m in args.methods}
+            med, cpu = time_shape(shape, dt, args.rounds, args.methods, args.eager_rounds)
+            mem = {} if args.no_memory else {m: measure_memory(m, shape, dt) for m in args.methods
+                                             if m != "experts_only"}  # its rows are inputs, not comparable
             for m in args.methods:
                 row = {"shape": shape, "E": E, "k": k, "H": H, "F": F_, "T": T, "dtype": dt, "method": m,
                        "ms": med[m] * 1e3, "tokens_per_s": T / med[m], "GFLOPs": flops(shape) / med[m] / 1e9,
-                       "vs_dense": med["dense"] / med[m] if "dense" in med else None}
+                       "vs_dense": med["dense"] / med[m] if "dense" in med else None,
+                       "cpu_ms": cpu[m] * 1e3,
+                       "vs_dense_cpu": cpu["dense"] / cpu[m] if "dense" in cpu else None}
                 if m in mem:
                     row.update(mem[m])
                     d = mem.get("dense")
@@ -224,12 +273,13 @@ def main() -> None:
 
 def print_row(r, header=False):
     if header:
-        print("| shape | dtype | method | ms | tokens/s | GFLOP/s | vs dense | peak MB | grads MB "
-              "| peak/dense | (peak-grads)/dense |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| shape | dtype | method | ms | tokens/s | GFLOP/s | vs dense | CPU ms | vs dense (CPU) | peak MB "
+              "| grads MB | peak/dense | (peak-grads)/dense |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     print(f"| {r['shape']} | {r['dtype']} | {r['method']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
-          f"{r['GFLOPs']:.1f} | {f(r['vs_dense'])} | {f(r.get('peak_MB'), 1)} | {f(r.get('grads_MB'), 1)} | "
+          f"{r['GFLOPs']:.1f} | {f(r['vs_dense'])} | {r['cpu_ms']:.1f} | {f(r['vs_dense_cpu'])} | "
+          f"{f(r.get('peak_MB'), 1)} | {f(r.get('grads_MB'), 1)} | "
           f"{f(r.get('peak_vs_dense'))} | {f(r.get('peak_minus_grads_vs_dense'))} |", flush=True)
 
 

@@ -369,3 +369,35 @@ def test_fast_swiglu_equals_reference_with_gradients(dtype):
     assert torch.equal(torch.autograd.grad(got, h, da)[0], torch.autograd.grad(want, h, da)[0])
     if dtype == torch.float64:
         assert torch.autograd.gradcheck(swiglu, (h.detach().requires_grad_(),))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_single_threaded_scatter_rows_equals_index_add_on_all_threads(dtype):
+    """gather_rows' backward on one pool thread gives bitwise the multi-threaded index_add
+    (bf16: the fp64 sum rounded once); the caller's thread count is left as it was."""
+    from meshfold.models.dispatcher import scatter_rows, scatter_rows_reference
+
+    x, _, perm, _ = _routed(301, 3, 9, 40, dtype)
+    g = torch.randn(301 * 3, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = scatter_rows(g, perm.token_N, 301)
+        assert torch.get_num_threads() == 2
+        want = scatter_rows_reference(g, perm.token_N, 301)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    if dtype == torch.bfloat16:
+        exact = torch.zeros(301, 40, dtype=torch.float64).index_add_(0, perm.token_N, g.double())
+        assert torch.equal(got, exact.to(dtype))
+
+
+def test_single_threaded_combine_keeps_autograd_of_the_caller():
+    """The combine's single-threaded passes follow the caller's grad mode (thread-local)."""
+    from meshfold.models.dispatcher import unpermute
+
+    _, probs, perm, y = _routed(37, 3, 5, 16, torch.float32)
+    with torch.no_grad():
+        assert unpermute(y, perm, 37).grad_fn is None
+    assert unpermute(y, perm, 37).grad_fn is not None

@@ -80,6 +80,33 @@ def _run(tasks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     torch.set_num_threads(threads)
 
 
+def single_threaded(fn, *args):
+    """``fn(*args)`` on a pool thread with one intra-op thread; the caller waits.
+
+    For short memory-bound ATen ops that fork and join the OpenMP team, some of them many times
+    per call. When another process holds one of the cores, each join can wait for a scheduler
+    tick (~4 ms): on this 2-core machine ``index_add_`` of [8192, 512] bf16 rows into 4096 rows
+    took 80-88 ms with 2 threads while the other core was busy, 0.4-2.3 ms with 2 threads on idle
+    cores and 0.7-0.9 ms with 1 (benchmarks/RESULTS.md, moe_layer). The ops used here compute the
+    same values on any number of threads (the tests compare them). The caller's grad mode carries
+    over; its thread count is left as it was.
+    """
+    if torch.get_num_threads() <= 1:
+        return fn(*args)
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+
+    def call():
+        if torch.get_num_threads() != 1:  # thread-local; the pool thread keeps it
+            torch.set_num_threads(1)
+        with torch.set_grad_enabled(grad):  # grad mode is thread-local too
+            return fn(*args)
+
+    try:
+        return _pool(1).submit(call).result()
+    finally:
+        torch.set_num_threads(threads)  # the process-wide value, as in _run
+
+
 def _blocks(length: int, size: int) -> list[tuple[int, int]]:
     """[0, length) cut into ceil(length / size) near-equal (start, end) pieces."""
     n = -(-length // size)

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["capacity", "gather_rows", "keep_mask", "permute", "unpermute", "unpermute_reference", "Permuted"]
+from meshfold.kernels import cpu_grouped
+
+__all__ = ["capacity", "gather_rows", "keep_mask", "permute", "scatter_rows", "scatter_rows_reference", "unpermute",
+           "unpermute_reference", "Permuted"]
 
 
 def capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
@@ -142,8 +145,25 @@ def unpermute_reference(y_NH: torch.Tensor, perm: Permuted, num_tokens: int) -> 
 
 def gather_rows(x_TH: torch.Tensor, token_N: torch.Tensor) -> torch.Tensor:
     """``x_TH[token_N]`` [N, H] whose backward adds the rows back with ``index_add`` (fp32
-    accumulation for bf16) instead of autograd's ``index_put(accumulate=True)``, 4-14x slower."""
+    accumulation for bf16) instead of autograd's ``index_put(accumulate=True)``, 4-14x slower.
+    On CPU the ``index_add`` runs on one thread (:func:`scatter_rows`)."""
     return _GatherRows.apply(x_TH, token_N)
+
+
+def scatter_rows(g_NH: torch.Tensor, token_N: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """dx [T, H] with ``dx[t] = sum of g_NH[n] over token_N[n] == t``: gather_rows' backward.
+
+    On CPU it runs single-threaded (:func:`meshfold.kernels.cpu_grouped.single_threaded`): the
+    parallel ``index_add_`` kernel forks and joins its threads ~20 times per call and stalls on
+    every join when the cores are shared. Same values as :func:`scatter_rows_reference`.
+    """
+    if g_NH.device.type == "cpu":
+        return cpu_grouped.single_threaded(scatter_rows_reference, g_NH, token_N, num_tokens)
+    return scatter_rows_reference(g_NH, token_N, num_tokens)
+
+
+def scatter_rows_reference(g_NH: torch.Tensor, token_N: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    return g_NH.new_zeros(num_tokens, g_NH.shape[1]).index_add_(0, token_N, g_NH)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -157,8 +177,7 @@ class _GatherRows(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_NH):
         (token_N,) = ctx.saved_tensors
-        dx = g_NH.new_zeros(ctx.num_tokens, g_NH.shape[1]).index_add_(0, token_N, g_NH)
-        return dx, None
+        return scatter_rows(g_NH, token_N, ctx.num_tokens), None
 
 
 class _CombineTopK(torch.autograd.Function):
@@ -167,24 +186,44 @@ class _CombineTopK(torch.autograd.Function):
     Saves y_TKH (one [N, H] buffer in y's dtype): the probabilities' gradient is
     ``y_TKH @ dout`` per token. The old path multiplied in fp32 and kept an fp32 copy of y,
     twice the memory in bf16 and ~2x slower (benchmarks/RESULTS.md, moe_layer).
+
+    On CPU both passes run single-threaded (:func:`_serial`): five memory-bound ops that
+    together take a few ms, each of which would otherwise fork and join the OpenMP team.
     """
 
     @staticmethod
     def forward(ctx, y_NH, probs_TK, pair_N, token_N):
-        T, k = probs_TK.shape
-        y_TKH = y_NH.new_empty(y_NH.shape).index_copy_(0, pair_N, y_NH).view(T, k, y_NH.shape[1])
-        p_TK = probs_TK.to(y_NH.dtype)
+        out_TH, y_TKH, p_TK = _serial(_combine_forward, y_NH.detach(), probs_TK.detach(), pair_N)
         ctx.save_for_backward(y_TKH, p_TK, pair_N, token_N)
         ctx.probs_dtype = probs_TK.dtype
-        return torch.bmm(p_TK.unsqueeze(1), y_TKH).squeeze(1)
+        return out_TH
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout_TH):
         y_TKH, p_TK, pair_N, token_N = ctx.saved_tensors
-        dy_NH = dprobs_TK = None
-        if ctx.needs_input_grad[0]:  # row n gets dout[token_n] * p_n, expert-major
-            dy_NH = dout_TH.index_select(0, token_N).mul_(p_TK.reshape(-1)[pair_N].unsqueeze(1))
-        if ctx.needs_input_grad[1]:
-            dprobs_TK = torch.bmm(y_TKH, dout_TH.unsqueeze(2)).squeeze(2).to(ctx.probs_dtype)
-        return dy_NH, dprobs_TK, None, None
+        return _serial(_combine_backward, dout_TH, y_TKH, p_TK, pair_N, token_N, ctx.probs_dtype,
+                       ctx.needs_input_grad[0], ctx.needs_input_grad[1]) + (None, None)
+
+
+def _serial(fn, *args):
+    """fn(*args), on one thread when the tensors are on the CPU (see cpu_grouped.single_threaded)."""
+    if args[0].device.type == "cpu":
+        return cpu_grouped.single_threaded(fn, *args)
+    return fn(*args)
+
+
+def _combine_forward(y_NH, probs_TK, pair_N):
+    T, k = probs_TK.shape
+    y_TKH = y_NH.new_empty(y_NH.shape).index_copy_(0, pair_N, y_NH).view(T, k, y_NH.shape[1])
+    p_TK = probs_TK.to(y_NH.dtype)
+    return torch.bmm(p_TK.unsqueeze(1), y_TKH).squeeze(1), y_TKH, p_TK
+
+
+def _combine_backward(dout_TH, y_TKH, p_TK, pair_N, token_N, probs_dtype, need_dy, need_dprobs):
+    dy_NH = dprobs_TK = None
+    if need_dy:  # row n gets dout[token_n] * p_n, expert-major
+        dy_NH = dout_TH.index_select(0, token_N).mul_(p_TK.reshape(-1)[pair_N].unsqueeze(1))
+    if need_dprobs:
+        dprobs_TK = torch.bmm(y_TKH, dout_TH.unsqueeze(2)).squeeze(2).to(probs_dtype)
+    return dy_NH, dprobs_TK
