@@ -319,12 +319,14 @@ def main() -> None:
         res["b"] = part_b(max(3, args.rounds - 2))
     if "c" in args.parts:
         res["c"] = part_c()
-    res["wall_s"] = time.perf_counter() - t0
     print_tables(res)
     out = ROOT / "benchmarks" / "results" / "model.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"\nwrote {out.relative_to(ROOT)} ({res['wall_s']:.0f} s)")
+    kept = json.loads(out.read_text()) if out.exists() else {}  # parts not run this time stay
+    kept.update(res)
+    kept[f"{args.parts}_wall_s"] = time.perf_counter() - t0
+    out.write_text(json.dumps(kept, indent=2) + "\n")
+    print(f"\nwrote {out.relative_to(ROOT)} ({kept[f'{args.parts}_wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

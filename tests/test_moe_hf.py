@@ -6,8 +6,9 @@ I = expert ffn, Fs = shared-expert ffn.
 transformers 5.x keeps experts fused: ``experts.gate_up_proj`` [E, 2I, H] (gate rows first, then
 up rows; the eager forward does ``linear(x, gate_up_proj[e]).chunk(2)`` -> gate, up) and
 ``experts.down_proj`` [E, H, I]; the router is ``gate.weight`` [E, H]. meshfold keeps
-``w_gate_up`` [E, H, 2, I] (0 = gate, 1 = up) and ``w_down`` [E, I, H]. The conversions live here
-until meshfold.models.hf adds checkpoint interop.
+``w_gate_up`` [E, H, 2, I] (0 = gate, 1 = up) and ``w_down`` [E, I, H]. These in-memory conversions of
+fused tensors stay here on purpose, as a check independent of meshfold.models.hf (which reads
+per-expert checkpoint keys).
 
 Both HF routers take softmax in fp32 (``logits.float()`` / ``softmax(dtype=float)``) even for an
 fp64 model, so in fp64 the routing weights agree only to fp32 rounding (rtol 1e-6); the logits

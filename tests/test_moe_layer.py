@@ -25,8 +25,6 @@ pytestmark = pytest.mark.multirank
 TOL = dict(rtol=1e-9, atol=1e-10)
 
 
-
-
 def _token_slice(spec, rank, B, S):
     """This rank's tokens under the attention layout: batch over dp, sequence over (cp, tp)."""
     c = spec.coords(rank)["attn"]

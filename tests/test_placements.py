@@ -21,8 +21,6 @@ pytestmark = pytest.mark.multirank
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
-
-
 def _data(seed, rank, shape, noncontig=False, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     t = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)

@@ -20,8 +20,6 @@ pytestmark = pytest.mark.multirank
 TOL = dict(rtol=1e-9, atol=1e-11)
 
 
-
-
 def _config(spec, qkv_bias, qk_norm, tie, aux):
     moe = MoEConfig(hidden=16, ffn=2 * spec.etp, num_experts=8, topk=2, router_dtype=torch.float64,
                     shared_ffn=2 * spec.tp if qkv_bias else 0, seq_aux_loss_coeff=aux,

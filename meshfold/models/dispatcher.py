@@ -157,9 +157,7 @@ def scatter_rows(g_NH: torch.Tensor, token_N: torch.Tensor, num_tokens: int) -> 
     parallel ``index_add_`` kernel forks and joins its threads ~20 times per call and stalls on
     every join when the cores are shared. Same values as :func:`scatter_rows_reference`.
     """
-    if g_NH.device.type == "cpu":
-        return cpu_grouped.single_threaded(scatter_rows_reference, g_NH, token_N, num_tokens)
-    return scatter_rows_reference(g_NH, token_N, num_tokens)
+    return _serial(scatter_rows_reference, g_NH, token_N, num_tokens)
 
 
 def scatter_rows_reference(g_NH: torch.Tensor, token_N: torch.Tensor, num_tokens: int) -> torch.Tensor:

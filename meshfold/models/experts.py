@@ -28,13 +28,12 @@ def expert_ffn(x_NH, w_gate_up, w_down, offsets_E, kind: str, masks=(None, None)
     ``masks`` are optional tile masks for the two weights (tile-sparse experts).
     """
     E, H, two, Fl = w_gate_up.shape
-    h = grouped_mm(x_NH, w_gate_up.reshape(E, H, two * Fl), offsets_E,
-                   **({"tile_mask": masks[0]} if masks[0] is not None else {}))
+    h = grouped_mm(x_NH, w_gate_up.reshape(E, H, two * Fl), offsets_E, tile_mask=masks[0])
     if kind == "swiglu":
         a = swiglu(h.view(-1, 2, Fl))
     else:
         a = F.gelu(h)
-    return grouped_mm(a, w_down, offsets_E, **({"tile_mask": masks[1]} if masks[1] is not None else {}))
+    return grouped_mm(a, w_down, offsets_E, tile_mask=masks[1])
 
 
 def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
@@ -112,5 +111,4 @@ class SharedExpert(nn.Module):
 def shared_expert_ffn(x_TH, w_gate_up, w_down):
     """SwiGLU on [T, H] with w_gate_up [H, 2, F], w_down [F, H] (F may be a TP slice)."""
     H, _, Fl = w_gate_up.shape
-    gate, up = (x_TH @ w_gate_up.reshape(H, 2 * Fl)).view(-1, 2, Fl).unbind(1)
-    return (F.silu(gate) * up) @ w_down
+    return swiglu((x_TH @ w_gate_up.reshape(H, 2 * Fl)).view(-1, 2, Fl)) @ w_down

@@ -229,3 +229,7 @@ class MoELayer(nn.Module):
             raise RuntimeError("update_expert_bias: no forward since the last update")
         self.router.update_expert_bias(self._bias_counts)
         self._bias_counts = None
+
+    def discard_bias_counts(self) -> None:
+        """Forget the token counts gathered since the last bias update (e.g. a skipped step)."""
+        self._bias_counts = None

@@ -94,9 +94,6 @@ class LocalComm:
     def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
         return t, 0
 
-    def expert_range(self, num_experts: int) -> tuple[int, int]:
-        return 0, num_experts
-
     def dispatch(self, x_NH, counts_E, num_experts):
         return x_NH, torch.cumsum(counts_E, 0).to(torch.int32), None
 

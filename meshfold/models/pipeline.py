@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.moe import MoELayer
-from meshfold.models.transformer import MoETransformer, run_blocks
+from meshfold.models.transformer import MoETransformer, cross_entropy_sum, run_blocks
 from meshfold.models.transformer_parallel import parallelize
 
 __all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline"]
@@ -150,10 +150,7 @@ class Pipeline:
             self.schedule = cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
-                             reduction="sum")
-        return ce / self._n_global
+        return cross_entropy_sum(logits, targets)[0] / self._n_global
 
     # ---- what a training loop needs of a model: this rank's part of it -----------------------
     def parameters(self):

@@ -21,7 +21,7 @@ from meshfold.models.config import MoEConfig
 from meshfold.models.layers import MLP, RMSNorm
 from meshfold.models.moe import MoELayer
 
-__all__ = ["TransformerConfig", "Block", "MoETransformer", "run_blocks"]
+__all__ = ["TransformerConfig", "Block", "MoETransformer", "run_blocks", "cross_entropy_sum"]
 
 
 @dataclass
@@ -105,6 +105,14 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy in fp32 or wider, number of targets != -100) of logits [..., V]."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    targets = targets.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=-100, reduction="sum")
+    return total, (targets != -100).sum()
+
+
 def run_blocks(blocks, x: torch.Tensor, positions: torch.Tensor | None, cfg: TransformerConfig) -> torch.Tensor:
     """``x`` [B, S, H] through ``blocks`` in order (RoPE tables computed once, shared by all)."""
     B, S, _ = x.shape
@@ -164,12 +172,7 @@ class MoETransformer(nn.Module):
         """Mean cross-entropy over targets != -100 (fp32 or wider); on a folded mesh the mean over
         the global batch, the same value on every rank. MoE balancing losses, if configured, are
         already attached to the graph by each MoELayer (see ``last_losses``)."""
-        logits = self._logits(tokens, positions)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        targets = targets.reshape(-1)
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=-100,
-                                reduction="sum")
-        count = (targets != -100).sum()
+        total, count = cross_entropy_sum(self._logits(tokens, positions), targets)
         if self.reduce_loss is not None:
             return self.reduce_loss(total, count)
         return total / count

@@ -257,9 +257,9 @@ class _GlobalLogits:
 
     def __call__(self, logits):
         natural = (Shard(0), Shard(1), Shard(1))
+        z = DTensor.from_local(logits, self.mesh, natural, run_check=False)
         if self.spec.cp == 1:
-            return DTensor.from_local(logits, self.mesh, natural, run_check=False)
-        z = DTensor.from_local(logits, self.mesh, natural, run_check=False)  # mirrored-chunk order
+            return z
         full = z.redistribute(self.mesh, (Shard(0), R, R)).to_local()  # [b, S, V], chunk order
         S = full.shape[1]
         order = torch.cat([local_positions(S, self.spec, r) for r in self._cp_tp_ranks()])
@@ -347,10 +347,9 @@ def reduce_gradients(model: nn.Module) -> None:
             continue
         g = p.grad
         dims = tuple(i for i, q in enumerate(g.placements) if isinstance(q, Partial))
-        buckets.setdefault((id(p.device_mesh), dims), []).append(p)
+        if dims:  # none: already reduced (FSDP2's reduce-scatter)
+            buckets.setdefault((id(p.device_mesh), dims), []).append(p)
     for (_, dims), params in buckets.items():
-        if not dims:  # already reduced (FSDP2's reduce-scatter)
-            continue
         mesh = params[0].device_mesh
         locals_ = [p.grad.to_local() for p in params]
         flat = torch.cat([t.reshape(-1) for t in locals_]) if locals_ else None

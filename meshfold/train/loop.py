@@ -1,9 +1,10 @@
 """The per-rank training loop of ``meshfold train``.
 
 Every rank builds the same model (same seed), lays it out on the folded mesh, and trains on its
-slice of each global batch (batch over dp, sequence over cp x tp). The loss a rank backpropagates
-is its share: the sum of its tokens' cross-entropy over the global token count, so shares and
-their gradients add up to the single-device mean loss. Rank 0 shows progress and writes metrics.
+slice of each global batch (batch over dp, sequence over cp x tp; with pp, through the pipeline
+schedule). ``model.loss`` is the global mean loss on every rank, and each rank's backward is its
+share: the sum of its tokens' cross-entropy over the global token count, so the gradients add up
+to the single-device ones. Rank 0 shows progress and writes metrics.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshfold.mesh import fold
 from meshfold.models.moe import MoELayer
@@ -60,29 +60,18 @@ def _measure_peak(seconds: float = 0.5, device=None, dtype=torch.float32) -> flo
     return 2 * size ** 3 * n / (time.perf_counter() - t0)
 
 
-def _local_loss(model, tokens, targets, spec, rank, n_global):
+def _global_loss(model, tokens, targets, spec, rank, backward: bool) -> float:
+    """The global mean loss of one batch (the same on every rank); with ``backward`` its
+    gradients accumulate. ``model`` is a parallelized MoETransformer or a Pipeline."""
     device = next(model.parameters()).device
-    lt, pos = (t.to(device) for t in shard_batch(tokens, spec, rank))
-    ltg = shard_batch(targets, spec, rank)[0].to(device)
-    logits = model.local_logits(lt, pos)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 or wider
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ltg.reshape(-1), reduction="sum")
-    return ce / n_global
-
-
-def _forward_backward(model, tokens, targets, spec, rank, n_global) -> float:
-    """Backpropagate this rank's part of the global mean loss; returns that loss."""
-    if isinstance(model, Pipeline):
-        return _pipeline_loss(model, tokens, targets, spec, rank, backward=True)
-    share = _local_loss(model, tokens, targets, spec, rank, n_global)
-    share.backward()
-    return _all_sum(share).item()
-
-
-def _pipeline_loss(pipe, tokens, targets, spec, rank, backward: bool) -> float:
-    device = next(pipe.parameters()).device
     lt, pos = (x.to(device) for x in shard_batch(tokens, spec, rank))
-    return pipe.step(lt, shard_batch(targets, spec, rank)[0].to(device), pos, backward=backward).item()
+    ltg = shard_batch(targets, spec, rank)[0].to(device)
+    if isinstance(model, Pipeline):
+        return model.step(lt, ltg, pos, backward=backward).item()
+    loss = model.loss(lt, ltg, pos)
+    if backward:
+        loss.backward()
+    return loss.item()
 
 
 def _all_sum(t: torch.Tensor) -> torch.Tensor:
@@ -141,7 +130,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed)
         if t.kill_rank_at is not None and [rank, n] == list(t.kill_rank_at):
             os.kill(os.getpid(), signal.SIGKILL)
-        loss = _forward_backward(model, tokens, targets, spec, rank, n_global)  # same on every rank
+        loss = _global_loss(model, tokens, targets, spec, rank, backward=True)  # same on every rank
         if t.inject_nan_at is not None and n == t.inject_nan_at:
             loss = float("nan")  # all ranks stop or skip together
         if math.isfinite(loss):
@@ -156,7 +145,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         elif t.skip_nonfinite:
             opt.zero_grad(set_to_none=True)
             for layer in model.moe_layers():
-                layer._bias_counts = None  # this step's routing must not steer the bias
+                layer.discard_bias_counts()  # this step's routing must not steer the bias
             skipped += 1
         else:
             raise FloatingPointError(
@@ -242,10 +231,7 @@ def evaluate(model, corpus, cfg, spec, rank) -> float:
     try:
         for i in range(t.eval_batches):
             tokens, targets = corpus.batch("val", i, t.batch, t.seq, t.seed)
-            if isinstance(model, Pipeline):
-                total += _pipeline_loss(model, tokens, targets, spec, rank, backward=False)
-            else:
-                total += _all_sum(_local_loss(model, tokens, targets, spec, rank, t.batch * t.seq)).item()
+            total += _global_loss(model, tokens, targets, spec, rank, backward=False)
     finally:
         model.train()
     return total / t.eval_batches
