@@ -10,7 +10,8 @@ experts, combine) is meshfold's unchanged MoELayer.
 Legend: T = tokens on this rank, H = hidden, D = routing dim, E = experts, k = top-k.
 
 The block is written as single-device code. Its new parameters get a layout beside it, as data
-(``XMOE_LAYOUT``, in the form of ``meshfold.models.MOE_LAYOUT``); ``parallelize_moe`` applies it.
+(``XMOE_LAYOUT``: ``meshfold.models.MOE_LAYOUT`` plus the new parameters);
+``parallelize_moe(layer, mesh, layout=XMOE_LAYOUT)`` applies it, leaving the library table as it is.
 Then hypothesis draws folds of 4 CPU ranks (any attn tp x cp x dp and moe etp x ep x edp) and
 each rank checks, in fp64, that its outputs, its input gradients and every full parameter
 gradient equal the single-device block's::
@@ -39,9 +40,9 @@ from meshfold.testing import fold_specs
 
 R = Replicate()
 # every rank routes its own tokens: the router's parameters are replicated over attn (dp, cp, tp)
-# (their gradients come back Partial over those dims and are summed, like router.weight's)
-XMOE_LAYOUT = {"router.proj": ("attn", (R, R, R)), "router.log_temp": ("attn", (R, R, R))}
-MOE_LAYOUT.update(XMOE_LAYOUT)  # parallelize_moe looks every layer parameter up in MOE_LAYOUT
+# (their gradients come back Partial over those dims and are summed, like router.weight's).
+# parallelize_moe looks every layer parameter up in the layout: a copy of the library's, extended
+XMOE_LAYOUT = {**MOE_LAYOUT, "router.proj": ("attn", (R, R, R)), "router.log_temp": ("attn", (R, R, R))}
 
 
 class CosineRouter(Router):
@@ -70,13 +71,13 @@ class CosineRouter(Router):
 
 
 class XMoELayer(MoELayer):
-    """MoELayer with the cosine router; ``mesh`` lays it out with ``XMOE_LAYOUT`` added."""
+    """MoELayer with the cosine router; ``mesh`` lays it out with ``XMOE_LAYOUT``."""
 
     def __init__(self, cfg: MoEConfig, mesh=None, dtype=None):
         super().__init__(cfg, dtype=dtype)
         self.router = CosineRouter(cfg)
         if mesh is not None:
-            parallelize_moe(self, mesh)
+            parallelize_moe(self, mesh, layout=XMOE_LAYOUT)
 
 
 # ---------------------------------------------------------------- check against one device
@@ -91,7 +92,7 @@ def check_fold(rank, world_size, spec, seed):
     ref = XMoELayer(CFG, dtype=torch.float64)
     block = XMoELayer(CFG, dtype=torch.float64)
     block.load_state_dict(ref.state_dict())
-    parallelize_moe(block, fold(spec))
+    parallelize_moe(block, fold(spec), layout=XMOE_LAYOUT)
     g = torch.Generator().manual_seed(seed + 1)
     X, W = (torch.randn(B, S, CFG.hidden, generator=g, dtype=torch.float64) for _ in range(2))
     Xr = X.clone().requires_grad_(True)

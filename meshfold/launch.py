@@ -235,16 +235,15 @@ class _Procs:
         self.store = None  # closes the rendezvous server
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
-          run_timeout: float | None = None) -> list[Any]:
+def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return each rank's result.
 
     Locally this starts ``world_size`` CPU processes with the gloo backend, rendezvous on a free
     loopback port. Under torchrun it runs ``fn`` in the current process on the existing group.
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout`` bounds each
-    collective (and start-up); ``run_timeout`` (None: no limit) bounds the whole run. A rank that
-    raises makes this raise :class:`RankError` with that rank's number and traceback, after the
-    other ranks are terminated.
+    collective (and start-up); the run as a whole has no limit. A rank that raises makes this
+    raise :class:`RankError` with that rank's number and traceback, after the other ranks are
+    terminated.
     """
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -252,8 +251,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TI
         return _run_under_torchrun(fn, world_size, args, timeout)
     procs = _Procs(_spawn_entry, world_size, timeout, lambda rank: (fn, args))
     try:
-        deadline = float("inf") if run_timeout is None else time.monotonic() + run_timeout
-        results = procs.collect(deadline, f"spawn({fn.__name__})")
+        results = procs.collect(float("inf"), f"spawn({fn.__name__})")
     finally:
         procs.terminate()
     return results

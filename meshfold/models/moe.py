@@ -183,9 +183,8 @@ class MoELayer(nn.Module):
             losses["global_aux"] = cfg.global_aux_loss_coeff * switch_aux_loss(
                 scores_TE, st["routed_all"], st["T_all"], cfg)
         if cfg.seq_aux_loss_coeff:
-            per_seq_scores = scores_TE.reshape(B, S, -1).sum(1)  # [B, E]
-            E, k = cfg.num_experts, cfg.topk
-            share = (per_seq_scores * st["seq_BE"]).sum() * (E / (k * st["S_seq"] ** 2))
+            # the Switch loss of each sequence (its S tokens' scores, its counts), summed over B
+            share = switch_aux_loss(scores_TE.reshape(B, S, -1).transpose(0, 1), st["seq_BE"], st["S_seq"], cfg)
             losses["seq_aux"] = cfg.seq_aux_loss_coeff * share / st["B_all"]
         if cfg.z_loss_coeff:
             losses["z"] = cfg.z_loss_coeff * z_loss(logits_TE, st["T_all"])

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from meshfold.models.dispatcher import gather_rows
 from meshfold.placements import all_gather_v, all_to_all_v, reduce_scatter_v
 from meshfold.placements.collectives import debug_checks_enabled
 
@@ -75,6 +76,23 @@ class _Dispatched:
     recv: list
     gather_sizes: list | None
     order: torch.Tensor | None  # received (etp, ep, expert) chunk order -> expert-major
+
+
+def _expert_major_order(C, j: int, El: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order_M, offsets_El) for the M rows a rank receives, stored as chunks (q, i, e) in that
+    order (chunk (q, i, e) holds C[q][i][j*El + e] rows): ``rows[order_M]`` lists the same chunks
+    expert-major (e, q, i), and offsets_El are the cumulative row counts per local expert (int32).
+    Built with tensor arithmetic (no per-chunk loop); M is passed in so that nothing syncs."""
+    size_QIE = torch.tensor(C, dtype=torch.int64, device=device)[:, :, j * El:(j + 1) * El]
+    start_QIE = (size_QIE.flatten().cumsum(0) - size_QIE.flatten()).view_as(size_QIE)
+    size_K = size_QIE.permute(2, 0, 1).flatten()  # chunks in expert-major order (e, q, i)
+    start_K = start_QIE.permute(2, 0, 1).flatten()  # where each sits in the received rows
+    # row n of chunk k goes to output position out_start_K[k] + n and comes from start_K[k] + n
+    out_start_K = size_K.cumsum(0) - size_K
+    order_M = torch.arange(M, device=device) + torch.repeat_interleave(
+        start_K - out_start_K, size_K, output_size=M)
+    offsets_El = size_QIE.sum((0, 1)).cumsum(0).to(torch.int32)
+    return order_M, offsets_El
 
 
 class LocalComm:
@@ -196,19 +214,8 @@ class FoldedComm:
             gather_sizes = [sum(sum(C[q][i][j * El:(j + 1) * El]) for i in range(ep)) for q in range(etp)]
             x = all_gather_v(x, gather_sizes, self.moe, "etp")  # rows ordered (q, i, e)
         # chunk (q, i, e) holds C[q][i][j*El + e] rows; re-sort to expert-major (e, q, i)
-        chunks = [(q, i, e) for q in range(etp) for i in range(ep) for e in range(El)]
-        sizes = {ch: C[ch[0]][ch[1]][j * El + ch[2]] for ch in chunks}
-        starts, s = {}, 0
-        for ch in chunks:
-            starts[ch] = s
-            s += sizes[ch]
-        pieces = [torch.arange(starts[(q, i, e)], starts[(q, i, e)] + sizes[(q, i, e)])
-                  for e in range(El) for q in range(etp) for i in range(ep)]
-        order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-        order = order.to(x.device)
-        per_expert = [sum(sizes[(q, i, e)] for q in range(etp) for i in range(ep)) for e in range(El)]
-        offsets = torch.tensor(per_expert, dtype=torch.int64).cumsum(0).to(torch.int32).to(x.device)
-        return x[order], offsets, _Dispatched(send, recv, gather_sizes, order)
+        order_M, offsets_El = _expert_major_order(C, j, El, x.shape[0], x.device)
+        return gather_rows(x, order_M), offsets_El, _Dispatched(send, recv, gather_sizes, order_M)
 
     def combine(self, y_MH, h: _Dispatched):
         y = torch.empty_like(y_MH).index_copy(0, h.order, y_MH) if y_MH.shape[0] else y_MH
@@ -254,19 +261,24 @@ def local_slices(shape, mesh, placements) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
 
 
-def moe_param_layout(name: str, comm: "FoldedComm"):
-    """(mesh, placements) of MoE-layer parameter ``name`` (relative to the layer)."""
-    if name not in MOE_LAYOUT:
-        raise ValueError(f"parameter {name!r} has no layout in MOE_LAYOUT ({list(MOE_LAYOUT)})")
-    view, placements = MOE_LAYOUT[name]
+def moe_param_layout(name: str, comm: "FoldedComm", layout: dict | None = None):
+    """(mesh, placements) of MoE-layer parameter ``name`` (relative to the layer) in ``layout``
+    (default :data:`MOE_LAYOUT`)."""
+    table = MOE_LAYOUT if layout is None else layout
+    if name not in table:
+        where = "MOE_LAYOUT" if layout is None else "the given layout"
+        raise ValueError(f"parameter {name!r} has no layout in {where} ({list(table)})")
+    view, placements = table[name]
     return (comm.attn if view == "attn" else comm.moe), placements
 
 
-def parallelize_moe(layer, folded, local_state: dict | None = None) -> None:
-    """Apply :data:`MOE_LAYOUT`: turn ``layer``'s parameters into DTensors on the folded mesh
-    (from the full weights every rank holds, e.g. after seeding identically, or from this rank's
-    shards in ``local_state``, keyed by parameter name within the layer) and give the layer a
-    :class:`FoldedComm`. Raises if the layer's sizes do not divide over the mesh."""
+def parallelize_moe(layer, folded, local_state: dict | None = None, *, layout: dict | None = None) -> None:
+    """Apply ``layout`` (default :data:`MOE_LAYOUT`): turn ``layer``'s parameters into DTensors
+    on the folded mesh (from the full weights every rank holds, e.g. after seeding identically, or
+    from this rank's shards in ``local_state``, keyed by parameter name within the layer) and give
+    the layer a :class:`FoldedComm`. A layer with parameters of its own passes a layout that
+    extends MOE_LAYOUT (``{**MOE_LAYOUT, name: (view, placements)}``) rather than editing the
+    library table. Raises if the layer's sizes do not divide over the mesh."""
     comm = FoldedComm(folded)
     cfg = layer.cfg
     if cfg.num_experts % comm.ep:
@@ -282,7 +294,7 @@ def parallelize_moe(layer, folded, local_state: dict | None = None) -> None:
         check_etp_alignment(cfg.hidden, cfg.ffn, cfg.expert_sparsity.tile, comm.etp, "N")
         check_etp_alignment(cfg.ffn, cfg.hidden, cfg.expert_sparsity.tile, comm.etp, "K")
     for name, param in list(layer.named_parameters()):
-        mesh, placements = moe_param_layout(name, comm)
+        mesh, placements = moe_param_layout(name, comm, layout)
         module_name, _, attr = name.rpartition(".")
         module = layer.get_submodule(module_name)
         setattr(module, attr, place(param, mesh, placements, None if local_state is None else local_state[name]))

@@ -48,35 +48,28 @@ def topk_routing(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.T
     """(probs_TK, experts_TK) from router logits, as Megatron-Core's score-function routing."""
     k = cfg.topk
 
-    def topk(scores):
+    def topk(scores_TE):
+        """(scores_TK, experts_TK): the experts are chosen on ``scores + expert_bias`` when a
+        bias is given, but the scores returned are the unbiased ones at those experts."""
+        biased_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E
         if cfg.num_groups is not None:
-            return _group_limited_topk(scores, k, cfg.num_groups, cfg.group_topk)
-        return scores.topk(k, dim=-1)
+            top_TK, experts_TK = _group_limited_topk(biased_TE, k, cfg.num_groups, cfg.group_topk)
+        else:
+            top_TK, experts_TK = biased_TE.topk(k, dim=-1)
+        if expert_bias_E is not None:
+            top_TK = scores_TE.gather(1, experts_TK)
+        return top_TK, experts_TK
 
     if cfg.score_function == "softmax":
         if cfg.pre_softmax:
-            scores_TE = torch.softmax(logits_TE, dim=-1)
-            if expert_bias_E is not None:
-                _, experts_TK = topk(scores_TE + expert_bias_E)
-                probs_TK = scores_TE.gather(1, experts_TK)
-            else:
-                probs_TK, experts_TK = topk(scores_TE)
+            probs_TK, experts_TK = topk(torch.softmax(logits_TE, dim=-1))
             if cfg.renormalize:
                 probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True)
         else:
-            if expert_bias_E is not None:
-                _, experts_TK = topk(logits_TE + expert_bias_E)
-                top_logits = logits_TE.gather(1, experts_TK)
-            else:
-                top_logits, experts_TK = topk(logits_TE)
-            probs_TK = torch.softmax(top_logits, dim=-1)
+            top_logits_TK, experts_TK = topk(logits_TE)
+            probs_TK = torch.softmax(top_logits_TK, dim=-1)
     else:
-        scores_TE = torch.sigmoid(logits_TE)
-        if expert_bias_E is not None:
-            _, experts_TK = topk(scores_TE + expert_bias_E)
-            probs_TK = scores_TE.gather(1, experts_TK)
-        else:
-            probs_TK, experts_TK = topk(scores_TE)
+        probs_TK, experts_TK = topk(torch.sigmoid(logits_TE))
         if k > 1:
             probs_TK = probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20)
     if cfg.topk_scaling_factor is not None:
