@@ -18,6 +18,7 @@ are pool threads and the caller waits.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -51,11 +52,18 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 def _run(tasks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     """``torch.mm(a, b, out=c)`` for every (a, b, c), on up to W workers; operands detached."""
+    run_tasks([functools.partial(torch.mm, a, b, out=c) for a, b, c in tasks])
+
+
+def run_tasks(tasks: list) -> None:
+    """Call every zero-argument task once, on up to W pool workers with ``intra-op threads / W``
+    threads each; the caller waits. Tasks must write disjoint outputs (their order is not fixed)
+    and use only detached tensors (the workers' grad mode is their own)."""
     threads = torch.get_num_threads()
     workers = min(threads, MAX_WORKERS, len(tasks))
     if workers <= 1:
-        for a, b, c in tasks:
-            torch.mm(a, b, out=c)
+        for task in tasks:
+            task()
         return
     per_worker = max(1, threads // workers)
     lock = threading.Lock()
@@ -69,8 +77,7 @@ def _run(tasks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
                 task = next(queue, None)
             if task is None:
                 return
-            a, b, c = task
-            torch.mm(a, b, out=c)
+            task()
 
     pool = _pool(workers)
     for f in [pool.submit(drain) for _ in range(workers)]:
@@ -107,7 +114,7 @@ def single_threaded(fn, *args):
         torch.set_num_threads(threads)  # the process-wide value, as in _run
 
 
-def _blocks(length: int, size: int) -> list[tuple[int, int]]:
+def blocks(length: int, size: int) -> list[tuple[int, int]]:
     """[0, length) cut into ceil(length / size) near-equal (start, end) pieces."""
     n = -(-length // size)
     return [(length * i // n, length * (i + 1) // n) for i in range(n)]
@@ -128,7 +135,7 @@ def rows_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Te
     size = max(64, min(ROW_BLOCK, -(-ends[-1] // (TASKS_PER_WORKER * workers)))) if ends[-1] else 1
     tasks, start = [], 0
     for e, end in enumerate(ends):
-        for s, t in _blocks(end - start, size):
+        for s, t in blocks(end - start, size):
             tasks.append((a[start + s:start + t], b[e], c[start + s:start + t]))
         start = end
     _run(tasks)
@@ -151,7 +158,7 @@ def dw_mm(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Ten
         if end == start:
             dw[e] = 0
             continue
-        for k0, k1 in _blocks(K, -(-K // k_pieces)):
+        for k0, k1 in blocks(K, -(-K // k_pieces)):
             tasks.append((x[start:end, k0:k1].t(), dy[start:end], dw[e, k0:k1]))
         start = end
     _run(tasks)

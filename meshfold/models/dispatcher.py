@@ -20,6 +20,7 @@ contribute nothing; a token whose every pair is dropped outputs zero (plus share
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 from dataclasses import dataclass
@@ -179,31 +180,41 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _CombineTopK(torch.autograd.Function):
-    """out [T, H] = probs_TK [T, 1, k] @ y_TKH [T, k, H] (token-major rows), in y's dtype.
+    """out [T, H] = probs_TK [T, 1, k] @ y_TKH [T, k, H], in y's dtype, where y_TKH are the expert
+    rows of each token (token-major, gathered from the expert-major y_NH).
 
-    Saves y_TKH (one [N, H] buffer in y's dtype): the probabilities' gradient is
-    ``y_TKH @ dout`` per token, computed as k dot products (``linalg.vecdot``; in bf16 each
-    product is rounded before the fp32 sum: 2.4e-3 relative rms error against fp64 where a
-    bmm has 1.7e-3, at half the time). The old path multiplied in fp32 and kept an fp32 copy
-    of y, twice the memory in bf16 and ~2x slower (benchmarks/RESULTS.md, moe_layer).
+    Never builds y_TKH whole: it works in parts of ~``COMBINE_ROWS`` rows (a few MB, kept in
+    cache), each gathering its tokens' rows (``index_select`` by ``row_P``, the inverse of
+    ``pair_N``) and reducing them with a batched ``[1, k] @ [k, H]``. Saves only y_NH (the
+    experts' output, no copy): the probabilities' gradient gathers the rows again, part by part,
+    as k dot products per token (``linalg.vecdot``; in bf16 each product is rounded before the
+    fp32 sum: 2.4e-3 relative rms error against fp64 where a bmm has 1.7e-3, at half the time).
+    The bf16 weights are rounded to bf16 (bf16 GEMMs accumulate in fp32).
 
-    On CPU both passes run single-threaded (:func:`_serial`): five memory-bound ops that
-    together take a few ms, each of which would otherwise fork and join the OpenMP team.
+    On CPU the parts run on the expert-GEMM pool (:func:`cpu_grouped.run_tasks`: one intra-op
+    thread per worker, one join per pass, so no OpenMP fork/join per op); elsewhere a pass is one
+    part. Every output element is written by one part, so results do not depend on the split.
     """
 
     @staticmethod
     def forward(ctx, y_NH, probs_TK, pair_N, token_N):
-        out_TH, y_TKH, p_TK = _serial(_combine_forward, y_NH.detach(), probs_TK.detach(), pair_N)
-        ctx.save_for_backward(y_TKH, p_TK, pair_N, token_N)
+        y, p_TK = y_NH.detach(), probs_TK.detach().to(y_NH.dtype)
+        # the row of each token-major pair: the inverse permutation of pair_N
+        row_P = torch.empty_like(pair_N).index_copy_(0, pair_N, torch.arange(pair_N.numel(), device=pair_N.device))
+        out_TH = _combine_forward(y, p_TK, row_P)
+        ctx.save_for_backward(y, p_TK, row_P, pair_N, token_N)
         ctx.probs_dtype = probs_TK.dtype
         return out_TH
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout_TH):
-        y_TKH, p_TK, pair_N, token_N = ctx.saved_tensors
-        return _serial(_combine_backward, dout_TH, y_TKH, p_TK, pair_N, token_N, ctx.probs_dtype,
-                       ctx.needs_input_grad[0], ctx.needs_input_grad[1]) + (None, None)
+        y, p_TK, row_P, pair_N, token_N = ctx.saved_tensors
+        return _combine_backward(dout_TH.contiguous(), y, p_TK, row_P, pair_N, token_N, ctx.probs_dtype,
+                                 ctx.needs_input_grad[0], ctx.needs_input_grad[1]) + (None, None)
+
+
+COMBINE_ROWS = 1024  # expert rows per part of the combine: ~2-4 MB of y at H = 512-1024
 
 
 def _serial(fn, *args):
@@ -213,20 +224,43 @@ def _serial(fn, *args):
     return fn(*args)
 
 
-def _combine_forward(y_NH, probs_TK, pair_N):
-    T, k = probs_TK.shape
-    # Row of each token-major pair: the inverse of pair_N. A gather with it (index_select) is
-    # 1.5-2.5x faster on CPU than scattering the rows into place with index_copy_.
-    row_P = torch.empty_like(pair_N).index_copy_(0, pair_N, torch.arange(pair_N.numel(), device=pair_N.device))
-    y_TKH = y_NH.index_select(0, row_P).view(T, k, y_NH.shape[1])
-    p_TK = probs_TK.to(y_NH.dtype)
-    return torch.bmm(p_TK.unsqueeze(1), y_TKH).squeeze(1), y_TKH, p_TK
+def _in_parts(jobs, device) -> None:
+    """For each ``(part, length, size)``: ``part(start, end)`` over [0, length) cut into pieces of
+    about ``size`` (one piece off the CPU). On CPU every piece of every job runs on the pool."""
+    if device.type != "cpu":
+        for part, length, _ in jobs:
+            part(0, length)
+        return
+    cpu_grouped.run_tasks([functools.partial(part, a, b) for part, length, size in jobs
+                           for a, b in (cpu_grouped.blocks(length, max(1, size)) if length else [])])
 
 
-def _combine_backward(dout_TH, y_TKH, p_TK, pair_N, token_N, probs_dtype, need_dy, need_dprobs):
-    dy_NH = dprobs_TK = None
+def _combine_forward(y_NH, p_TK, row_P):
+    T, k = p_TK.shape
+    out_TH = y_NH.new_empty((T, y_NH.shape[1]))
+
+    def part(t0, t1):
+        y_bKH = y_NH.index_select(0, row_P[t0 * k:t1 * k]).view(t1 - t0, k, -1)
+        torch.bmm(p_TK[t0:t1].unsqueeze(1), y_bKH, out=out_TH[t0:t1].unsqueeze(1))
+
+    _in_parts([(part, T, COMBINE_ROWS // k)], y_NH.device)
+    return out_TH
+
+
+def _combine_backward(dout_TH, y_NH, p_TK, row_P, pair_N, token_N, probs_dtype, need_dy, need_dprobs):
+    T, k = p_TK.shape
+    dy_NH = y_NH.new_empty(y_NH.shape) if need_dy else None
+    dprobs_TK = p_TK.new_empty((T, k)) if need_dprobs else None
+    p_N = p_TK.reshape(-1)[pair_N] if need_dy else None
+    jobs = []
     if need_dy:  # row n gets dout[token_n] * p_n, expert-major
-        dy_NH = dout_TH.index_select(0, token_N).mul_(p_TK.reshape(-1)[pair_N].unsqueeze(1))
+        def dy_part(n0, n1):
+            torch.index_select(dout_TH, 0, token_N[n0:n1], out=dy_NH[n0:n1]).mul_(p_N[n0:n1].unsqueeze(1))
+        jobs.append((dy_part, T * k, COMBINE_ROWS))
     if need_dprobs:  # k dot products per token; a [k, H] @ [H, 1] bmm is 2x slower on CPU
-        dprobs_TK = torch.linalg.vecdot(y_TKH, dout_TH.unsqueeze(1)).to(probs_dtype)
-    return dy_NH, dprobs_TK
+        def dprobs_part(t0, t1):
+            y_bKH = y_NH.index_select(0, row_P[t0 * k:t1 * k]).view(t1 - t0, k, -1)
+            torch.linalg.vecdot(y_bKH, dout_TH[t0:t1].unsqueeze(1), out=dprobs_TK[t0:t1])
+        jobs.append((dprobs_part, T, COMBINE_ROWS // k))
+    _in_parts(jobs, y_NH.device)
+    return dy_NH, None if dprobs_TK is None else dprobs_TK.to(probs_dtype)
