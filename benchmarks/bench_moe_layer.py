@@ -2,6 +2,7 @@
 
     python benchmarks/bench_moe_layer.py                 # both shapes, fp32 + bf16, timing + memory
     python benchmarks/bench_moe_layer.py --rounds 3 --no-memory
+    python benchmarks/bench_moe_layer.py --malloc system    # glibc's default allocator policy
 
 Legend: T = tokens, H = hidden, F = expert ffn, E = experts, k = top-k.
 
@@ -28,6 +29,11 @@ FLOPs counted: the expert GEMMs only, ``18 T k H F`` per forward + backward (3 G
 is left out. ``vs_dense`` = dense time / method time = the fraction of the dense chain's FLOP/s.
 ``CPU ms`` / ``vs_dense_cpu``: the same from process CPU time (all threads; includes OpenMP
 spin-waits), which other processes on a shared machine disturb far less than wall time.
+
+Allocator (``--malloc``): ``retain`` (default) calls :func:`meshfold.malloc.retain_freed_memory`
+before timing, as ``meshfold train`` does, so large buffers are reused instead of page-faulted in
+again every step; ``system`` keeps glibc's default (mmap per buffer >= 32 MiB). Both apply to every
+method of the run alike.
 
 Memory: each (shape, dtype, method) runs in a fresh subprocess with glibc's mmap threshold fixed
 at 64 KiB (so freed tensors go back to the OS). After a warm-up step, grads set to None,
@@ -58,6 +64,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from meshfold.malloc import retain_freed_memory  # noqa: E402
 from meshfold.models import MoEConfig, MoELayer  # noqa: E402
 from meshfold.models.experts import expert_ffn  # noqa: E402
 
@@ -228,6 +235,8 @@ def main() -> None:
     ap.add_argument("--eager-rounds", type=int, default=1,
                     help="rounds for hf_eager (5-50x slower than the others; keeps the run ~4 min)")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--malloc", choices=("retain", "system"), default="retain",
+                    help="retain: keep freed memory for reuse (meshfold.malloc); system: glibc default")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     ap.add_argument("--methods", nargs="*", default=list(METHODS))
@@ -238,6 +247,8 @@ def main() -> None:
         print(json.dumps(memory_worker(*args.memory_worker)))
         return
 
+    if args.malloc == "retain" and not retain_freed_memory():
+        sys.exit("--malloc retain needs glibc; use --malloc system")
     t_start = time.perf_counter()
     rows = []
     for shape in args.shapes:
@@ -262,7 +273,7 @@ def main() -> None:
                 rows.append(row)
                 print_row(row, header=len(rows) == 1)
     elapsed = time.perf_counter() - t_start
-    meta = {"command": "python " + " ".join(sys.argv), "rounds": args.rounds,
+    meta = {"command": "python " + " ".join(sys.argv), "rounds": args.rounds, "malloc": args.malloc,
             "eager_rounds": args.eager_rounds, "seconds": elapsed,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
             "flops_counted": "expert GEMMs, 18*T*k*H*F per fwd+bwd"}

@@ -176,13 +176,14 @@ def test_tile_sparse_training_reaches_each_stage_and_keeps_pruned_weights_zero(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = losses(tmp_path)
     assert [round(rows[s]["expert_sparsity"], 2) for s in (2, 3, 5, 6, 9)] == [0, 0.25, 0.25, 0.5, 0.5]
-    from meshfold.kernels.reference import expand_tile_mask
     from meshfold.train.cli import load_trained
 
     model, _ = load_trained(str(tmp_path))
     for layer in model.moe_layers():
-        for w, mask in layer.sparse_layers().values():
-            keep = expand_tile_mask(mask, w.shape[1], w.shape[2])
+        for w, mask in layer.sparse_layers().values():  # w [E, K, N], mask [E, K / bk, N / bn]
+            # expanded here by hand, not with expand_tile_mask, which the pruner itself uses
+            bk, bn = w.shape[1] // mask.shape[1], w.shape[2] // mask.shape[2]
+            keep = mask.repeat_interleave(bk, 1).repeat_interleave(bn, 2)
             assert torch_all_zero(w.detach()[~keep])  # pruned tiles stayed zero through AdamW steps
 
 

@@ -61,6 +61,9 @@ class TrainSettings:
     stop_at: int | None = None  # end this invocation after this step (the schedule still spans steps)
     skip_nonfinite: bool = False  # skip steps whose loss is not finite instead of stopping
     timeout: float = 300.0  # seconds a collective may wait before the run is declared hung
+    # CPU ranks keep freed memory for reuse (meshfold.malloc): fewer page faults per step on large
+    # activations, at the price of holding the peak heap (and some fragmentation) until exit
+    retain_cpu_memory: bool = False
     # pipeline parallelism (fold.pp > 1): microbatches per step (default pp), schedule
     # ("gpipe", "1f1b", "interleaved-1f1b") and model chunks per rank (interleaved: >= 2)
     microbatches: int | None = None

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshfold.malloc import retain_freed_memory
 from meshfold.mesh import fold
 from meshfold.models.moe import MoELayer
 from meshfold.models.pipeline import Pipeline
@@ -90,6 +91,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     # GPUs) on their own GPU, which the launcher already selected from LOCAL_RANK
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
+    if device.type == "cpu" and t.retain_cpu_memory:
+        retain_freed_memory()  # reuse large activation buffers across steps (meshfold.malloc)
     folded = fold(spec, device.type)
     model = MoETransformer(mcfg, dtype=DTYPES[t.dtype]).to(device)
     if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
