@@ -329,6 +329,28 @@ def test_fast_combine_equals_reference_with_gradients(dtype, tol):
         torch.testing.assert_close(a, b, atol=tol * 4, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_combine_in_parts_on_the_pool_equals_one_part(dtype, monkeypatch):
+    """The combine's parts (tiny here, so many run on two pool workers) give bitwise the values
+    and gradients of one part: every output element is written by one part with the same ops."""
+    from meshfold.models import dispatcher
+
+    _, probs, perm, y = _routed(101, 3, 5, 16, dtype)
+    dout = torch.randn(101, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dtype)
+    results = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (10**6, 7):
+            monkeypatch.setattr(dispatcher, "COMBINE_ROWS", rows)
+            out = dispatcher.unpermute(y, perm, 101)
+            results.append((out, *torch.autograd.grad(out, (y, probs), dout)))
+    finally:
+        torch.set_num_threads(before)
+    for one, parts in zip(*results):
+        assert torch.equal(one, parts)
+
+
 def test_fast_permute_gradient_equals_plain_indexing():
     """gather_rows' backward (index_add) is autograd's x[token] backward, fp32-accumulated in
     bf16: equal to the fp64 sum rounded once."""

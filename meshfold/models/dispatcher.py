@@ -186,10 +186,11 @@ class _CombineTopK(torch.autograd.Function):
     Never builds y_TKH whole: it works in parts of ~``COMBINE_ROWS`` rows (a few MB, kept in
     cache), each gathering its tokens' rows (``index_select`` by ``row_P``, the inverse of
     ``pair_N``) and reducing them with a batched ``[1, k] @ [k, H]``. Saves only y_NH (the
-    experts' output, no copy): the probabilities' gradient gathers the rows again, part by part,
-    as k dot products per token (``linalg.vecdot``; in bf16 each product is rounded before the
-    fp32 sum: 2.4e-3 relative rms error against fp64 where a bmm has 1.7e-3, at half the time).
-    The bf16 weights are rounded to bf16 (bf16 GEMMs accumulate in fp32).
+    experts' output, no copy). The backward goes the other way, in expert-major parts: it gathers
+    dout for each row once and takes both the row's gradient (times its weight) and the weight's
+    gradient (a dot product with the row, ``linalg.vecdot``; in bf16 each product is rounded
+    before the fp32 sum: 2.4e-3 relative rms error against fp64 where a bmm has 1.7e-3, at half
+    the time) from it. In bf16 the weights are rounded to bf16 (bf16 GEMMs accumulate in fp32).
 
     On CPU the parts run on the expert-GEMM pool (:func:`cpu_grouped.run_tasks`: one intra-op
     thread per worker, one join per pass, so no OpenMP fork/join per op); elsewhere a pass is one
@@ -202,15 +203,15 @@ class _CombineTopK(torch.autograd.Function):
         # the row of each token-major pair: the inverse permutation of pair_N
         row_P = torch.empty_like(pair_N).index_copy_(0, pair_N, torch.arange(pair_N.numel(), device=pair_N.device))
         out_TH = _combine_forward(y, p_TK, row_P)
-        ctx.save_for_backward(y, p_TK, row_P, pair_N, token_N)
+        ctx.save_for_backward(y, p_TK, pair_N, token_N)
         ctx.probs_dtype = probs_TK.dtype
         return out_TH
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout_TH):
-        y, p_TK, row_P, pair_N, token_N = ctx.saved_tensors
-        return _combine_backward(dout_TH.contiguous(), y, p_TK, row_P, pair_N, token_N, ctx.probs_dtype,
+        y, p_TK, pair_N, token_N = ctx.saved_tensors
+        return _combine_backward(dout_TH.contiguous(), y, p_TK, pair_N, token_N, ctx.probs_dtype,
                                  ctx.needs_input_grad[0], ctx.needs_input_grad[1]) + (None, None)
 
 
@@ -247,20 +248,25 @@ def _combine_forward(y_NH, p_TK, row_P):
     return out_TH
 
 
-def _combine_backward(dout_TH, y_NH, p_TK, row_P, pair_N, token_N, probs_dtype, need_dy, need_dprobs):
+def _combine_backward(dout_TH, y_NH, p_TK, pair_N, token_N, probs_dtype, need_dy, need_dprobs):
+    """Row by row, expert-major: g = dout[token_n] (gathered once), dprobs of the row's pair =
+    y_n . g (k dot products per token; a [k, H] @ [H, 1] bmm is 2x slower on CPU), dy_n = g p_n."""
     T, k = p_TK.shape
+    N = pair_N.numel()
     dy_NH = y_NH.new_empty(y_NH.shape) if need_dy else None
-    dprobs_TK = p_TK.new_empty((T, k)) if need_dprobs else None
+    dprobs_N = y_NH.new_empty(N) if need_dprobs else None
     p_N = p_TK.reshape(-1)[pair_N] if need_dy else None
-    jobs = []
-    if need_dy:  # row n gets dout[token_n] * p_n, expert-major
-        def dy_part(n0, n1):
-            torch.index_select(dout_TH, 0, token_N[n0:n1], out=dy_NH[n0:n1]).mul_(p_N[n0:n1].unsqueeze(1))
-        jobs.append((dy_part, T * k, COMBINE_ROWS))
-    if need_dprobs:  # k dot products per token; a [k, H] @ [H, 1] bmm is 2x slower on CPU
-        def dprobs_part(t0, t1):
-            y_bKH = y_NH.index_select(0, row_P[t0 * k:t1 * k]).view(t1 - t0, k, -1)
-            torch.linalg.vecdot(y_bKH, dout_TH[t0:t1].unsqueeze(1), out=dprobs_TK[t0:t1])
-        jobs.append((dprobs_part, T, COMBINE_ROWS // k))
-    _in_parts(jobs, y_NH.device)
-    return dy_NH, None if dprobs_TK is None else dprobs_TK.to(probs_dtype)
+
+    def part(n0, n1):
+        g = torch.index_select(dout_TH, 0, token_N[n0:n1], out=dy_NH[n0:n1] if need_dy else None)
+        if need_dprobs:
+            torch.linalg.vecdot(y_NH[n0:n1], g, out=dprobs_N[n0:n1])
+        if need_dy:
+            g.mul_(p_N[n0:n1].unsqueeze(1))
+
+    _in_parts([(part, N, COMBINE_ROWS)], y_NH.device)
+    dprobs_TK = None
+    if need_dprobs:
+        dprobs_TK = torch.empty(T * k, dtype=probs_dtype, device=y_NH.device).index_copy_(
+            0, pair_N, dprobs_N.to(probs_dtype)).view(T, k)
+    return dy_NH, dprobs_TK
