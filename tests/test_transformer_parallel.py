@@ -172,3 +172,29 @@ def test_hf_checkpoint_loads_folded_from_slices(worlds, tmp_path, spec):
     torch.manual_seed(0)
     save_pretrained(MoETransformer(get_config("tiny-mixtral")), tmp_path)
     assert all(worlds(4).run(_load_folded, str(tmp_path), spec))
+
+
+@pytest.mark.parametrize("name, moe_ffn, fold, message", [
+    ("tiny-mixtral", None, dict(world_size=8, tp=8), "heads = 4 is not divisible by tp = 8"),
+    ("tiny-mixtral", None, dict(world_size=8, ep=8), "num_experts = 4 is not divisible by ep = 8"),
+    ("tiny-qwen2-moe", None, dict(world_size=8, tp=4), "kv_heads = 2 is not divisible by tp = 4"),
+    ("tiny-qwen2-moe", 24, dict(world_size=16, etp=16), "ffn = 24 is not divisible by etp = 16"),
+    ("tiny-qwen2-moe", None, dict(world_size=8, tp=2, etp=2, ep=2), None),
+    ("tiny-qwen2-moe", 24, dict(world_size=8, ep=8, etp=1), None),
+])
+def test_check_fold_needs_no_mesh_and_names_the_size(name, moe_ffn, fold, message):
+    """The divisibility checks parallelize runs, on a config and a FoldSpec alone (what meshfold
+    train runs before spawning); a fold that divides passes."""
+    import dataclasses
+
+    from meshfold.models.configs import CONFIGS
+    from meshfold.models.transformer_parallel import check_fold
+
+    cfg = CONFIGS[name]
+    if moe_ffn is not None:
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ffn=moe_ffn))
+    if message is None:
+        check_fold(cfg, FoldSpec(**fold))
+    else:
+        with pytest.raises(ValueError, match=message):
+            check_fold(cfg, FoldSpec(**fold))

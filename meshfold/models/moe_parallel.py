@@ -272,6 +272,24 @@ def moe_param_layout(name: str, comm: "FoldedComm", layout: dict | None = None):
     return (comm.attn if view == "attn" else comm.moe), placements
 
 
+def check_moe_fold(cfg, ep: int, etp: int, tp: int) -> None:
+    """Raise ``ValueError`` naming the MoE size that does not divide over the fold: experts over
+    ``ep``, expert ffn over ``etp`` (and sparsity tiles within each etp shard), shared-expert ffn
+    over attention ``tp``. Needs no mesh: ``meshfold train`` runs it before spawning."""
+    if cfg.num_experts % ep:
+        raise ValueError(f"num_experts = {cfg.num_experts} is not divisible by ep = {ep} "
+                         f"(valid ep: divisors of {cfg.num_experts})")
+    if cfg.ffn % etp:
+        raise ValueError(f"ffn = {cfg.ffn} is not divisible by etp = {etp}")
+    if cfg.shared_ffn and cfg.shared_ffn % tp:
+        raise ValueError(f"shared_ffn = {cfg.shared_ffn} is not divisible by tp = {tp}")
+    if cfg.expert_sparsity is not None:
+        from meshfold.sparsity import check_etp_alignment
+
+        check_etp_alignment(cfg.hidden, cfg.ffn, cfg.expert_sparsity.tile, etp, "N")
+        check_etp_alignment(cfg.ffn, cfg.hidden, cfg.expert_sparsity.tile, etp, "K")
+
+
 def parallelize_moe(layer, folded, local_state: dict | None = None, *, layout: dict | None = None) -> None:
     """Apply ``layout`` (default :data:`MOE_LAYOUT`): turn ``layer``'s parameters into DTensors
     on the folded mesh (from the full weights every rank holds, e.g. after seeding identically, or
@@ -280,19 +298,7 @@ def parallelize_moe(layer, folded, local_state: dict | None = None, *, layout: d
     extends MOE_LAYOUT (``{**MOE_LAYOUT, name: (view, placements)}``) rather than editing the
     library table. Raises if the layer's sizes do not divide over the mesh."""
     comm = FoldedComm(folded)
-    cfg = layer.cfg
-    if cfg.num_experts % comm.ep:
-        raise ValueError(f"num_experts = {cfg.num_experts} is not divisible by ep = {comm.ep} "
-                         f"(valid ep: divisors of {cfg.num_experts})")
-    if cfg.ffn % comm.etp:
-        raise ValueError(f"ffn = {cfg.ffn} is not divisible by etp = {comm.etp}")
-    if cfg.shared_ffn and cfg.shared_ffn % comm.tp:
-        raise ValueError(f"shared_ffn = {cfg.shared_ffn} is not divisible by tp = {comm.tp}")
-    if cfg.expert_sparsity is not None:
-        from meshfold.sparsity import check_etp_alignment
-
-        check_etp_alignment(cfg.hidden, cfg.ffn, cfg.expert_sparsity.tile, comm.etp, "N")
-        check_etp_alignment(cfg.ffn, cfg.hidden, cfg.expert_sparsity.tile, comm.etp, "K")
+    check_moe_fold(layer.cfg, comm.ep, comm.etp, comm.tp)
     for name, param in list(layer.named_parameters()):
         mesh, placements = moe_param_layout(name, comm, layout)
         module_name, _, attr = name.rpartition(".")

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
-from meshfold.models.moe_parallel import parallelize_moe, place
+from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
 from meshfold.placements import all_gather_v, reduce_scatter_v
 
 __all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "shard_batch", "local_positions",
@@ -155,6 +155,20 @@ def param_layouts(model: nn.Module, folded) -> dict[str, tuple]:
 DATA_PARALLEL = ("fsdp", "allreduce")
 
 
+def check_fold(cfg, spec) -> None:
+    """Raise ``ValueError`` naming the model size that does not divide over ``spec`` (a
+    :class:`~meshfold.mesh.FoldSpec`): heads, kv_heads and the dense ffn over ``tp``, and the MoE
+    sizes (:func:`~meshfold.models.moe_parallel.check_moe_fold`). Needs no mesh, so a config can
+    be checked before any process starts; :func:`parallelize` runs the same checks."""
+    for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
+        if n % spec.tp:
+            raise ValueError(f"{what} = {n} is not divisible by tp = {spec.tp}")
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.layers)) and cfg.ffn % spec.tp:
+        raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
+    if cfg.moe is not None:
+        check_moe_fold(cfg.moe, spec.ep, spec.etp, spec.tp)
+
+
 def parallelize(model: nn.Module, folded, local_state: dict | None = None,
                 data_parallel: str = "fsdp") -> nn.Module:
     """Lay ``model`` out on ``folded``, from identical full weights on every rank or, given
@@ -178,11 +192,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
                          f"each rank's model chunks")
     cfg = model.cfg
     blocks = dict(model.layers.named_children())  # ModuleList, or a pipeline chunk's ModuleDict
-    for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
-        if n % spec.tp:
-            raise ValueError(f"{what} = {n} is not divisible by tp = {spec.tp}")
-    if any(not isinstance(b.mlp, MoELayer) for b in blocks.values()) and cfg.ffn % spec.tp:
-        raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
+    check_fold(cfg, spec)
     attn_mesh = folded.stage("attn")
     for i, block in blocks.items():
         if isinstance(block.mlp, MoELayer):

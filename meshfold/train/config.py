@@ -175,24 +175,9 @@ class TrainConfig:
             if self.sparsity:
                 raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
                                  "all layers, which pipeline stages hold apart; use pp = 1")
-        if cfg.heads % spec.tp or cfg.kv_heads % spec.tp:
-            raise ValueError(f"heads = {cfg.heads} and kv_heads = {cfg.kv_heads} must both be "
-                             f"divisible by tp = {spec.tp}")
-        if cfg.moe is not None and cfg.moe.expert_sparsity is not None:
-            from meshfold.sparsity import check_etp_alignment
+        from meshfold.models.transformer_parallel import check_fold
 
-            tile = cfg.moe.expert_sparsity.tile
-            check_etp_alignment(cfg.hidden, cfg.moe.ffn, tile, spec.etp, "N")
-            check_etp_alignment(cfg.moe.ffn, cfg.hidden, tile, spec.etp, "K")
-        if cfg.moe is not None:
-            if cfg.moe.num_experts % spec.ep:
-                raise ValueError(f"num_experts = {cfg.moe.num_experts} is not divisible by ep = {spec.ep}")
-            if cfg.moe.ffn % spec.etp:
-                raise ValueError(f"moe ffn = {cfg.moe.ffn} is not divisible by etp = {spec.etp}")
-        if any(not cfg.is_moe_layer(i) for i in range(cfg.layers)) and cfg.ffn % spec.tp:
-            raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
-        if cfg.moe is not None and cfg.moe.shared_ffn % spec.tp:
-            raise ValueError(f"moe shared_ffn = {cfg.moe.shared_ffn} is not divisible by tp = {spec.tp}")
+        check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts
         return spec, cfg
 
 
