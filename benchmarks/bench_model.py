@@ -57,6 +57,7 @@ from meshfold.models import MoETransformer, get_config, save_pretrained  # noqa:
 from meshfold.models.pipeline import Pipeline  # noqa: E402
 from meshfold.models.transformer_parallel import parallelize, reduce_gradients, shard_batch  # noqa: E402
 from meshfold.train.flops import train_flops_per_step  # noqa: E402
+from peak_rss import peak_rss_mib  # noqa: E402  (benchmarks/peak_rss.py)
 
 B, S, S_LONG = 8, 256, 2048
 FOLDS = {  # world size -> folds timed in part (b); data_parallel defaults to "fsdp"
@@ -229,13 +230,6 @@ def part_b(rounds: int) -> dict:
 
 
 # ------------------------------------------------------------------ (c) memory vs cp
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def memory_worker(rank, world_size) -> dict:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: tensors >= 64 KiB are mmapped, freed to the OS
@@ -249,16 +243,11 @@ def memory_worker(rank, world_size) -> dict:
     model = parallelize(MoETransformer(cfg), fold(spec), data_parallel="allreduce")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     _train_step(model, opt, tokens, targets, spec, rank)  # gradients, AdamW state, gloo buffers
-    gc.collect()
-    libc.malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    before = _status_kb("VmRSS:")
     t0 = time.perf_counter()
-    _train_step(model, opt, tokens, targets, spec, rank)
+    peak = peak_rss_mib(lambda: _train_step(model, opt, tokens, targets, spec, rank))
     dt = time.perf_counter() - t0
-    peak = _status_kb("VmHWM:") - before
     grad_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    return dict(rank=rank, peak_mib=peak / 1024, grads_mib=grad_bytes / 2 ** 20, step_s=dt)
+    return dict(rank=rank, peak_mib=peak, grads_mib=grad_bytes / 2 ** 20, step_s=dt)
 
 
 def part_c() -> dict:

@@ -47,8 +47,6 @@ of the implementation). Writes benchmarks/results/moe_layer.json and prints a ma
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import platform
@@ -63,6 +61,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from peak_rss import peak_rss_mib  # noqa: E402  (benchmarks/peak_rss.py)
 
 from meshfold.malloc import retain_freed_memory  # noqa: E402
 from meshfold.models import MoEConfig, MoELayer  # noqa: E402
@@ -179,26 +179,12 @@ def flops(shape) -> float:
 # ----------------------------------------------------------------------------- memory
 
 
-def _status_kb(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def memory_worker(method, shape, dtype_name) -> dict:
     module, step = build(method, shape, DTYPES[dtype_name])
     step()  # warm-up: lazy inits, kernel caches
     module.zero_grad(set_to_none=True)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_kb("VmRSS:")
-    step()
-    peak = _status_kb("VmHWM:")
-    return {"peak_MB": (peak - before) / 1024, "grads_MB": grad_bytes / 2**20}
+    return {"peak_MB": peak_rss_mib(step), "grads_MB": grad_bytes / 2**20}
 
 
 def measure_memory(method, shape, dtype_name) -> dict:
