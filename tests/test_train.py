@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # a small, quick setting shared by the checkpoint tests
 SMALL = ["--set", "train.batch=4", "--set", "train.seq=32", "--set", "train.eval_every=1000",
          "--set", "train.warmup=2", "--set", "model.layers=2"]
+# the same on 2 ranks (tp2 | ep2), for tests of the job around training (failures, checkpoints,
+# generate/export) whose subject is not the fold: each rank process costs ~2.5 s of start-up
+SMALL2 = [*SMALL, "--set", "fold.world_size=2", "--set", "fold.ep=2"]
 
 
 def meshfold(*args, timeout=600):
@@ -99,19 +102,19 @@ def test_pipeline_run_checkpoint_resumes_without_pp_with_the_same_loss(tmp_path)
 
 
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
-    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL,
+    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2,
                     "--set", "train.ckpt_every=3", "--set", "train.crash_in_save_at=6")
     assert proc.returncode == 1 and "rank 0 failed" in proc.stderr
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert ckpts == ["step_000003", "step_000006.tmp"]
-    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL, "--set", "train.ckpt_every=3")
+    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2, "--set", "train.ckpt_every=3")
     assert proc.returncode == 0 and "step_000003 at step 3" in proc.stdout, proc.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]  # steps 4-6 logged once, by the run that kept them
 
 
 def test_damaged_checkpoint_gives_a_clear_error(tmp_path):
-    assert meshfold("train", "--steps", "2", "--out-dir", str(tmp_path), *SMALL).returncode == 0
+    assert meshfold("train", "--steps", "2", "--out-dir", str(tmp_path), *SMALL2).returncode == 0
     shard = next((tmp_path / "checkpoints" / "step_000002").glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:40])  # truncated
     proc = meshfold("generate", str(tmp_path), "--tokens", "4")
@@ -119,11 +122,11 @@ def test_damaged_checkpoint_gives_a_clear_error(tmp_path):
 
 
 def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
-    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL,
+    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2,
                     "--set", "train.ckpt_every=2", "--set", "train.inject_nan_at=3")
     assert proc.returncode == 1
     assert "non-finite loss nan at step 3" in proc.stderr and "step_000002" in proc.stderr
-    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path / "skip"), *SMALL,
+    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path / "skip"), *SMALL2,
                     "--set", "train.inject_nan_at=3", "--set", "train.skip_nonfinite=true")
     assert proc.returncode == 0
     assert losses(tmp_path / "skip")[6]["skipped_steps"] == 1
@@ -138,7 +141,7 @@ def test_a_killed_rank_ends_the_job_promptly(tmp_path):
 
 
 def test_generate_and_export(tmp_path):
-    assert meshfold("train", "--steps", "3", "--out-dir", str(tmp_path), *SMALL).returncode == 0
+    assert meshfold("train", "--steps", "3", "--out-dir", str(tmp_path), *SMALL2).returncode == 0
     proc = meshfold("generate", str(tmp_path), "--prompt", "import ", "--tokens", "20")
     assert proc.returncode == 0 and proc.stdout.startswith("import ")
     proc = meshfold("export", str(tmp_path), str(tmp_path / "hf"))
