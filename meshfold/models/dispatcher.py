@@ -225,15 +225,13 @@ def _serial(fn, *args):
     return fn(*args)
 
 
-def _in_parts(jobs, device) -> None:
-    """For each ``(part, length, size)``: ``part(start, end)`` over [0, length) cut into pieces of
-    about ``size`` (one piece off the CPU). On CPU every piece of every job runs on the pool."""
+def _in_parts(part, length: int, size: int, device) -> None:
+    """``part(start, end)`` over [0, length) cut into pieces of about ``size`` rows, run on the
+    expert-GEMM pool on CPU; one piece elsewhere."""
     if device.type != "cpu":
-        for part, length, _ in jobs:
-            part(0, length)
-        return
-    cpu_grouped.run_tasks([functools.partial(part, a, b) for part, length, size in jobs
-                           for a, b in (cpu_grouped.blocks(length, max(1, size)) if length else [])])
+        part(0, length)
+    elif length:
+        cpu_grouped.run_tasks([functools.partial(part, a, b) for a, b in cpu_grouped.blocks(length, max(1, size))])
 
 
 def _combine_forward(y_NH, p_TK, row_P):
@@ -244,13 +242,13 @@ def _combine_forward(y_NH, p_TK, row_P):
         y_bKH = y_NH.index_select(0, row_P[t0 * k:t1 * k]).view(t1 - t0, k, -1)
         torch.bmm(p_TK[t0:t1].unsqueeze(1), y_bKH, out=out_TH[t0:t1].unsqueeze(1))
 
-    _in_parts([(part, T, COMBINE_ROWS // k)], y_NH.device)
+    _in_parts(part, T, COMBINE_ROWS // k, y_NH.device)
     return out_TH
 
 
 def _combine_backward(dout_TH, y_NH, p_TK, pair_N, token_N, probs_dtype, need_dy, need_dprobs):
     """Row by row, expert-major: g = dout[token_n] (gathered once), dprobs of the row's pair =
-    y_n . g (k dot products per token; a [k, H] @ [H, 1] bmm is 2x slower on CPU), dy_n = g p_n."""
+    y_n . g (a dot product; a [k, H] @ [H, 1] bmm per token is 2x slower on CPU), dy_n = g p_n."""
     T, k = p_TK.shape
     N = pair_N.numel()
     dy_NH = y_NH.new_empty(y_NH.shape) if need_dy else None
@@ -264,7 +262,7 @@ def _combine_backward(dout_TH, y_NH, p_TK, pair_N, token_N, probs_dtype, need_dy
         if need_dy:
             g.mul_(p_N[n0:n1].unsqueeze(1))
 
-    _in_parts([(part, N, COMBINE_ROWS)], y_NH.device)
+    _in_parts(part, N, COMBINE_ROWS, y_NH.device)
     dprobs_TK = None
     if need_dprobs:
         dprobs_TK = torch.empty(T * k, dtype=probs_dtype, device=y_NH.device).index_copy_(
