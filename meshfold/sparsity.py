@@ -112,8 +112,11 @@ def check_etp_alignment(K: int, N: int, tile: tuple[int, int], etp: int, etp_dim
 
 
 def _as_experts(t: torch.Tensor) -> torch.Tensor:
-    """[K, N] -> [1, K, N]; [E, K, N] unchanged (a view either way)."""
-    return t.unsqueeze(0) if t.dim() == 2 else t
+    """[K, N] -> [1, K, N]; [E, K, N] unchanged; [E, K, d1, d2, ...] -> [E, K, d1 * d2 * ...]
+    (e.g. fused gate/up experts [E, H, 2, F] as [E, H, 2F]). A view in every case."""
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    return t if t.dim() == 3 else t.view(t.shape[0], t.shape[1], -1)
 
 
 def unit_scores(importance: torch.Tensor, unit: tuple[int, int]) -> torch.Tensor:
@@ -152,27 +155,16 @@ def global_prune(scores: Mapping[str, torch.Tensor], kept: Mapping[str, torch.Te
     return out
 
 
-def _param(w: torch.Tensor) -> torch.Tensor:
-    """The parameter behind ``w``: ``w`` itself, or the base of a reshaped view of one (the MoE
-    layer hands out [E, H, 2F] views of its [E, H, 2, F] gate/up weight)."""
-    return w if w._base is None else w._base
-
-
-def _grad(w: torch.Tensor) -> torch.Tensor | None:
-    g = _param(w).grad
-    return None if g is None else g.view(w.shape)
-
-
 def zero_pruned_moments(optimizer: torch.optim.Optimizer, weight: torch.Tensor, keep: torch.Tensor) -> None:
     """Multiply the optimizer state of ``weight`` (Adam/AdamW moments, SGD momentum) by ``keep``.
 
     keep: element mask broadcastable to weight. Without this the stored momentum of a freshly
     pruned tile keeps updating it even though its gradient is zero.
     """
-    state = optimizer.state.get(_param(weight), {})
+    state = optimizer.state.get(weight, {})
     for key in MOMENT_KEYS:
         if key in state:
-            state[key].view(weight.shape).mul_(keep.to(state[key].dtype))
+            state[key].mul_(keep.to(state[key].dtype))
 
 
 # ----------------------------------------------------------------------------- pruner
@@ -181,7 +173,8 @@ def zero_pruned_moments(optimizer: torch.optim.Optimizer, weight: torch.Tensor, 
 class TilePruner:
     """Prunes a group of layers with one global threshold on the schedule of ``config``.
 
-    layers: name -> (weight [E, K, N] or [K, N], mask [E, Kt, Nt] bool). The masks are the
+    layers: name -> (weight parameter [E, K, N] or [K, N], mask [E, Kt, Nt] bool); a weight with
+    more dims, [E, K, d1, ...], is pruned as [E, K, d1 * ...] (:func:`_as_experts`). The masks are the
     buffers the layers pass to the kernel; they are updated in place, so the layers see each
     prune. Call :meth:`accumulate` after every backward (Taylor score) and :meth:`step` once per
     training step, between backward and ``optimizer.step()``.
@@ -204,7 +197,7 @@ class TilePruner:
     def accumulate(self) -> None:
         """Add (dL/dW * W)^2 of the current gradients to the Taylor scores."""
         for name, (w, _) in self.layers.items():
-            g = _grad(w)
+            g = w.grad
             if g is not None:
                 self.taylor[name].add_((g.float() * w.float()).pow(2))
 
@@ -249,7 +242,7 @@ class TilePruner:
             w3 = _as_experts(w)
             keep = expand_tile_mask(mask, w3.shape[1], w3.shape[2]).reshape(w.shape)
             w.mul_(keep.to(w.dtype))
-            g = _grad(w)
+            g = w.grad
             if g is not None:
                 g.mul_(keep.to(g.dtype))
             if self.optimizer is not None:

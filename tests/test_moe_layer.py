@@ -261,15 +261,16 @@ def test_tile_sparse_experts_equal_dense_experts_with_masked_weights():
     dense = MoELayer(dataclasses.replace(cfg, expert_sparsity=None), dtype=torch.float64)
     dense.load_state_dict(sparse.state_dict(), strict=False)
     with torch.no_grad():
-        for name, (w, mask) in sparse.sparse_layers().items():
-            getattr(dense.experts, name).view(w.shape).mul_(expand_tile_mask(mask, w.shape[1], w.shape[2]))
+        for name, (w, mask) in sparse.sparse_layers().items():  # w [E, K, N] or [E, K, 2, F]
+            keep = expand_tile_mask(mask, w.shape[1], w[0, 0].numel()).view(w.shape)
+            getattr(dense.experts, name).mul_(keep)
     x = torch.randn(6, 8, dtype=torch.float64)
     ys, yd = sparse(x), dense(x)
     torch.testing.assert_close(ys, yd, **TOL)
     ys.square().sum().backward()
     for name, (w, mask) in sparse.sparse_layers().items():
-        g = getattr(sparse.experts, name).grad.view(w.shape)
-        assert torch.all(g[~expand_tile_mask(mask, w.shape[1], w.shape[2])] == 0)  # pruned tiles: zero gradient
+        keep = expand_tile_mask(mask, w.shape[1], w[0, 0].numel()).view(w.shape)
+        assert torch.all(w.grad[~keep] == 0)  # pruned tiles: zero gradient
 
 
 def test_pruning_schedule_on_the_moe_layer_keeps_masks_after_steps():
@@ -288,9 +289,9 @@ def test_pruning_schedule_on_the_moe_layer_keeps_masks_after_steps():
         opt.step()
         opt.zero_grad()
         reached.append(round(pruner.sparsity(), 2))
-        for w, mask in layer.sparse_layers().values():
+        for w, mask in layer.sparse_layers().values():  # w [E, K, N] or [E, K, 2, F]: as [E, K, N]
             keep = mask.repeat_interleave(2, 1).repeat_interleave(2, 2)
-            assert torch.all(w.detach()[~keep] == 0)  # pruned weights stay zero: no regrowth
+            assert torch.all(w.detach().reshape(keep.shape)[~keep] == 0)  # pruned weights stay zero
     assert reached[0] == 0.25 and reached[-1] == 0.5
 
 

@@ -183,11 +183,12 @@ def test_tile_sparse_training_reaches_each_stage_and_keeps_pruned_weights_zero(t
 
     model, _ = load_trained(str(tmp_path))
     for layer in model.moe_layers():
-        for w, mask in layer.sparse_layers().values():  # w [E, K, N], mask [E, K / bk, N / bn]
+        for w, mask in layer.sparse_layers().values():  # w as [E, K, N], mask [E, K / bk, N / bn]
+            w = w.detach().reshape(w.shape[0], w.shape[1], -1)
             # expanded here by hand, not with expand_tile_mask, which the pruner itself uses
             bk, bn = w.shape[1] // mask.shape[1], w.shape[2] // mask.shape[2]
             keep = mask.repeat_interleave(bk, 1).repeat_interleave(bn, 2)
-            assert torch_all_zero(w.detach()[~keep])  # pruned tiles stayed zero through AdamW steps
+            assert torch_all_zero(w[~keep])  # pruned tiles stayed zero through AdamW steps
 
 
 def torch_all_zero(t):

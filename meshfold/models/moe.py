@@ -108,14 +108,15 @@ class MoELayer(nn.Module):
         self.experts.register_buffer("mask_down", sp.new_mask(E, Fn, H, etp=etp, etp_dim="K"))
 
     def sparse_layers(self) -> dict:
-        """``{name: (weight [E, K, N], mask [E, Kt, Nt])}`` views for ``meshfold.sparsity.TilePruner``
-        (single device: under ETP each rank would prune its shard with its own threshold)."""
+        """``{name: (weight parameter, mask [E, Kt, Nt])}`` for ``meshfold.sparsity.TilePruner``:
+        ``w_down`` [E, F, H]; ``w_gate_up`` [E, H, 2, F], which the pruner reads as [E, H, 2F]
+        (gate columns, then up), with its mask [E, H/bk, 2, F/bn] viewed the same way. Single
+        device: under ETP each rank would prune its shard with its own threshold."""
         if self.cfg.expert_sparsity is None:
             raise ValueError("sparse_layers needs MoEConfig(expert_sparsity=ExpertSparsity(...))")
         ex = self.experts
-        E, H, two, Fn = ex.w_gate_up.shape
         m = ex.mask_gate_up
-        return {"w_gate_up": (ex.w_gate_up.view(E, H, two * Fn), m.view(E, m.shape[1], -1)),
+        return {"w_gate_up": (ex.w_gate_up, m.view(m.shape[0], m.shape[1], -1)),
                 "w_down": (ex.w_down, ex.mask_down)}
 
     # ---- pieces -----------------------------------------------------------------------------
