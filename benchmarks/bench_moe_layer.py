@@ -31,9 +31,9 @@ is left out. ``vs_dense`` = dense time / method time = the fraction of the dense
 spin-waits), which other processes on a shared machine disturb far less than wall time.
 
 Allocator (``--malloc``): ``retain`` (default) calls :func:`meshfold.malloc.retain_freed_memory`
-before timing, as ``meshfold train`` does, so large buffers are reused instead of page-faulted in
-again every step; ``system`` keeps glibc's default (mmap per buffer >= 32 MiB). Both apply to every
-method of the run alike.
+before timing (``meshfold train`` does with ``train.retain_cpu_memory=true``), so large buffers
+are reused instead of page-faulted in again every step; ``system`` keeps glibc's default (mmap
+per buffer >= 32 MiB). Both apply to every method of the run alike.
 
 Memory: each (shape, dtype, method) runs in a fresh subprocess with glibc's mmap threshold fixed
 at 64 KiB (so freed tensors go back to the OS). After a warm-up step, grads set to None,

@@ -402,8 +402,9 @@ def test_single_threaded_scatter_rows_equals_index_add_on_all_threads(dtype):
         assert torch.equal(got, exact.to(dtype))
 
 
-def test_single_threaded_combine_keeps_autograd_of_the_caller():
-    """The combine's single-threaded passes follow the caller's grad mode (thread-local)."""
+def test_combine_keeps_autograd_of_the_caller():
+    """The combine follows the caller's grad mode, though its parts run on pool threads (grad
+    mode is thread-local)."""
     from meshfold.models.dispatcher import unpermute
 
     _, probs, perm, y = _routed(37, 3, 5, 16, torch.float32)

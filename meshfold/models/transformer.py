@@ -178,4 +178,8 @@ class MoETransformer(nn.Module):
         return total / count
 
     def moe_layers(self) -> list[MoELayer]:
-        return [b.mlp for b in self.layers if isinstance(b.mlp, MoELayer)]
+        return [b.mlp for _, b in self.moe_blocks()]
+
+    def moe_blocks(self) -> list[tuple[int, Block]]:
+        """``(layer id, block)`` of the blocks with an MoE layer (as ``Pipeline.moe_blocks``)."""
+        return [(i, b) for i, b in enumerate(self.layers) if isinstance(b.mlp, MoELayer)]

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from meshfold.malloc import retain_freed_memory
 from meshfold.mesh import fold
-from meshfold.models.moe import MoELayer
 from meshfold.models.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients, shard_batch
@@ -202,11 +201,10 @@ def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0) 
 def _moe_metrics(model) -> list[dict]:
     """Per MoE layer, in layer order: losses, tokens per expert, dropped fraction (collective:
     ``last_losses`` sums over the stage's ranks; with pp, the stages' layers are gathered)."""
-    blocks = model.moe_blocks() if isinstance(model, Pipeline) else \
-        [(i, b) for i, b in enumerate(model.layers) if isinstance(b.mlp, MoELayer)]
     mine = [(i, {"losses": {k: float(v) for k, v in b.mlp.last_losses.items()},
                  "tokens_per_expert": b.mlp.last_metrics["tokens_per_expert"].tolist(),
-                 "dropped_fraction": float(b.mlp.last_metrics["dropped_fraction"])}) for i, b in blocks]
+                 "dropped_fraction": float(b.mlp.last_metrics["dropped_fraction"])})
+            for i, b in model.moe_blocks()]
     if not isinstance(model, Pipeline):
         return [m for _, m in mine]
     everyone = [None] * dist.get_world_size()
