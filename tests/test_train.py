@@ -51,6 +51,7 @@ def test_default_run_learns(tmp_path):
     ("fold.colour=1", "fold has no settings ['colour']"),
     ("moe.capacity_factor=-1.0", "capacity_factor must be >= 0"),
     ("train.dtype=\"int8\"", "train.dtype = 'int8'"),
+    ("train.retain_cpu_memory=yes", "train.retain_cpu_memory must be true or false, got 'yes'"),
 ])
 def test_bad_settings_fail_before_spawning(tmp_path, override, message):
     start = time.monotonic()

@@ -147,6 +147,10 @@ class TrainConfig:
             v = getattr(t, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"train.{name} must be a positive integer, got {v!r}")
+        for name in ("resume", "skip_nonfinite", "retain_cpu_memory"):
+            v = getattr(t, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"train.{name} must be true or false, got {v!r}")
         if t.dtype not in ("float32", "float64", "bfloat16"):
             raise ValueError(f"train.dtype = {t.dtype!r}; valid: float32, float64, bfloat16")
         if not t.lr > 0:
