@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshfold.kernels import dense_tile_mask, expand_tile_mask, grouped_mm, tile_grid
 
@@ -158,13 +159,35 @@ def global_prune(scores: Mapping[str, torch.Tensor], kept: Mapping[str, torch.Te
 def zero_pruned_moments(optimizer: torch.optim.Optimizer, weight: torch.Tensor, keep: torch.Tensor) -> None:
     """Multiply the optimizer state of ``weight`` (Adam/AdamW moments, SGD momentum) by ``keep``.
 
-    keep: element mask broadcastable to weight. Without this the stored momentum of a freshly
-    pruned tile keeps updating it even though its gradient is zero.
+    keep: element mask broadcastable to weight (to its local shard when weight is a DTensor).
+    Without this the stored momentum of a freshly pruned tile keeps updating it even though its
+    gradient is zero.
     """
     state = optimizer.state.get(weight, {})
     for key in MOMENT_KEYS:
         if key in state:
-            state[key].mul_(keep.to(state[key].dtype))
+            _local(state[key]).mul_(keep.to(state[key].dtype))
+
+
+@torch.no_grad()
+def mask_weight_(weight: torch.Tensor, keep: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Zero the pruned elements of ``weight``, of its pending gradient and of its optimizer state.
+
+    keep: element mask broadcastable to weight, or to its local shard when weight is a DTensor
+    (each rank then masks what it holds). The gradient matters when pruning runs between backward
+    and ``optimizer.step()``: it was computed while the tile was alive, and Adam would turn it
+    into fresh momentum.
+    """
+    _local(weight).mul_(keep.to(weight.dtype))
+    if weight.grad is not None:
+        _local(weight.grad).mul_(keep.to(weight.grad.dtype))
+    if optimizer is not None:
+        zero_pruned_moments(optimizer, weight, keep)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: writing it writes the DTensor); t itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 # ----------------------------------------------------------------------------- pruner
@@ -233,20 +256,11 @@ class TilePruner:
 
     @torch.no_grad()
     def apply_(self) -> None:
-        """Zero pruned weights, their pending gradients and optimizer moments (idempotent).
-
-        The gradient matters when pruning runs between backward and ``optimizer.step()``: it was
-        computed while the tile was alive, and Adam would turn it into fresh momentum.
-        """
+        """Zero pruned weights, their pending gradients and optimizer moments (idempotent;
+        :func:`mask_weight_`)."""
         for w, mask in self.layers.values():
             w3 = _as_experts(w)
-            keep = expand_tile_mask(mask, w3.shape[1], w3.shape[2]).reshape(w.shape)
-            w.mul_(keep.to(w.dtype))
-            g = w.grad
-            if g is not None:
-                g.mul_(keep.to(g.dtype))
-            if self.optimizer is not None:
-                zero_pruned_moments(self.optimizer, w, keep)
+            mask_weight_(w, expand_tile_mask(mask, w3.shape[1], w3.shape[2]).reshape(w.shape), self.optimizer)
 
     def step(self, step: int) -> bool:
         """Prune when ``step`` is a stage boundary of the schedule; True if it pruned."""

@@ -8,13 +8,16 @@ import pytest
 import torch
 
 from meshfold.kernels import expand_tile_mask, grouped_mm
+from meshfold.mesh import FoldSpec
 from meshfold.sparsity import (
     ExpertSparsity,
     TilePruner,
     TileSparseLinear,
     check_etp_alignment,
     global_prune,
+    mask_weight_,
 )
+from meshfold.testing import cached_fold
 
 TILE = (8, 8)
 
@@ -80,6 +83,38 @@ def test_optimizer_moments_of_newly_pruned_tiles_are_zeroed():
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.all(state[key][~keep] == 0), key
         assert torch.all(state[key][keep] != 0), key
+
+
+def _mask_sharded_weight(rank, world_size, optimizer_name):
+    """An expert weight [E=4, K=4, N=6] sharded over ep = 2, with a pending gradient and the
+    optimizer's state; each rank masks its shard. Returns the full tensors afterwards."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    moe = cached_fold(FoldSpec(world_size, ep=2)).moe
+    torch.manual_seed(0)  # the same full tensors on every rank
+    full = torch.randn(4, 4, 6, dtype=torch.float64)
+    keep_full = torch.rand(4, 4, 6) > 0.5
+    placements = [Shard(0) if d == "ep" else Replicate() for d in moe.mesh_dim_names]
+    w = torch.nn.Parameter(distribute_tensor(full, moe, placements))
+    opt = (torch.optim.SGD([w], lr=0.1, momentum=0.9) if optimizer_name == "sgd"
+           else torch.optim.AdamW([w], lr=0.1, amsgrad=True))
+    w.grad = distribute_tensor(torch.ones_like(full), moe, placements)
+    opt.step()  # creates the state: momentum_buffer, or exp_avg / exp_avg_sq / max_exp_avg_sq
+    w.grad = distribute_tensor(torch.ones_like(full), moe, placements)
+    e0 = moe.get_local_rank("ep") * 2
+    mask_weight_(w, keep_full[e0:e0 + 2], opt)
+    state = {k: v.full_tensor() for k, v in opt.state[w].items() if k != "step"}
+    return keep_full, w.full_tensor().detach(), w.grad.full_tensor(), state
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw_amsgrad"])
+def test_masking_a_sharded_weight_zeroes_every_shard_its_gradient_and_all_optimizer_state(worlds, optimizer_name):
+    keep, w, g, state = worlds(2).run(_mask_sharded_weight, optimizer_name)[0]
+    assert set(state) == ({"momentum_buffer"} if optimizer_name == "sgd"
+                          else {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+    for name, t in {"weight": w, "grad": g, **state}.items():
+        assert torch.all(t[~keep] == 0), name
+        assert torch.all(t[keep] != 0), name
 
 
 def test_masks_are_respected_after_many_optimizer_steps():

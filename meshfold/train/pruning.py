@@ -5,12 +5,13 @@ each rank holds only a shard, yet the paper's threshold is global over the whole
 So at a prune step every rank gathers the full expert weights (and, for the Taylor score, the
 full accumulated ``(dL/dW * W)^2``), runs the same :class:`~meshfold.sparsity.TilePruner` step
 on them (identical input, identical masks everywhere; the masks are full-size buffers that each
-layer slices for its shard), then zeroes its own weight shards and AdamW moments under the new
-masks. The cost: with the Taylor score, full weights and gradients are gathered every step until
-the last stage (and every rank keeps full fp32 scores), magnitude scoring gathers only at prune
-steps. That suits the CPU-scale models ``meshfold train`` runs; scoring shards locally and
-reducing only per-tile scores is the step to take for large models. Scores accumulated since the
-last stage are not checkpointed, so a run resumed mid-stage scores from the resume on.
+layer slices for its shard), then zeroes its own shards of the weights, pending gradients and
+optimizer moments under the new masks (:func:`~meshfold.sparsity.mask_weight_`). The cost:
+with the Taylor score, full weights and gradients are gathered every step until the last stage
+(and every rank keeps full fp32 scores), magnitude scoring gathers only at prune steps. That
+suits the CPU-scale models ``meshfold train`` runs; scoring shards locally and reducing only
+per-tile scores is the step to take for large models. Scores accumulated since the last stage
+are not checkpointed, so a run resumed mid-stage scores from the resume on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from meshfold.kernels.reference import expand_tile_mask
-from meshfold.sparsity import ExpertSparsity, TilePruner
+from meshfold.sparsity import ExpertSparsity, TilePruner, mask_weight_
 
 __all__ = ["FoldedPruner"]
 
@@ -76,19 +77,11 @@ class FoldedPruner:
         self.taylor.clear()
         for _, layer, p, mask_name, mask in self._params():
             local_mask = layer.comm.local_mask(mask_name, mask)
-            local = p.to_local() if hasattr(p, "to_local") else p
-            E, K = local.shape[0], local.shape[1]
+            local_shape = p.to_local().shape if hasattr(p, "to_local") else p.shape
+            E, K = local_shape[0], local_shape[1]
             flat_mask = local_mask.reshape(E, local_mask.shape[1], -1)
-            keep = expand_tile_mask(flat_mask, K, local[0].numel() // K).reshape(local.shape)
-            local.mul_(keep.to(local.dtype))
-            if p.grad is not None:  # the pending gradient would otherwise feed Adam this step
-                g = p.grad
-                (g.to_local() if hasattr(g, "to_local") else g).mul_(keep.to(g.dtype))
-            state = self.optimizer.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    m = state[key]
-                    (m.to_local() if hasattr(m, "to_local") else m).mul_(keep.to(m.dtype))
+            keep = expand_tile_mask(flat_mask, K, local_shape[1:].numel() // K).reshape(local_shape)
+            mask_weight_(p, keep, self.optimizer)
         return True
 
     def _done(self) -> bool:
