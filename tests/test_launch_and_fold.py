@@ -86,6 +86,23 @@ def test_spawn_returns_each_ranks_result():
     assert spawn(_sum_of_ranks, 3) == [3, 3, 3]
 
 
+def _env(rank, world_size, names):
+    return {n: os.environ.get(n) for n in names}
+
+
+def test_ranks_see_the_callers_environment_as_it_is_at_each_start(monkeypatch):
+    """Ranks fork from a long-lived forkserver (launch._context); they must still see the
+    caller's environment of the moment, not the server's, as spawned processes would."""
+    monkeypatch.setenv("MESHFOLD_TEST_UNSET_LATER", "stale")  # in the server's, if this starts it
+    spawn(_sum_of_ranks, 2)  # the server is running from here on
+    monkeypatch.setenv("MESHFOLD_TEST_SET_LATER", "yes")
+    monkeypatch.delenv("MESHFOLD_TEST_UNSET_LATER")
+    names = ("MESHFOLD_TEST_SET_LATER", "MESHFOLD_TEST_UNSET_LATER")
+    assert spawn(_env, 2, names) == [{names[0]: "yes", names[1]: None}] * 2
+    with World(2, timeout=30) as world:
+        assert world.run(_env, names) == [{names[0]: "yes", names[1]: None}] * 2
+
+
 def test_spawn_raises_with_the_failing_rank_and_its_traceback():
     start = time.monotonic()
     with pytest.raises(RankError) as err:
