@@ -162,6 +162,8 @@ def compile_for(kernel, capability, unit_strides, consts, num_warps, num_stages)
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from meshfold.kernels import triton_grouped as tg
+
     signature, attrs, constexprs = {}, {}, dict(consts)
     for i, name in enumerate(kernel.arg_names):
         if name in consts or name in unit_strides:
@@ -176,7 +178,7 @@ def compile_for(kernel, capability, unit_strides, consts, num_warps, num_stages)
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **tg.GPU_OPTIONS))
 
 
 @pytest.mark.parametrize("capability", [80, 90])

@@ -179,6 +179,10 @@ _DW_CONFIGS = [
     (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (32, 64, 64, 4, 5), (32, 32, 32, 2, 5),
 ]
 INTERPRET_BLOCK = 16  # small tiles keep the interpreter quick; 16 is tl.dot's minimum
+# Compile options of every GPU launch. FP fusion (contracting a * b + c into one FMA outside
+# tl.dot) is stated rather than left to Triton's default, which is on in 3.9 (with a warning when
+# unset) and turns off in 3.10; on is what these kernels have always been compiled with.
+GPU_OPTIONS = dict(enable_fp_fusion=True)
 
 
 def _configs(table, group_m: bool):
@@ -319,7 +323,7 @@ def _rows_launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, mask: 
         return (min(sms, max_tiles),)
 
     with torch.cuda.device(a.device):  # triton launches on the current device
-        _tuned_rows_kernel()[grid](*args, **consts)
+        _tuned_rows_kernel()[grid](*args, **consts, **GPU_OPTIONS)
     return c
 
 
@@ -352,5 +356,5 @@ def triton_grouped_mm_dw(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tenso
         _grouped_dw_kernel[grid(tile)](*args, **consts, **tile)
     else:
         with torch.cuda.device(x.device):
-            _tuned_dw_kernel()[grid](*args, **consts)
+            _tuned_dw_kernel()[grid](*args, **consts, **GPU_OPTIONS)
     return dw

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -126,8 +127,12 @@ def load(path: str | os.PathLike, model, optimizer=None, restore_rng: bool = Tru
         raise CheckpointError(f"checkpoint {path}: trainer.json is missing or damaged ({err})") from None
     tensors = _tensors(model, optimizer)
     try:
-        with torch.no_grad():
-            dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+        with torch.no_grad(), warnings.catch_warnings():
+            # one process (generate, export) is meant: torch warns that it assumes so even when
+            # told with no_dist=True, so that warning alone is silenced
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(path)),
+                     no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised naming the folder
         raise CheckpointError(f"checkpoint {path} could not be read (damaged or truncated file, or "
                               f"a model that does not match it): {type(err).__name__}: {err}") from err
