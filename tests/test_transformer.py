@@ -292,6 +292,42 @@ def test_explicit_positions_equal_the_default_causal_path():
         torch.testing.assert_close(model(tok, torch.arange(S).expand(2, S)), ref)
 
 
+def test_causal_by_index_equals_the_mask_from_increasing_positions():
+    """Without context parallelism Attention masks by index (SDPA's is_causal); for tokens in
+    sequence order that is the mask from positions, whatever the gaps between them."""
+    from meshfold.models.attention import attend
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 24, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 24, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    pos = torch.sort(torch.randperm(100, generator=g)[:24]).values + 7
+    torch.testing.assert_close(attend(q, k, v), attend(q, k, v, pos, pos), rtol=1e-12, atol=1e-12)
+
+
+def test_attention_saves_no_sequence_squared_tensor_without_context_parallelism():
+    """Masking by positions made SDPA save an [S, S] fp32 mask per layer for backward (16 MiB
+    a layer at S = 2048); in sequence order nothing quadratic in S is kept."""
+    torch.manual_seed(0)
+    model = MoETransformer(get_config("tiny-qwen3-moe"), dtype=torch.float64)
+    tok = tokens()
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tok, torch.arange(S))
+    assert saved and not [shape for shape in saved if shape[-2:] == (S, S)]
+
+
+def test_positions_out_of_sequence_order_raise_naming_them():
+    model = MoETransformer(get_config("tiny-qwen3-moe"), dtype=torch.float64)
+    bad = torch.arange(S).flip(0)
+    with pytest.raises(ValueError, match=r"positions \[%d, %d, .* do not increase" % (S - 1, S - 2)):
+        model(tokens(), bad)
+
+
 @pytest.mark.parametrize("local", [list(range(S // 2, S)),  # second half, keys from the whole
                                    list(range(S // 4)) + list(range(3 * S // 4, S))])  # CP chunks 0 and 3
 def test_queries_on_part_of_the_sequence_with_all_keys_equal_the_full_forward(local):

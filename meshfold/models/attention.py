@@ -7,7 +7,10 @@ Why positions everywhere: under context parallelism a rank holds non-contiguous 
 sequence (e.g. chunks 0 and 3 of 4, for causal load balance) and attends its queries against
 keys gathered from other ranks. RoPE therefore takes each token's absolute position, and
 :func:`attend` builds the causal mask from positions (key visible iff ``k_pos <= q_pos``)
-instead of assuming queries and keys are one contiguous range.
+instead of assuming queries and keys are one contiguous range. Without context parallelism a
+rank's tokens are in sequence order (positions increasing), so :class:`Attention` then masks by
+index with SDPA's ``is_causal`` and positions only set RoPE: a mask from positions would cost
+an [Sq, Sk] fp32 tensor saved for backward in every layer (16 MiB per layer at S = 2048).
 """
 
 from __future__ import annotations
@@ -74,6 +77,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != g)
 
 
+def _check_increasing(positions: torch.Tensor) -> None:
+    if positions.shape[-1] > 1 and not bool((positions[..., 1:] > positions[..., :-1]).all()):
+        flat = positions.flatten().tolist()
+        bad = flat if len(flat) <= 16 else f"{flat[:16]}..."
+        raise ValueError(f"positions {bad} do not increase along the sequence; without context "
+                         f"parallelism (kv_gather) tokens must be in sequence order, e.g. 0..S-1 "
+                         f"or an offset range")
+
+
 KVGather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
 
@@ -133,12 +145,16 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, rope=None) -> torch.Tensor:
+        """x [B, S, H] at ``positions`` ([S] or [B, S], default 0..S-1) -> [B, S, H]. Without
+        ``kv_gather`` the positions must increase along S (the tokens are in sequence order),
+        checked on the CPU (on an accelerator the check would cost a host sync)."""
         B, S, _ = x.shape
-        contiguous = positions is None
-        if contiguous:
+        if positions is None:
             positions = torch.arange(S, device=x.device)
+        elif self.kv_gather is None and positions.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_increasing(positions)
         q, k, v = self.project(x, positions, rope)
-        q_pos = k_pos = None if contiguous else positions
+        q_pos = k_pos = None  # in sequence order: causal by index
         if self.kv_gather is not None:
             q_pos = positions
             k, v, k_pos = self.kv_gather(k, v, positions)
