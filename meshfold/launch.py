@@ -8,8 +8,8 @@ Two entry points:
 * :class:`World` keeps ``world_size`` processes with an initialised process group alive and runs many
   functions on them, so a test suite pays the start-up cost (a torch import per process) once.
 
-Ranks start from a forkserver that has imported torch and meshfold once (on Linux; ``spawn``
-elsewhere), so W ranks do not each pay that import; each rank takes the caller's
+Ranks start from a forkserver that has imported torch once (on Linux; ``spawn`` elsewhere), so
+W ranks do not each pay that import; each rank takes the caller's
 environment as it is at start, as a spawned process would.
 
 Both bind every socket to loopback: the rendezvous store listens on ``127.0.0.1`` (a socket we bind
@@ -47,8 +47,12 @@ from typing import Any, Callable
 __all__ = ["RankError", "World", "spawn"]
 
 DEFAULT_TIMEOUT_S = 120.0
-# imported once by the forkserver; the ranks need them for every run (a failed import is skipped)
-PRELOAD = ["torch", "torch.distributed", "meshfold.train.loop"]
+# imported once by the forkserver (a failed import is skipped): the slow third-party imports every
+# rank needs (~2 s of the ~2.2 s of meshfold.train.loop's). Not meshfold's own modules: a rank
+# forked from a server that preloaded them would run the code as it was when the server started,
+# not as edited since (a notebook's later spawn after changing a model file).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
+           "torch.distributed.fsdp"]
 
 
 class RankError(RuntimeError):
@@ -109,7 +113,7 @@ def _run_under_torchrun(fn: Callable, world_size: int, args: tuple, timeout: flo
 
 def _context():
     """The start method for rank processes: ``forkserver`` on Linux, else ``spawn``. Both start
-    ranks without the parent's threads and state; a forkserver imports torch and meshfold once
+    ranks without the parent's threads and state; a forkserver imports torch once
     (:data:`PRELOAD`) and forks every rank from that, so W ranks cost one ~2 s import instead of
     W of them competing for the cores. Not on macOS, where forking a process that has loaded
     Apple's frameworks (as torch does) is unsafe; that is why Python spawns there by default."""
