@@ -166,7 +166,7 @@ def zero_pruned_moments(optimizer: torch.optim.Optimizer, weight: torch.Tensor, 
     state = optimizer.state.get(weight, {})
     for key in MOMENT_KEYS:
         if key in state:
-            _local(state[key]).mul_(keep.to(state[key].dtype))
+            local_shard(state[key]).mul_(keep.to(state[key].dtype))
 
 
 @torch.no_grad()
@@ -178,14 +178,14 @@ def mask_weight_(weight: torch.Tensor, keep: torch.Tensor, optimizer: torch.opti
     and ``optimizer.step()``: it was computed while the tile was alive, and Adam would turn it
     into fresh momentum.
     """
-    _local(weight).mul_(keep.to(weight.dtype))
+    local_shard(weight).mul_(keep.to(weight.dtype))
     if weight.grad is not None:
-        _local(weight.grad).mul_(keep.to(weight.grad.dtype))
+        local_shard(weight.grad).mul_(keep.to(weight.grad.dtype))
     if optimizer is not None:
         zero_pruned_moments(optimizer, weight, keep)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view: writing it writes the DTensor); t itself otherwise."""
     return t.to_local() if isinstance(t, DTensor) else t
 

@@ -167,8 +167,8 @@ def test_torchrun_launch(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
          "127.0.0.1", "--master-port", port, "--local-addr", "127.0.0.1", "-m", "meshfold", "train",
-         "--steps", "3", "--out-dir", str(tmp_path), *SMALL, "--set", "fold.world_size=2",
-         "--set", "fold.ep=2"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+         "--steps", "3", "--out-dir", str(tmp_path), *SMALL2], capture_output=True, text=True, timeout=300,
+        env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(losses(tmp_path)) == [1, 2, 3]
 

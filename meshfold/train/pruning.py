@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from meshfold.kernels.reference import expand_tile_mask
-from meshfold.sparsity import ExpertSparsity, TilePruner, mask_weight_
+from meshfold.sparsity import ExpertSparsity, TilePruner, local_shard, mask_weight_
 
 __all__ = ["FoldedPruner"]
 
@@ -77,7 +77,7 @@ class FoldedPruner:
         self.taylor.clear()
         for _, layer, p, mask_name, mask in self._params():
             local_mask = layer.comm.local_mask(mask_name, mask)
-            local_shape = p.to_local().shape if hasattr(p, "to_local") else p.shape
+            local_shape = local_shard(p).shape
             E, K = local_shape[0], local_shape[1]
             flat_mask = local_mask.reshape(E, local_mask.shape[1], -1)
             keep = expand_tile_mask(flat_mask, K, local_shape[1:].numel() // K).reshape(local_shape)
