@@ -366,18 +366,28 @@ def test_fast_permute_gradient_equals_plain_indexing():
         assert torch.equal(got, want.to(dtype))
 
 
+@pytest.mark.parametrize("rows_per_part", [1, 5, 100])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_fast_swiglu_equals_reference_with_gradients(dtype):
+def test_fast_swiglu_equals_reference_with_gradients(dtype, rows_per_part, monkeypatch):
+    """Bitwise the plain definition, whether the rows run as one part or as parts on the pool
+    (two intra-op threads, so the pool is used; 23 rows cut into 23, 5 or 1 parts)."""
+    from meshfold.models import experts
     from meshfold.models.experts import swiglu, swiglu_reference
 
-    h = torch.randn(23, 2, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
-    h.requires_grad_()
-    da = torch.randn(23, 7, dtype=torch.float64).to(dtype)
-    got, want = swiglu(h), swiglu_reference(h)
-    assert torch.equal(got, want)
-    assert torch.equal(torch.autograd.grad(got, h, da)[0], torch.autograd.grad(want, h, da)[0])
-    if dtype == torch.float64:
-        assert torch.autograd.gradcheck(swiglu, (h.detach().requires_grad_(),))
+    monkeypatch.setattr(experts, "SWIGLU_ELEMENTS", rows_per_part * 2 * 7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        h = torch.randn(23, 2, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+        h.requires_grad_()
+        da = torch.randn(23, 7, dtype=torch.float64).to(dtype)
+        got, want = swiglu(h), swiglu_reference(h)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.autograd.grad(got, h, da)[0], torch.autograd.grad(want, h, da)[0])
+        if dtype == torch.float64:
+            assert torch.autograd.gradcheck(swiglu, (h.detach().requires_grad_(),))
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

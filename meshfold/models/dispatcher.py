@@ -20,7 +20,6 @@ contribute nothing; a token whose every pair is dropped outputs zero (plus share
 
 from __future__ import annotations
 
-import functools
 import math
 from fractions import Fraction
 from dataclasses import dataclass
@@ -225,15 +224,6 @@ def _serial(fn, *args):
     return fn(*args)
 
 
-def _in_parts(part, length: int, size: int, device) -> None:
-    """``part(start, end)`` over [0, length) cut into pieces of about ``size`` rows, run on the
-    expert-GEMM pool on CPU; one piece elsewhere."""
-    if device.type != "cpu":
-        part(0, length)
-    elif length:
-        cpu_grouped.run_tasks([functools.partial(part, a, b) for a, b in cpu_grouped.blocks(length, max(1, size))])
-
-
 def _combine_forward(y_NH, p_TK, row_P):
     T, k = p_TK.shape
     out_TH = y_NH.new_empty((T, y_NH.shape[1]))
@@ -242,7 +232,7 @@ def _combine_forward(y_NH, p_TK, row_P):
         y_bKH = y_NH.index_select(0, row_P[t0 * k:t1 * k]).view(t1 - t0, k, -1)
         torch.bmm(p_TK[t0:t1].unsqueeze(1), y_bKH, out=out_TH[t0:t1].unsqueeze(1))
 
-    _in_parts(part, T, COMBINE_ROWS // k, y_NH.device)
+    cpu_grouped.in_parts(part, T, COMBINE_ROWS // k, y_NH.device)
     return out_TH
 
 
@@ -262,7 +252,7 @@ def _combine_backward(dout_TH, y_NH, p_TK, pair_N, token_N, probs_dtype, need_dy
         if need_dy:
             g.mul_(p_N[n0:n1].unsqueeze(1))
 
-    _in_parts(part, N, COMBINE_ROWS, y_NH.device)
+    cpu_grouped.in_parts(part, N, COMBINE_ROWS, y_NH.device)
     dprobs_TK = None
     if need_dprobs:
         dprobs_TK = torch.empty(T * k, dtype=probs_dtype, device=y_NH.device).index_copy_(

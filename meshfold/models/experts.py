@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.kernels import grouped_mm
+from meshfold.kernels import cpu_grouped, grouped_mm
 
 __all__ = ["Experts", "SharedExpert", "expert_ffn", "swiglu", "swiglu_reference"]
 
@@ -48,22 +48,47 @@ def swiglu_reference(h_N2F: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+SWIGLU_ELEMENTS = 1 << 19  # elements of h per part of swiglu on CPU: 1-2 MiB, kept in cache
+
+
 class _SwiGLU(torch.autograd.Function):
+    """On CPU both passes run in row parts on the expert-GEMM pool (:func:`cpu_grouped.in_parts`):
+    silu and the products between two grouped GEMMs would otherwise leave OpenMP threads
+    spinning on the cores the GEMM workers need (fine bf16 layer: 173-177 -> 146-159 ms a step,
+    benchmarks/RESULTS.md, session 5). Elementwise, so the split does not change a value."""
+
     @staticmethod
     def forward(ctx, h_N2F):
         ctx.save_for_backward(h_N2F)
-        gate, up = h_N2F.unbind(1)
-        return F.silu(gate).mul_(up)
+        h = h_N2F.detach()  # pool threads run with grad mode on
+        a_NF = h.new_empty((h.shape[0], h.shape[2]))
+
+        def part(n0, n1):
+            gate, up = h[n0:n1].unbind(1)
+            torch.mul(F.silu(gate), up, out=a_NF[n0:n1])
+
+        cpu_grouped.in_parts(part, h.shape[0], _rows_per_part(h), h.device)
+        return a_NF
 
     @staticmethod
     @once_differentiable
     def backward(ctx, da_NF):
-        (h_N2F,) = ctx.saved_tensors
-        gate, up = h_N2F.unbind(1)
-        dh_N2F = torch.empty_like(h_N2F, memory_format=torch.contiguous_format)
-        torch.mul(da_NF, F.silu(gate), out=dh_N2F[:, 1])
-        torch.ops.aten.silu_backward.grad_input(da_NF * up, gate, grad_input=dh_N2F[:, 0])
+        h = ctx.saved_tensors[0].detach()  # pool threads run with grad mode on
+        da_NF = da_NF.contiguous()
+        dh_N2F = torch.empty_like(h, memory_format=torch.contiguous_format)
+
+        def part(n0, n1):
+            gate, up = h[n0:n1].unbind(1)
+            da = da_NF[n0:n1]
+            torch.mul(da, F.silu(gate), out=dh_N2F[n0:n1, 1])
+            torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=dh_N2F[n0:n1, 0])
+
+        cpu_grouped.in_parts(part, h.shape[0], _rows_per_part(h), h.device)
         return dh_N2F
+
+
+def _rows_per_part(h_N2F: torch.Tensor) -> int:
+    return max(1, SWIGLU_ELEMENTS // max(1, h_N2F.shape[1] * h_N2F.shape[2]))
 
 
 class Experts(nn.Module):
