@@ -321,6 +321,26 @@ def test_attention_saves_no_sequence_squared_tensor_without_context_parallelism(
     assert saved and not [shape for shape in saved if shape[-2:] == (S, S)]
 
 
+def test_causal_mask_cache_shares_one_mask_while_positions_stay_the_same():
+    from meshfold.models.attention import CausalMaskCache, attend, causal_mask
+
+    masks = CausalMaskCache()
+    q_pos, k_pos = torch.tensor([0, 1, 6, 7]), torch.tensor([4, 0, 6, 2, 1, 7, 3, 5])
+    first = masks(q_pos, k_pos, torch.float32)
+    assert torch.equal(first, causal_mask(q_pos, k_pos, torch.float32))
+    assert masks(q_pos, k_pos, torch.float32) is first
+    assert masks(q_pos.clone(), k_pos.clone(), torch.float32) is first  # equal values, on the CPU
+    assert masks(q_pos, k_pos, torch.float64) is not first
+    other = masks(q_pos + 1, k_pos, torch.float64)
+    assert torch.equal(other, causal_mask(q_pos + 1, k_pos, torch.float64))
+    del first, other  # held weakly: once nothing needs the mask it is gone, and built again
+    assert masks._mask() is None
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 8, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    assert torch.equal(attend(q, k, v, q_pos, k_pos, masks), attend(q, k, v, q_pos, k_pos))
+
+
 def test_positions_out_of_sequence_order_raise_naming_them():
     model = MoETransformer(get_config("tiny-qwen3-moe"), dtype=torch.float64)
     bad = torch.arange(S).flip(0)

@@ -110,6 +110,35 @@ def test_named_layouts(worlds, spec):
     assert all(worlds(spec.world_size).run(_run, (spec, 2 * spec.dp, 4 * spec.cp * spec.tp, 7, True, True, False, 0.01)))
 
 
+def _saved_masks(rank, world_size, spec, S):
+    """(saved [S/cp, S] tensors, distinct storages among them) over one folded loss forward."""
+    cfg = _config(spec, False, False, False, 0.0)
+    torch.manual_seed(0)
+    model = parallelize(MoETransformer(cfg, dtype=torch.float64), cached_fold(spec))
+    tokens = torch.randint(0, cfg.vocab, (2, S), generator=torch.Generator().manual_seed(1))
+    local_tokens, pos = shard_batch(tokens, spec, rank)
+    ptrs = []
+
+    def pack(t):
+        if tuple(t.shape) == (S // spec.cp, S):  # the mask; S chosen to match no other dim
+            ptrs.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(local_tokens, local_tokens, pos)
+    loss.backward()
+    return len(ptrs), len(set(ptrs))
+
+
+@pytest.mark.parametrize("spec", [FoldSpec(2, cp=2, ep=2), FoldSpec(4, cp=2, tp=2, ep=4)])
+def test_context_parallel_layers_share_one_mask(worlds, spec):
+    """Every layer's SDPA saves the [S/cp, S] causal mask for backward; the layers of a forward
+    share one (16 MiB a layer at S = 2048, cp = 2, fp32 before). Under tp each layer gathers its
+    positions anew, so the mask is shared by value, not by tensor identity."""
+    results = worlds(spec.world_size).run(_saved_masks, spec, 24)
+    assert all(saved == 2 and distinct == 1 for saved, distinct in results), results
+
+
 def test_cp_positions_are_load_balanced_mirrored_chunks():
     spec = FoldSpec(4, cp=2, tp=2)
     parts = [local_positions(16, spec, r).tolist() for r in range(4)]

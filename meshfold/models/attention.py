@@ -11,10 +11,13 @@ instead of assuming queries and keys are one contiguous range. Without context p
 rank's tokens are in sequence order (positions increasing), so :class:`Attention` then masks by
 index with SDPA's ``is_causal`` and positions only set RoPE: a mask from positions would cost
 an [Sq, Sk] fp32 tensor saved for backward in every layer (16 MiB per layer at S = 2048).
+With context parallelism the mask is needed; a :class:`CausalMaskCache` shared by all layers
+(``parallelize`` sets one) builds it once per forward instead of once per layer.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -23,7 +26,7 @@ from torch import nn
 
 from meshfold.models.layers import RMSNorm
 
-__all__ = ["Attention", "attend", "rope_cos_sin", "apply_rope"]
+__all__ = ["Attention", "CausalMaskCache", "attend", "causal_mask", "rope_cos_sin", "apply_rope"]
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -51,8 +54,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of ``k_pos <= q_pos``: 0 where a key is visible, -inf elsewhere, [Sq, Sk]
+    (or [B, 1, Sq, Sk] for per-sequence positions) in ``dtype``, exactly what SDPA makes of the
+    boolean mask, so passing either gives the same values."""
+    visible = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)  # [Sq, Sk] or [B, Sq, Sk]
+    if visible.dim() == 3:
+        visible = visible.unsqueeze(1)  # [B, 1, Sq, Sk]
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+class CausalMaskCache:
+    """One :func:`causal_mask` for every layer of a forward.
+
+    SDPA keeps the mask it is given for backward, so masks built per layer cost one [Sq, Sk]
+    tensor per layer until backward: at S = 32k over cp = 8 that is 512 MiB a layer in fp32.
+    Every layer of a forward sees the same query and key positions, so layers sharing one cache
+    share one mask. The mask is reused while the positions are the same tensors, or equal ones
+    on the CPU (comparing values elsewhere would cost a device sync; under tensor parallelism
+    each layer gathers its positions anew, so there only the CPU shares). It is held weakly:
+    once no saved graph needs it, it is freed, and a forward without autograd (which keeps
+    nothing) builds it per layer, as without the cache.
+    """
+
+    def __init__(self):
+        self._q_pos = self._k_pos = None
+        self._mask = lambda: None  # weak reference to the last mask
+
+    def __call__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        mask = self._mask()
+        if mask is None or mask.dtype != dtype or not (_same(self._q_pos, q_pos) and _same(self._k_pos, k_pos)):
+            mask = causal_mask(q_pos, k_pos, dtype)
+            self._q_pos, self._k_pos, self._mask = q_pos, k_pos, weakref.ref(mask)
+        return mask
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    return (a.device == b.device and a.device.type == "cpu" and a.shape == b.shape
+            and not torch.compiler.is_compiling() and torch.equal(a, b))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None) -> torch.Tensor:
+           q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+           masks: CausalMaskCache | None = None) -> torch.Tensor:
     """Causal softmax attention ``q`` [B, h, Sq, d] x ``k``/``v`` [B, g, Sk, d] -> [B, h, Sq, d].
 
     ``q_pos`` [Sq] (or [B, Sq]) and ``k_pos`` [Sk] (or [B, Sk]) are absolute token positions; a
@@ -60,6 +106,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sequence in any order. Every query must see at least one key (true whenever k holds all
     positions up to the query's own). Both None: q and k are the same contiguous range
     (``is_causal`` fast path). ``g`` divides ``h``; each KV head serves ``h / g`` query heads.
+    ``masks`` (with positions): take the mask from this cache, shared with other layers.
     """
     h, g = q.shape[1], k.shape[1]
     if h % g:
@@ -71,9 +118,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q_pos.shape[-1] != q.shape[2] or k_pos.shape[-1] != k.shape[2]:
         raise ValueError(f"attend: q_pos {tuple(q_pos.shape)} / k_pos {tuple(k_pos.shape)} do not "
                          f"match Sq = {q.shape[2]} / Sk = {k.shape[2]}")
-    mask = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)  # [Sq, Sk] or [B, Sq, Sk]
-    if mask.dim() == 3:
-        mask = mask.unsqueeze(1)  # [B, 1, Sq, Sk]
+    mask = causal_mask(q_pos, k_pos, q.dtype) if masks is None else masks(q_pos, k_pos, q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != g)
 
 
@@ -100,6 +145,8 @@ class Attention(nn.Module):
     ``kv_gather`` (None on one device) is the context-parallel hook, set from outside: a function
     ``(k [B, g, S, d], v, k_pos) -> (k_all, v_all, k_pos_all)`` returning the keys and values of
     every token this rank's queries may need (RoPE already applied), with their positions.
+    ``masks`` (None: a mask per call) is the :class:`CausalMaskCache` the layers of one model
+    share for those keys, also set from outside.
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
@@ -126,6 +173,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.kv_gather: KVGather | None = None
+        self.masks: CausalMaskCache | None = None
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope=None):
         """q [B, h, S, d], k/v [B, g, S, d] of tokens ``x`` [B, S, H] at ``positions``, with
@@ -158,5 +206,5 @@ class Attention(nn.Module):
         if self.kv_gather is not None:
             q_pos = positions
             k, v, k_pos = self.kv_gather(k, v, positions)
-        o = attend(q, k, v, q_pos, k_pos)  # [B, h, S, d]
+        o = attend(q, k, v, q_pos, k_pos, self.masks)  # [B, h, S, d]
         return o.transpose(1, 2).reshape(B, S, -1) @ self.wo

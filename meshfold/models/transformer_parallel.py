@@ -40,6 +40,7 @@ import torch.nn.utils.parametrize as parametrize
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from meshfold.models.attention import CausalMaskCache
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
@@ -208,9 +209,11 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
         module = model.get_submodule(module_name)
         setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
         parametrize.register_parametrization(module, attr, _Local(_partial_grads(placements)), unsafe=True)
+    masks = CausalMaskCache()  # one mask per forward for all layers (context parallelism)
     for block in blocks.values():
         if spec.cp > 1:
             block.attn.kv_gather = _KVGather(attn_mesh, spec.cp)
+            block.attn.masks = masks
         if spec.tp > 1:
             block.attn = _TensorParallel(block.attn, attn_mesh, spec.tp, positional=True)
             if not isinstance(block.mlp, MoELayer):
