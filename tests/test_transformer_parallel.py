@@ -110,6 +110,20 @@ def test_named_layouts(worlds, spec):
     assert all(worlds(spec.world_size).run(_run, (spec, 2 * spec.dp, 4 * spec.cp * spec.tp, 7, True, True, False, 0.01)))
 
 
+def _run_small_buckets(rank, world_size, case):
+    from meshfold.models import transformer_parallel
+
+    transformer_parallel.REDUCE_BUCKET_BYTES = 200  # a few parameters per bucket, large ones alone
+    return _run(rank, world_size, case, data_parallel="allreduce")
+
+
+def test_gradients_reduced_in_small_buckets_equal_single_device(worlds):
+    """reduce_gradients cuts the gradients into many buckets and copies the sums back in place;
+    the gradients still equal one device's (the other tests fit every gradient in one bucket)."""
+    spec = FoldSpec(4, cp=2, dp=2, ep=2, etp=2)
+    assert all(worlds(4).run(_run_small_buckets, (spec, 2 * spec.dp, 4 * spec.cp, 5, True, True, True, 0.01)))
+
+
 def _saved_masks(rank, world_size, spec, S):
     """(saved [S/cp, S] tensors, distinct storages among them) over one folded loss forward."""
     cfg = _config(spec, False, False, False, 0.0)

@@ -347,12 +347,19 @@ def _dtensor_params(model):
     return [p for p in model.parameters() if isinstance(p, DTensor)]
 
 
+REDUCE_BUCKET_BYTES = 16 * 2**20  # gradient bytes per all-reduce: bounds the step's extra memory
+
+
 @torch.no_grad()
 def reduce_gradients(model: nn.Module) -> None:
     """Data-parallel step: turn every Partial gradient into the parameter's own placements.
 
-    Gradients that are partial over the same mesh dims are flattened into one buffer, so each
-    (mesh, dims) pair costs one all-reduce per dim per step instead of one per parameter.
+    Gradients that are partial over the same mesh dims are all-reduced together, in buckets of
+    about ``REDUCE_BUCKET_BYTES`` (a larger gradient is summed alone, in place): one all-reduce
+    per bucket and dim instead of one per parameter, and the sums are copied back into the
+    gradients' own storage, so the step holds at most one bucket beyond the gradients.
+    (One flat buffer of all of them held every gradient twice for a moment: at cp = 4 that was
+    the training step's peak, benchmarks/RESULTS.md, bench_model (c).)
     """
     buckets: dict = {}
     for p in _dtensor_params(model):
@@ -364,17 +371,34 @@ def reduce_gradients(model: nn.Module) -> None:
             buckets.setdefault((id(p.device_mesh), dims), []).append(p)
     for (_, dims), params in buckets.items():
         mesh = params[0].device_mesh
-        locals_ = [p.grad.to_local() for p in params]
-        flat = torch.cat([t.reshape(-1) for t in locals_]) if locals_ else None
-        for i in dims:
-            if mesh.size(i) > 1:
-                dist.all_reduce(flat, group=mesh.get_group(i))
-        offset = 0
-        for p, t in zip(params, locals_):
-            n = t.numel()
-            p.grad = DTensor.from_local(flat[offset:offset + n].view_as(t), mesh, p.placements,
-                                        run_check=False, shape=p.shape, stride=p.stride())
-            offset += n
+        groups = [mesh.get_group(i) for i in dims if mesh.size(i) > 1]
+        for bucket in _by_size(params, REDUCE_BUCKET_BYTES) if groups else [params]:
+            locals_ = [p.grad.to_local() for p in bucket]
+            if groups:  # else partial only over dims of size 1: nothing to sum
+                alone = len(locals_) == 1 and locals_[0].is_contiguous()  # summed in place
+                flat = locals_[0] if alone else torch.cat([t.reshape(-1) for t in locals_])
+                for group in groups:
+                    dist.all_reduce(flat, group=group)
+                if not alone:
+                    for t, part in zip(locals_, torch.split(flat, [t.numel() for t in locals_])):
+                        t.copy_(part.view_as(t))
+            for p, t in zip(bucket, locals_):
+                p.grad = DTensor.from_local(t, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _by_size(params: list, limit: int) -> list[list]:
+    """``params`` in order, cut into runs whose local gradients add up to at most ``limit``
+    bytes (a larger one alone)."""
+    runs, run, size = [], [], 0
+    for p in params:
+        local = p.grad.to_local()
+        n = local.numel() * local.element_size()
+        if run and size + n > limit:
+            runs.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += n
+    return runs + [run] if run else runs
 
 
 @torch.no_grad()
