@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -374,7 +375,7 @@ def test_fast_swiglu_equals_reference_with_gradients(dtype, rows_per_part, monke
     from meshfold.models import experts
     from meshfold.models.experts import swiglu, swiglu_reference
 
-    monkeypatch.setattr(experts, "SWIGLU_ELEMENTS", rows_per_part * 2 * 7)
+    monkeypatch.setattr(experts, "PART_ELEMENTS", rows_per_part * 2 * 7)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -386,6 +387,31 @@ def test_fast_swiglu_equals_reference_with_gradients(dtype, rows_per_part, monke
         assert torch.equal(torch.autograd.grad(got, h, da)[0], torch.autograd.grad(want, h, da)[0])
         if dtype == torch.float64:
             assert torch.autograd.gradcheck(swiglu, (h.detach().requires_grad_(),))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows_per_part", [1, 5, 100])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_gelu_in_parts_equals_torch_gelu_with_gradients(dtype, rows_per_part, monkeypatch):
+    """One ``F.gelu``'s values and gradient to a few ulps, whether run whole or in parts on the pool."""
+    from meshfold.models import experts
+
+    monkeypatch.setattr(experts, "PART_ELEMENTS", rows_per_part * 7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        h = torch.randn(23, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+        h.requires_grad_()
+        da = torch.randn(23, 7, dtype=torch.float64).to(dtype)
+        got, want = experts.gelu(h), F.gelu(h)
+        # a part's last elements may take ATen's scalar erf instead of the vector one: a few ulps
+        # (bf16 computes in fp32, so at most one bf16 ulp after rounding)
+        ulps = dict(rtol=(1 if dtype == torch.bfloat16 else 16) * torch.finfo(dtype).eps, atol=torch.finfo(dtype).tiny)
+        torch.testing.assert_close(got, want, **ulps)
+        torch.testing.assert_close(torch.autograd.grad(got, h, da)[0], torch.autograd.grad(want, h, da)[0], **ulps)
+        if dtype == torch.float64:
+            assert torch.autograd.gradcheck(experts.gelu, (h.detach().requires_grad_(),))
     finally:
         torch.set_num_threads(threads)
 

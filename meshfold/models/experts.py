@@ -11,6 +11,8 @@ would hand one rank all gates and another all ups). ``w_down`` is [E, F, H]. Bot
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
@@ -18,7 +20,7 @@ from torch import nn
 
 from meshfold.kernels import cpu_grouped, grouped_mm
 
-__all__ = ["Experts", "SharedExpert", "expert_ffn", "swiglu", "swiglu_reference"]
+__all__ = ["Experts", "SharedExpert", "expert_ffn", "gelu", "swiglu", "swiglu_reference"]
 
 
 def expert_ffn(x_NH, w_gate_up, w_down, offsets_E, kind: str, masks=(None, None)):
@@ -32,7 +34,7 @@ def expert_ffn(x_NH, w_gate_up, w_down, offsets_E, kind: str, masks=(None, None)
     if kind == "swiglu":
         a = swiglu(h.view(-1, 2, Fl))
     else:
-        a = F.gelu(h)
+        a = gelu(h)
     return grouped_mm(a, w_down, offsets_E, tile_mask=masks[1])
 
 
@@ -48,7 +50,7 @@ def swiglu_reference(h_N2F: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-SWIGLU_ELEMENTS = 1 << 19  # elements of h per part of swiglu on CPU: 1-2 MiB, kept in cache
+PART_ELEMENTS = 1 << 19  # elements of h per part of swiglu / gelu on CPU: 1-2 MiB, kept in cache
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -87,8 +89,44 @@ class _SwiGLU(torch.autograd.Function):
         return dh_N2F
 
 
-def _rows_per_part(h_N2F: torch.Tensor) -> int:
-    return max(1, SWIGLU_ELEMENTS // max(1, h_N2F.shape[1] * h_N2F.shape[2]))
+def _rows_per_part(h: torch.Tensor) -> int:
+    return max(1, PART_ELEMENTS // max(1, math.prod(h.shape[1:])))  # h may have no rows
+
+
+def gelu(h_NF: torch.Tensor) -> torch.Tensor:
+    """``F.gelu`` (erf form) of h [N, F] and its gradient; on CPU in row parts on the
+    expert-GEMM pool, for the same reason as :func:`swiglu`. h is contiguous, so ATen runs each
+    part as one vector loop with a scalar tail: an element at a part's end may take the scalar
+    erf and differ from one whole ``F.gelu`` by a few ulps (as ``F.gelu``'s own split over OpenMP
+    threads does). The parts are fixed by the shape, so results are deterministic."""
+    return _GeLU.apply(h_NF)
+
+
+class _GeLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_NF):
+        ctx.save_for_backward(h_NF)
+        h = h_NF.detach()  # pool threads run with grad mode on
+        a_NF = torch.empty_like(h, memory_format=torch.contiguous_format)
+
+        def part(n0, n1):
+            torch.ops.aten.gelu.out(h[n0:n1], out=a_NF[n0:n1])
+
+        cpu_grouped.in_parts(part, h.shape[0], _rows_per_part(h), h.device)
+        return a_NF
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da_NF):
+        h = ctx.saved_tensors[0].detach()
+        da_NF = da_NF.contiguous()
+        dh_NF = torch.empty_like(h, memory_format=torch.contiguous_format)
+
+        def part(n0, n1):
+            torch.ops.aten.gelu_backward.grad_input(da_NF[n0:n1], h[n0:n1], grad_input=dh_NF[n0:n1])
+
+        cpu_grouped.in_parts(part, h.shape[0], _rows_per_part(h), h.device)
+        return dh_NF
 
 
 class Experts(nn.Module):
