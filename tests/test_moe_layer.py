@@ -416,6 +416,39 @@ def test_gelu_in_parts_equals_torch_gelu_with_gradients(dtype, rows_per_part, mo
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+def test_pool_workers_follow_inference_mode_and_create_graph(kind, monkeypatch):
+    """The CPU pool's workers run in the caller's grad and inference modes: on two threads a
+    forward under ``torch.inference_mode`` and a backward with ``create_graph`` (a gradient
+    penalty) give what ``no_grad`` and a plain backward give; GELU experts differentiate twice."""
+    from meshfold.models import experts
+    from meshfold.models.experts import expert_ffn
+
+    monkeypatch.setattr(experts, "PART_ELEMENTS", 64)  # several activation parts, too
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        layer = MoELayer(MoEConfig(hidden=8, ffn=6, num_experts=4, topk=2, expert_kind=kind), dtype=torch.float64)
+        x = torch.randn(24, 8, dtype=torch.float64)
+        with torch.no_grad():
+            want = layer(x)
+        with torch.inference_mode():
+            got = layer(x)
+        assert torch.equal(got, want)
+        x.requires_grad_()
+        (plain,) = torch.autograd.grad(layer(x).square().sum(), x)
+        (penalised,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+        torch.testing.assert_close(penalised, plain, rtol=1e-13, atol=1e-13)
+        if kind == "gelu":
+            w1, w2 = layer.experts.w_gate_up.detach(), layer.experts.w_down.detach()
+            offsets = torch.tensor([10, 20, 36, 48], dtype=torch.int32)
+            rows = torch.randn(48, 8, dtype=torch.float64, requires_grad=True)
+            assert torch.autograd.gradgradcheck(lambda r: expert_ffn(r, w1, w2, offsets, "gelu"), (rows,))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_single_threaded_scatter_rows_equals_index_add_on_all_threads(dtype):
     """gather_rows' backward on one pool thread gives bitwise the multi-threaded index_add

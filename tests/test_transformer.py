@@ -331,8 +331,13 @@ def test_causal_mask_cache_shares_one_mask_while_positions_stay_the_same():
     assert masks(q_pos, k_pos, torch.float32) is first
     assert masks(q_pos.clone(), k_pos.clone(), torch.float32) is first  # equal values, on the CPU
     assert masks(q_pos, k_pos, torch.float64) is not first
-    other = masks(q_pos + 1, k_pos, torch.float64)
-    assert torch.equal(other, causal_mask(q_pos + 1, k_pos, torch.float64))
+    shifted = q_pos + 1
+    other = masks(shifted, k_pos, torch.float64)
+    assert torch.equal(other, causal_mask(shifted, k_pos, torch.float64))
+    shifted += 0  # changed in place (same values here): compared again, still shared
+    assert masks(shifted, k_pos, torch.float64) is other
+    shifted[0] = 0  # changed in place: a new mask, not the stale one
+    assert torch.equal(masks(shifted, k_pos, torch.float64), causal_mask(shifted, k_pos, torch.float64))
     del first, other  # held weakly: once nothing needs the mask it is gone, and built again
     assert masks._mask() is None
     g = torch.Generator().manual_seed(0)

@@ -18,6 +18,7 @@ are pool threads and the caller waits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -57,8 +58,8 @@ def _run(tasks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
 
 def run_tasks(tasks: list) -> None:
     """Call every zero-argument task once, on up to W pool workers with ``intra-op threads / W``
-    threads each; the caller waits. Tasks must write disjoint outputs (their order is not fixed)
-    and use only detached tensors (the workers' grad mode is their own)."""
+    threads each, in the caller's grad and inference modes; the caller waits. Tasks must write
+    disjoint outputs (their order is not fixed)."""
     threads = torch.get_num_threads()
     workers = min(threads, MAX_WORKERS, len(tasks))
     if workers <= 1:
@@ -69,15 +70,18 @@ def run_tasks(tasks: list) -> None:
     lock = threading.Lock()
     queue = iter(tasks)
 
+    modes = _callers_modes()
+
     def drain() -> None:
         if torch.get_num_threads() != per_worker:  # thread-local (OpenMP ICV, MKL local threads)
             torch.set_num_threads(per_worker)
-        while True:
-            with lock:
-                task = next(queue, None)
-            if task is None:
-                return
-            task()
+        with modes():
+            while True:
+                with lock:
+                    task = next(queue, None)
+                if task is None:
+                    return
+                task()
 
     pool = _pool(workers)
     for f in [pool.submit(drain) for _ in range(workers)]:
@@ -85,6 +89,23 @@ def run_tasks(tasks: list) -> None:
     # set_num_threads also records its value process-wide, for threads created later; every
     # worker has set its own by now, so put the caller's value back there.
     torch.set_num_threads(threads)
+
+
+def _callers_modes():
+    """A context manager factory: the calling thread's grad and inference modes, for a pool
+    thread (both are thread-local). Without them a worker would write with grad mode on (``out=``
+    ops refuse inputs that require grad, as a backward with ``create_graph`` passes) and outside
+    inference mode (tensors made under ``torch.inference_mode`` may only be written inside it)."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    return lambda: _Modes(grad, inference)
+
+
+class _Modes(contextlib.ExitStack):
+    def __init__(self, grad: bool, inference: bool):
+        super().__init__()
+        if inference:
+            self.enter_context(torch.inference_mode())
+        self.enter_context(torch.set_grad_enabled(grad))
 
 
 def single_threaded(fn, *args):
@@ -95,17 +116,17 @@ def single_threaded(fn, *args):
     tick (~4 ms): on this 2-core machine ``index_add_`` of [8192, 512] bf16 rows into 4096 rows
     took 80-88 ms with 2 threads while the other core was busy, 0.4-2.3 ms with 2 threads on idle
     cores and 0.7-0.9 ms with 1 (benchmarks/RESULTS.md, moe_layer). The ops used here compute the
-    same values on any number of threads (the tests compare them). The caller's grad mode carries
-    over; its thread count is left as it was.
+    same values on any number of threads (the tests compare them). The caller's grad and
+    inference modes carry over; its thread count is left as it was.
     """
     if torch.get_num_threads() <= 1:
         return fn(*args)
-    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+    threads, modes = torch.get_num_threads(), _callers_modes()
 
     def call():
         if torch.get_num_threads() != 1:  # thread-local; the pool thread keeps it
             torch.set_num_threads(1)
-        with torch.set_grad_enabled(grad):  # grad mode is thread-local too
+        with modes():
             return fn(*args)
 
     try:

@@ -70,30 +70,35 @@ class CausalMaskCache:
     SDPA keeps the mask it is given for backward, so masks built per layer cost one [Sq, Sk]
     tensor per layer until backward: at S = 32k over cp = 8 that is 512 MiB a layer in fp32.
     Every layer of a forward sees the same query and key positions, so layers sharing one cache
-    share one mask. The mask is reused while the positions are the same tensors, or equal ones
-    on the CPU (comparing values elsewhere would cost a device sync; under tensor parallelism
-    each layer gathers its positions anew, so there only the CPU shares). It is held weakly:
-    once no saved graph needs it, it is freed, and a forward without autograd (which keeps
-    nothing) builds it per layer, as without the cache.
+    share one mask. The mask is reused while the positions are the same tensors, unchanged, or
+    equal ones on the CPU. Comparing values elsewhere would cost a device sync, and the context-
+    parallel hook gathers the key positions anew in every layer, so on CUDA each layer still
+    builds its own mask (sharing there needs the positions gathered once per forward). The mask
+    is held weakly: once no saved graph needs it, it is freed, and a forward without autograd
+    (which keeps nothing) builds it per layer, as without the cache.
     """
 
     def __init__(self):
-        self._q_pos = self._k_pos = None
+        self._seen = None  # what built the last mask: per positions (tensor, its version, a copy)
         self._mask = lambda: None  # weak reference to the last mask
 
     def __call__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         mask = self._mask()
-        if mask is None or mask.dtype != dtype or not (_same(self._q_pos, q_pos) and _same(self._k_pos, k_pos)):
+        if mask is None or mask.dtype != dtype or not all(map(_same, self._seen, (q_pos, k_pos))):
             mask = causal_mask(q_pos, k_pos, dtype)
-            self._q_pos, self._k_pos, self._mask = q_pos, k_pos, weakref.ref(mask)
+            self._seen = [(p, p._version, p.clone()) for p in (q_pos, k_pos)]
+            self._mask = weakref.ref(mask)
         return mask
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a is b:
+def _same(seen: tuple, pos: torch.Tensor) -> bool:
+    """Whether ``pos`` holds the positions ``seen`` recorded: the same tensor, not changed in
+    place since, or (on the CPU) equal values."""
+    tensor, version, values = seen
+    if pos is tensor and pos._version == version:
         return True
-    return (a.device == b.device and a.device.type == "cpu" and a.shape == b.shape
-            and not torch.compiler.is_compiling() and torch.equal(a, b))
+    return (pos.device == values.device and pos.device.type == "cpu" and pos.shape == values.shape
+            and not torch.compiler.is_compiling() and torch.equal(pos, values))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -62,20 +62,19 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_N2F):
         ctx.save_for_backward(h_N2F)
-        h = h_N2F.detach()  # pool threads run with grad mode on
-        a_NF = h.new_empty((h.shape[0], h.shape[2]))
+        a_NF = h_N2F.new_empty((h_N2F.shape[0], h_N2F.shape[2]))
 
         def part(n0, n1):
-            gate, up = h[n0:n1].unbind(1)
+            gate, up = h_N2F[n0:n1].unbind(1)
             torch.mul(F.silu(gate), up, out=a_NF[n0:n1])
 
-        cpu_grouped.in_parts(part, h.shape[0], _rows_per_part(h), h.device)
+        cpu_grouped.in_parts(part, h_N2F.shape[0], _rows_per_part(h_N2F), h_N2F.device)
         return a_NF
 
     @staticmethod
     @once_differentiable
     def backward(ctx, da_NF):
-        h = ctx.saved_tensors[0].detach()  # pool threads run with grad mode on
+        (h,) = ctx.saved_tensors
         da_NF = da_NF.contiguous()
         dh_N2F = torch.empty_like(h, memory_format=torch.contiguous_format)
 
@@ -106,19 +105,19 @@ class _GeLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_NF):
         ctx.save_for_backward(h_NF)
-        h = h_NF.detach()  # pool threads run with grad mode on
-        a_NF = torch.empty_like(h, memory_format=torch.contiguous_format)
+        a_NF = torch.empty_like(h_NF, memory_format=torch.contiguous_format)
 
         def part(n0, n1):
-            torch.ops.aten.gelu.out(h[n0:n1], out=a_NF[n0:n1])
+            torch.ops.aten.gelu.out(h_NF[n0:n1], out=a_NF[n0:n1])
 
-        cpu_grouped.in_parts(part, h.shape[0], _rows_per_part(h), h.device)
+        cpu_grouped.in_parts(part, h_NF.shape[0], _rows_per_part(h_NF), h_NF.device)
         return a_NF
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, da_NF):
-        h = ctx.saved_tensors[0].detach()
+        (h,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: a gradient that can itself be differentiated
+            return torch.ops.aten.gelu_backward(da_NF, h)
         da_NF = da_NF.contiguous()
         dh_NF = torch.empty_like(h, memory_format=torch.contiguous_format)
 
