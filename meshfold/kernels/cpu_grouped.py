@@ -97,15 +97,13 @@ def _callers_modes():
     ops refuse inputs that require grad, as a backward with ``create_graph`` passes) and outside
     inference mode (tensors made under ``torch.inference_mode`` may only be written inside it)."""
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-    return lambda: _Modes(grad, inference)
+    return lambda: _modes(grad, inference)
 
 
-class _Modes(contextlib.ExitStack):
-    def __init__(self, grad: bool, inference: bool):
-        super().__init__()
-        if inference:
-            self.enter_context(torch.inference_mode())
-        self.enter_context(torch.set_grad_enabled(grad))
+@contextlib.contextmanager
+def _modes(grad: bool, inference: bool):
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        yield
 
 
 def single_threaded(fn, *args):

@@ -68,7 +68,7 @@ class _SwiGLU(torch.autograd.Function):
             gate, up = h_N2F[n0:n1].unbind(1)
             torch.mul(F.silu(gate), up, out=a_NF[n0:n1])
 
-        cpu_grouped.in_parts(part, h_N2F.shape[0], _rows_per_part(h_N2F), h_N2F.device)
+        _in_row_parts(part, h_N2F)
         return a_NF
 
     @staticmethod
@@ -84,12 +84,14 @@ class _SwiGLU(torch.autograd.Function):
             torch.mul(da, F.silu(gate), out=dh_N2F[n0:n1, 1])
             torch.ops.aten.silu_backward.grad_input(da * up, gate, grad_input=dh_N2F[n0:n1, 0])
 
-        cpu_grouped.in_parts(part, h.shape[0], _rows_per_part(h), h.device)
+        _in_row_parts(part, h)
         return dh_N2F
 
 
-def _rows_per_part(h: torch.Tensor) -> int:
-    return max(1, PART_ELEMENTS // max(1, math.prod(h.shape[1:])))  # h may have no rows
+def _in_row_parts(part, h: torch.Tensor) -> None:
+    """``part(n0, n1)`` over h's rows, in parts of ~PART_ELEMENTS elements (on the pool on CPU)."""
+    rows = max(1, PART_ELEMENTS // max(1, math.prod(h.shape[1:])))  # h may have no rows
+    cpu_grouped.in_parts(part, h.shape[0], rows, h.device)
 
 
 def gelu(h_NF: torch.Tensor) -> torch.Tensor:
@@ -110,7 +112,7 @@ class _GeLU(torch.autograd.Function):
         def part(n0, n1):
             torch.ops.aten.gelu.out(h_NF[n0:n1], out=a_NF[n0:n1])
 
-        cpu_grouped.in_parts(part, h_NF.shape[0], _rows_per_part(h_NF), h_NF.device)
+        _in_row_parts(part, h_NF)
         return a_NF
 
     @staticmethod
@@ -124,7 +126,7 @@ class _GeLU(torch.autograd.Function):
         def part(n0, n1):
             torch.ops.aten.gelu_backward.grad_input(da_NF[n0:n1], h[n0:n1], grad_input=dh_NF[n0:n1])
 
-        cpu_grouped.in_parts(part, h.shape[0], _rows_per_part(h), h.device)
+        _in_row_parts(part, h)
         return dh_NF
 
 

@@ -371,34 +371,31 @@ def reduce_gradients(model: nn.Module) -> None:
             buckets.setdefault((id(p.device_mesh), dims), []).append(p)
     for (_, dims), params in buckets.items():
         mesh = params[0].device_mesh
-        groups = [mesh.get_group(i) for i in dims if mesh.size(i) > 1]
-        for bucket in _by_size(params, REDUCE_BUCKET_BYTES) if groups else [params]:
-            locals_ = [p.grad.to_local() for p in bucket]
-            if groups:  # else partial only over dims of size 1: nothing to sum
-                alone = len(locals_) == 1 and locals_[0].is_contiguous()  # summed in place
-                flat = locals_[0] if alone else torch.cat([t.reshape(-1) for t in locals_])
-                for group in groups:
-                    dist.all_reduce(flat, group=group)
-                if not alone:
-                    for t, part in zip(locals_, torch.split(flat, [t.numel() for t in locals_])):
-                        t.copy_(part.view_as(t))
-            for p, t in zip(bucket, locals_):
-                p.grad = DTensor.from_local(t, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        groups = [mesh.get_group(i) for i in dims if mesh.size(i) > 1]  # none: nothing to sum
+        locals_ = [p.grad.to_local() for p in params]
+        for run in _by_size(locals_, REDUCE_BUCKET_BYTES) if groups else []:
+            bucket = locals_[run]
+            alone = len(bucket) == 1 and bucket[0].is_contiguous()  # summed in place
+            flat = bucket[0] if alone else torch.cat([t.reshape(-1) for t in bucket])
+            for group in groups:
+                dist.all_reduce(flat, group=group)
+            if not alone:
+                for t, part in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
+                    t.copy_(part.view_as(t))
+        for p, t in zip(params, locals_):
+            p.grad = DTensor.from_local(t, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def _by_size(params: list, limit: int) -> list[list]:
-    """``params`` in order, cut into runs whose local gradients add up to at most ``limit``
-    bytes (a larger one alone)."""
-    runs, run, size = [], [], 0
-    for p in params:
-        local = p.grad.to_local()
-        n = local.numel() * local.element_size()
-        if run and size + n > limit:
-            runs.append(run)
-            run, size = [], 0
-        run.append(p)
+def _by_size(tensors: list[torch.Tensor], limit: int) -> list[slice]:
+    """``tensors`` in order, cut into runs of at most ``limit`` bytes (a larger one alone)."""
+    runs, start, size = [], 0, 0
+    for i, t in enumerate(tensors):
+        n = t.numel() * t.element_size()
+        if i > start and size + n > limit:
+            runs.append(slice(start, i))
+            start, size = i, 0
         size += n
-    return runs + [run] if run else runs
+    return runs + [slice(start, len(tensors))] if tensors else runs
 
 
 @torch.no_grad()
