@@ -19,6 +19,18 @@ If a rank raises, the caller gets :class:`RankError` naming the rank, with its t
 the remaining ranks are terminated rather than left blocked in a collective. Collectives time out
 after ``timeout`` seconds, so a rank stuck in a collective fails instead of hanging forever.
 
+Two guards keep ranks from outliving or silently stalling their launcher:
+
+* every rank watches the launcher process (a pidfd on Linux, polling elsewhere) and kills itself
+  the moment the launcher is gone, however it ended (SIGTERM, SIGKILL, the OOM killer): a rank's
+  parent is the forkserver, not the launcher, so the kernel's parent-death signal cannot say so;
+* every rank beats a heartbeat from a background thread into shared memory; a rank whose beat is
+  older than half of ``timeout`` (it was stopped, or is stuck in the kernel) ends the job with
+  :class:`RankError` naming it, before its peers' collective time-outs blame themselves.
+
+Ranks ignore SIGINT: a Ctrl-C reaches the whole terminal's process group, and the launcher alone
+decides what to do with it (it terminates the ranks).
+
 Example::
 
     >>> from meshfold.launch import spawn
@@ -38,8 +50,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import select
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -55,13 +70,29 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
            "torch.distributed.fsdp"]
 
 
-class RankError(RuntimeError):
-    """A rank raised: ``rank`` is its number and ``remote_traceback`` its formatted traceback."""
+HEARTBEAT_S = 1.0  # how often each rank beats; a rank is stalled after max(timeout / 2, 5 s) without
 
-    def __init__(self, rank: int, remote_traceback: str):
+
+class RankError(RuntimeError):
+    """A rank failed: ``rank`` is its number, ``remote_traceback`` its formatted traceback,
+    ``summary`` one line (the exception's type and message), and ``others`` the ``(rank,
+    traceback)`` reports of peers that failed after it (usually symptoms of the first)."""
+
+    def __init__(self, rank: int, remote_traceback: str, others: list[tuple[int, str]] = ()):
         self.rank = rank
         self.remote_traceback = remote_traceback
+        self.others = list(others)
+        self.summary = _last_exception_line(remote_traceback)
         super().__init__(f"rank {rank} raised:\n{remote_traceback}")
+
+
+def _last_exception_line(tb: str) -> str:
+    """``"ValueError: bad"`` from a formatted traceback: its trailing unindented lines, joined."""
+    lines = tb.rstrip().splitlines()
+    i = len(lines)
+    while i > 0 and lines[i - 1] and not lines[i - 1].startswith((" ", "Traceback")):
+        i -= 1
+    return " ".join(line.strip() for line in lines[i:]) or tb.strip()
 
 
 def _loopback_listener() -> socket.socket:
@@ -124,7 +155,43 @@ def _context():
     return ctx
 
 
-def _init_worker(rank: int, world_size: int, port: int, timeout: float, environ: dict[str, str]) -> None:
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _guard(launcher_pid: int, beats, rank: int) -> None:
+    """Background thread of every rank: beat the heartbeat, and kill this rank as soon as the
+    launcher process is gone (a pidfd becomes readable when its process exits)."""
+    pidfd = None
+    if hasattr(os, "pidfd_open"):
+        try:
+            pidfd = os.pidfd_open(launcher_pid)
+        except ProcessLookupError:
+            os.kill(os.getpid(), signal.SIGKILL)
+        except OSError:  # no pidfd support in this kernel: poll instead
+            pidfd = None
+    while True:
+        beats[rank] = time.monotonic()
+        if pidfd is not None:
+            gone = select.select([pidfd], [], [], HEARTBEAT_S)[0]
+        else:
+            time.sleep(HEARTBEAT_S)
+            gone = not _pid_alive(launcher_pid)
+        if gone:
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: nothing of ours may run on
+
+
+def _init_worker(rank: int, world_size: int, port: int, timeout: float, environ: dict[str, str],
+                 launcher_pid: int, beats) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for the job
+    threading.Thread(target=_guard, args=(launcher_pid, beats, rank), daemon=True,
+                     name="meshfold-guard").start()
     # A forkserver's children inherit its environment, fixed when it started; use the caller's.
     os.environ.clear()
     os.environ.update(environ)
@@ -141,9 +208,9 @@ def _init_worker(rank: int, world_size: int, port: int, timeout: float, environ:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=td)
 
 
-def _spawn_entry(rank, world_size, port, timeout, environ, fn, args, results) -> None:
+def _spawn_entry(rank, world_size, port, timeout, environ, launcher_pid, beats, fn, args, results) -> None:
     try:
-        _init_worker(rank, world_size, port, timeout, environ)
+        _init_worker(rank, world_size, port, timeout, environ, launcher_pid, beats)
         out = fn(rank, world_size, *args)
         # by value: the queue's default pickler would share tensors through memory that this
         # process frees when it exits, before the parent has read it
@@ -158,9 +225,9 @@ def _spawn_entry(rank, world_size, port, timeout, environ, fn, args, results) ->
             dist.destroy_process_group()
 
 
-def _world_entry(rank, world_size, port, timeout, environ, tasks, results) -> None:
+def _world_entry(rank, world_size, port, timeout, environ, launcher_pid, beats, tasks, results) -> None:
     try:
-        _init_worker(rank, world_size, port, timeout, environ)
+        _init_worker(rank, world_size, port, timeout, environ, launcher_pid, beats)
     except BaseException:  # noqa: BLE001
         results.put((rank, False, traceback.format_exc()))
         return
@@ -195,11 +262,14 @@ class _Procs:
                                    timeout=datetime.timedelta(seconds=timeout))
         listener.detach()  # the store's server owns the socket from here on
         self.results = self.ctx.Queue()
+        # each rank's last heartbeat (time.monotonic, one clock for all processes); 0: not yet
+        self.beats = self.ctx.Array("d", world_size, lock=False)
+        self.stall_after = max(timeout / 2, 5.0)
         self.procs = []
         for rank in range(world_size):
             p = self.ctx.Process(target=target, daemon=True,
-                                 args=(rank, world_size, port, timeout, dict(os.environ), *extra_args(rank),
-                                       self.results))
+                                 args=(rank, world_size, port, timeout, dict(os.environ), os.getpid(),
+                                       self.beats, *extra_args(rank), self.results))
             p.start()
             self.procs.append(p)
 
@@ -212,6 +282,8 @@ class _Procs:
             except queue_mod.Empty:
                 if any(r not in out and p.exitcode not in (None, 0) for r, p in enumerate(self.procs)):
                     self._fail(out, None)
+                if self._stalled(out):
+                    self._fail(out, None)
                 if time.monotonic() > deadline:
                     self.terminate()
                     missing = sorted(set(range(self.world_size)) - set(out))
@@ -223,13 +295,24 @@ class _Procs:
             out[rank] = pickle.loads(value) if isinstance(value, bytes) else value
         return [out[r] for r in range(self.world_size)]
 
+    def _stalled(self, out: dict) -> list[tuple[int, float]]:
+        """``(rank, seconds since its last heartbeat)`` for each unfinished rank past the limit."""
+        now = time.monotonic()
+        return [(r, now - self.beats[r]) for r in range(self.world_size)
+                if r not in out and self.beats[r] > 0 and now - self.beats[r] > self.stall_after
+                and self.procs[r].exitcode is None]
+
     def _fail(self, out: dict, first_error: tuple[int, str] | None) -> None:
         """Find the root failure, tear everything down and raise it.
 
-        When one rank crashes (killed, os._exit, segfault), its peers soon raise errors of their
-        own from the broken collective; those are symptoms. So wait a moment for reports, and
-        prefer a rank that died without a traceback over ranks that raised after it.
+        When one rank crashes (killed, os._exit, segfault) or stalls (stopped), its peers soon
+        raise errors of their own from the broken collective; those are symptoms. So wait a
+        moment for reports, and prefer a stalled rank, then a rank that died without a
+        traceback, over ranks that raised after it.
         """
+        stalled = self._stalled(out)
+        for r, _ in stalled:  # a stopped process takes no SIGTERM until continued
+            self.procs[r].kill()
         errors = [first_error] if first_error else []
         settle = time.monotonic() + 1.0
         while time.monotonic() < settle:
@@ -243,12 +326,17 @@ class _Procs:
         crashed = [r for r, p in enumerate(self.procs)
                    if r not in out and r not in reported and p.exitcode not in (None, 0)]
         self.terminate()
+        if stalled:
+            r, quiet = stalled[0]
+            raise RankError(r, f"stopped responding: no heartbeat for {quiet:.0f} s "
+                               f"(limit {self.stall_after:.0f} s, half the timeout); it was stopped "
+                               f"(SIGSTOP, a debugger) or is stuck in the kernel", errors) from None
+        crashed = [r for r in crashed if r not in {q for q, _ in stalled}]
         if crashed:
             r = crashed[0]
-            also = "".join(f"\n(then rank {q} raised: {v.strip().splitlines()[-1]})" for q, v in errors)
             raise RankError(r, f"process exited with code {self.procs[r].exitcode} without a Python "
-                               f"traceback (killed or crashed){also}") from None
-        raise RankError(*errors[0]) from None
+                               f"traceback (killed or crashed)", errors) from None
+        raise RankError(*errors[0], errors[1:]) from None
 
     def terminate(self) -> None:
         for p in self.procs:
