@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from meshfold.mesh import fold
 from meshfold.models.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients, shard_batch
-from meshfold.train import checkpoint
+from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig
 from meshfold.train.flops import train_flops_per_step
 from meshfold.train.progress import Progress
@@ -83,6 +81,7 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     spec, mcfg = cfg.validate()
     t = cfg.train
+    injected = faults.parse()
     out = Path(t.out_dir)
     ckpt_dir = out / "checkpoints"
     torch.manual_seed(t.seed)
@@ -130,10 +129,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         for group in opt.param_groups:
             group["lr"] = _lr(step, t)
         tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed)
-        if t.kill_rank_at is not None and [rank, n] == list(t.kill_rank_at):
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.before_step(injected, rank, n)
         loss = _global_loss(model, tokens, targets, spec, rank, backward=True)  # same on every rank
-        if t.inject_nan_at is not None and n == t.inject_nan_at:
+        if faults.loss_is_nan(injected, n):
             loss = float("nan")  # all ranks stop or skip together
         if math.isfinite(loss):
             record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0)
@@ -157,14 +155,14 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         if n % t.ckpt_every == 0 or n == end:  # skipped steps too: the schedule stays on time
             state = {"step": n, "skipped": skipped, "fold": cfg.fold, "model": cfg.model,
                      "moe": cfg.moe, "sparsity": cfg.sparsity, "seed": t.seed,
-                     "world_size": world_size}
-            crash = t.crash_in_save_at is not None and n == t.crash_in_save_at
+                     "world_size": world_size, "train_steps": t.steps}
+            crash = faults.crash_in_save(injected, n)
             last_good = str(checkpoint.save(ckpt_dir, n, model, opt, state, crash_before_rename=crash))
     if rank == 0:
         progress.close()
         metrics_file.close()
     return {"final_loss": history[-1]["loss"] if history else None, "steps": len(history),
-            "checkpoint": last_good}
+            "start": start, "checkpoint": last_good}
 
 
 def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0) -> dict:
@@ -218,9 +216,17 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     rows = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in rows if json.loads(line)["step"] <= step]
+    kept = [line for line in rows if _step_of(line) <= step]
     if len(kept) != len(rows):
         path.write_text("".join(line + "\n" for line in kept))
+
+
+def _step_of(line: str) -> float:
+    """A metrics row's step; a row cut short by a killed run reads as never written."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 @torch.no_grad()
