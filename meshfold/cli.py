@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from meshfold import __version__
+
 # name -> (module, one-line help, function suffix: configure<suffix> / main<suffix>)
 SUBCOMMANDS = {
     "train": ("meshfold.train.cli", "train a MoE transformer folded over local ranks (default: a "
@@ -24,6 +26,7 @@ SUBCOMMANDS = {
 
 def build_parser(load: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshfold", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"meshfold {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text, suffix) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -46,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # invalid settings: one clear line, no traceback
         print(f"meshfold {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a file or folder we could not use: name it, no traceback
+        where = f": {err.filename}" if err.filename else ""
+        print(f"meshfold {args.command}: error: {err.strerror or err}{where}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nmeshfold {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["ByteCorpus", "default_corpus_paths", "load_corpus"]
+__all__ = ["ByteCorpus", "corpus_files", "default_corpus_paths", "load_corpus", "split_sizes"]
 
 
 def default_corpus_paths(limit_bytes: int = 8_000_000) -> list[Path]:
@@ -42,18 +42,43 @@ def default_corpus_paths(limit_bytes: int = 8_000_000) -> list[Path]:
     return out
 
 
-def _expand(paths: list[str | Path]) -> list[Path]:
+def _is_binary(path: Path) -> bool:
+    """A file whose first 8 KiB hold a NUL byte (images, archives, compiled code): not text."""
+    try:
+        with open(path, "rb") as f:
+            return b"\0" in f.read(8192)
+    except OSError:
+        return False  # reading it later names the error
+
+
+def corpus_files(paths: list[str | Path]) -> list[Path]:
+    """The files ``--data`` names: files as given, folders' files in sorted order without hidden
+    files and folders (``.git/``, ``.venv/``) or binary files."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            files.extend(sorted(f for f in p.rglob("*") if f.is_file()))
+            for f in sorted(p.rglob("*")):
+                rel = f.relative_to(p).parts
+                if f.is_file() and not any(part.startswith(".") for part in rel) and not _is_binary(f):
+                    files.append(f)
         elif p.is_file():
             files.append(p)
         else:
-            raise FileNotFoundError(f"--data {p}: no such file or folder")
+            raise ValueError(f"--data {p}: no such file or folder")
     if not files:
-        raise FileNotFoundError(f"--data {[str(p) for p in paths]}: no files found")
+        raise ValueError(f"--data {' '.join(map(str, paths))}: no text files found (hidden and binary "
+                         f"files are skipped)")
     return files
+
+
+def split_sizes(files: list[Path], val_fraction: float) -> tuple[int, int]:
+    """(train, validation) bytes :func:`load_corpus` will make of ``files``, from their sizes."""
+    try:
+        total = sum(f.stat().st_size for f in files) + max(0, len(files) - 1)  # joined by newlines
+    except OSError as err:
+        raise ValueError(f"--data: cannot read {err.filename}: {err.strerror}") from None
+    cut = int(total * (1 - val_fraction))
+    return cut, total - cut
 
 
 @dataclass
@@ -79,7 +104,7 @@ def load_corpus(paths: list[str | Path] | None = None, val_fraction: float = 0.0
     """Read ``paths`` (files or folders; default: the standard library) into a ByteCorpus."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    files = default_corpus_paths() if not paths else _expand(paths)
+    files = default_corpus_paths() if not paths else corpus_files(paths)
     chunks = []
     for f in files:
         try:

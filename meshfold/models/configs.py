@@ -47,6 +47,16 @@ CONFIGS: dict[str, TransformerConfig] = {
         vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ffn=6144, qk_norm=True,
         rope_theta=1e6, norm_eps=1e-6, max_seq=40960,
         moe=MoEConfig(hidden=2048, ffn=768, num_experts=128, topk=8, renormalize=True)),
+    # Llama-3-70B upcycled to 8 experts, top-2 (the paper's Llama3-8x70B): hidden 8192, 80 layers,
+    # 64 heads, 8 KV groups, FFN 28672, vocab 128256, rope_theta 5e5
+    "llama3-8x70b": _mixtral(128256, 8192, 80, 64, 8, 28672, 8, 2, 8192),
+    # allenai/OLMoE-1B-7B: 64 experts top-8 without renormalisation, q/k norms
+    "olmoe-1b-7b": TransformerConfig(
+        vocab=50304, hidden=2048, layers=16, heads=16, kv_heads=16, ffn=1024, qk_norm=True,
+        rope_theta=1e4, norm_eps=1e-5, max_seq=4096,
+        moe=MoEConfig(hidden=2048, ffn=1024, num_experts=64, topk=8, renormalize=False)),
+    # a small planner shape (also trainable on a CPU, slowly)
+    "tiny-moe": _mixtral(1024, 512, 4, 8, 2, 1024, 8, 2, 4096),
     # ---- tiny CPU variants: same families, small enough for unit tests -----------------------
     "tiny-mixtral": _mixtral(256, 64, 2, 4, 2, 128, 4, 2, 512),
     # Qwen2-MoE with dense layers between MoE layers (decoder_sparse_step = 2: layers 1, 3 are MoE)

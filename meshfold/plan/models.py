@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelShape", "MODELS", "model_shape"]
+__all__ = ["ModelShape", "MODELS", "model_shape", "shape_of_config"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,26 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
                expert_ffn=1024, vocab=50304),
     ModelShape("tiny-moe", hidden=512, layers=4, heads=8, kv_groups=2, experts=8, topk=2,
                expert_ffn=1024, vocab=1024),
+    # the rest of meshfold.models.configs.CONFIGS, so `plan --model` and `train model.name` take
+    # the same names (tests/test_plan.py checks both lists and every shape against its config).
+    # The shape counts every layer as MoE, which the tiny Qwen variants' dense layers are not.
+    ModelShape("qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_groups=4, experts=128, topk=8,
+               expert_ffn=768, vocab=151936, head_dim=128),
+    ModelShape("tiny-mixtral", hidden=64, layers=2, heads=4, kv_groups=2, experts=4, topk=2,
+               expert_ffn=128, vocab=256),
+    ModelShape("tiny-qwen2-moe", hidden=64, layers=4, heads=4, kv_groups=2, experts=8, topk=4,
+               expert_ffn=32, shared_ffn=48, vocab=256),
+    ModelShape("tiny-qwen3-moe", hidden=64, layers=3, heads=4, kv_groups=2, experts=8, topk=2,
+               expert_ffn=32, vocab=256, head_dim=32),
 )}
+
+
+def shape_of_config(name: str, cfg) -> ModelShape:
+    """The shape of a meshfold :class:`~meshfold.models.transformer.TransformerConfig` (MoE)."""
+    moe = cfg.moe
+    return ModelShape(name, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
+                      kv_groups=cfg.kv_heads or cfg.heads, experts=moe.num_experts, topk=moe.topk,
+                      expert_ffn=moe.ffn, vocab=cfg.vocab, shared_ffn=moe.shared_ffn, head_dim=cfg.head_dim)
 
 
 def model_shape(model: str | ModelShape | object) -> ModelShape:

@@ -41,45 +41,140 @@ from meshfold.mesh import FoldSpec
 __all__ = ["TrainConfig", "load_config", "parse_override"]
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What one setting may hold: its type, range or choices, and what it means (for the docs).
+
+    ``kind`` is int, float, bool, str or list; a float setting takes TOML integers too. ``low``
+    / ``high`` bound numbers (``open_low``: strictly above ``low``); ``optional``: unset (None)
+    is allowed, which only the default can be, since TOML has no null.
+    """
+
+    kind: type
+    doc: str
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    choices: tuple = ()
+    optional: bool = False
+
+    def check(self, key: str, value: Any) -> Any:
+        """``value`` as the setting holds it, or ValueError naming ``key``, the value and what is valid."""
+        if value is None and self.optional:
+            return None
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false, got {value!r}")
+            return value
+        if self.kind in (int, float):
+            ok = isinstance(value, int) if self.kind is int else isinstance(value, (int, float))
+            if isinstance(value, bool) or not ok:
+                raise ValueError(f"{key} must be {self.describe()}, got {value!r}")
+            below = self.low is not None and (value <= self.low if self.open_low else value < self.low)
+            above = self.high is not None and (value >= self.high if self.open_high else value > self.high)
+            if below or above:
+                raise ValueError(f"{key} must be {self.describe()}, got {value!r}")
+            return float(value) if self.kind is float else value
+        if self.kind is str:
+            if not isinstance(value, str) or (self.choices and value not in self.choices) or not value:
+                raise ValueError(f"{key} = {value!r}; valid: {self.describe()}")
+            return value
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ValueError(f"{key} must be {self.describe()}, got {value!r}")
+        return value
+
+    def describe(self) -> str:
+        """What is valid, in words: ``an integer >= 1``, ``one of gpipe, 1f1b``."""
+        if self.choices:
+            return ", ".join(self.choices)
+        if self.kind is bool:
+            return "true or false"
+        if self.kind is list:
+            return "a list of strings"
+        if self.kind is str:
+            return "a non-empty string"
+        what = "an integer" if self.kind is int else "a number"
+        bounds = []
+        if self.low is not None:
+            bounds.append(f"{'>' if self.open_low else '>='} {self.low:g}")
+        if self.high is not None:
+            bounds.append(f"{'<' if self.open_high else '<='} {self.high:g}")
+        return what + (" " + " and ".join(bounds) if bounds else "")
+
+
+def setting(default, kind, doc, **rule):
+    """A dataclass field whose metadata carries its :class:`Rule` (the one table of settings)."""
+    r = Rule(kind, doc, **rule)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"rule": r})
+    return field(default=default, metadata={"rule": r})
+
+
 @dataclass
 class TrainSettings:
-    steps: int = 200
-    batch: int = 8  # global batch (sequences); split over dp
-    seq: int = 128  # tokens per sequence; split over cp x tp
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 20
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    seed: int = 0
-    dtype: str = "float32"
-    eval_every: int = 50
-    eval_batches: int = 4
-    ckpt_every: int = 100
-    out_dir: str = "runs/default"
-    resume: bool = True
-    stop_at: int | None = None  # end this invocation after this step (the schedule still spans steps)
-    skip_nonfinite: bool = False  # skip steps whose loss is not finite instead of stopping
-    timeout: float = 300.0  # seconds a collective may wait before the run is declared hung
-    # CPU ranks keep freed memory for reuse (meshfold.malloc): fewer page faults per step on large
-    # activations, at the price of holding the peak heap (and some fragmentation) until exit
-    retain_cpu_memory: bool = False
-    # pipeline parallelism (fold.pp > 1): microbatches per step (default pp), schedule
-    # ("gpipe", "1f1b", "interleaved-1f1b") and model chunks per rank (interleaved: >= 2)
-    microbatches: int | None = None
-    schedule: str = "1f1b"
-    virtual: int = 1
-    # testing aids for failure handling (tests/test_train.py), steps counted from 1: make the loss
-    # NaN at a step, kill one rank at a step ([rank, step]), or crash rank 0 while it saves
-    inject_nan_at: int | None = None
-    kill_rank_at: list | None = None
-    crash_in_save_at: int | None = None
+    steps: int = setting(200, int, "optimizer steps of the whole run; the learning-rate schedule spans "
+                         "them", low=1)
+    batch: int = setting(8, int, "global batch in sequences, split over dp", low=1)
+    seq: int = setting(128, int, "tokens per sequence, split over cp x tp", low=1)
+    lr: float = setting(3e-3, float, "peak learning rate (AdamW)", low=0, open_low=True)
+    min_lr_ratio: float = setting(0.1, float, "the cosine decay ends at lr x min_lr_ratio", low=0, high=1)
+    warmup: int = setting(20, int, "steps of linear warm-up", low=0)
+    weight_decay: float = setting(0.01, float, "AdamW weight decay", low=0)
+    grad_clip: float = setting(1.0, float, "clip the global gradient norm to this (0: no clipping)", low=0)
+    seed: int = setting(0, int, "seed of the weights and of the batches drawn", low=0)
+    dtype: str = setting("float32", str, "parameter and compute dtype",
+                         choices=("float32", "float64", "bfloat16"))
+    eval_every: int = setting(50, int, "steps between validation losses (and at the last step)", low=1)
+    eval_batches: int = setting(4, int, "validation batches per evaluation", low=1)
+    ckpt_every: int = setting(100, int, "steps between checkpoints (and at the last step)", low=1)
+    out_dir: str = setting("runs/default", str, "run folder: checkpoints, metrics, plots, logs")
+    resume: bool = setting(True, bool, "continue from the run folder's newest checkpoint; false starts "
+                           "the folder over, moving the earlier run aside")
+    stop_at: int | None = setting(None, int, "end this invocation after this step; the schedule still "
+                                  "spans train.steps (default: unset)", low=1, optional=True)
+    skip_nonfinite: bool = setting(False, bool, "skip steps whose loss is not finite instead of stopping")
+    timeout: float = setting(300.0, float, "seconds a collective may wait, and half of it a rank may go "
+                             "without a heartbeat, before the job is declared hung", low=0, open_low=True)
+    retain_cpu_memory: bool = setting(False, bool, "CPU ranks keep freed memory for reuse "
+                                      "(meshfold.malloc): fewer page faults, the peak heap held until exit")
+    microbatches: int | None = setting(None, int, "micro-batches per step with fold.pp > 1 (default: pp)",
+                                       low=1, optional=True)
+    schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
+                            choices=("gpipe", "1f1b", "interleaved-1f1b"))
+    virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
 
 
 @dataclass
 class DataSettings:
-    paths: list = field(default_factory=list)  # empty: the Python standard library
-    val_fraction: float = 0.05
+    paths: list = setting([], list, "text files or folders to train on (--data); empty: the Python "
+                          "standard library's sources. Hidden files and folders and binary files are "
+                          "skipped")
+    val_fraction: float = setting(0.05, float, "the last fraction of the text, held out for validation",
+                                  low=0, high=1, open_low=True, open_high=True)
+
+
+FOLD_KEYS = ("world_size", "tp", "cp", "dp", "pp", "etp", "ep", "edp")
+FOLD_RULE = Rule(int, "ranks, and the size of one fold dimension (dp and edp are derived when unset)", low=1)
+
+
+def rules(section) -> dict[str, Rule]:
+    """{key: Rule} of a settings dataclass (TrainSettings or DataSettings, or an instance)."""
+    return {f.name: f.metadata["rule"] for f in dataclasses.fields(section)}
+
+
+def _check_fields(section: str, values: dict, cls) -> None:
+    """Types of [model] / [moe] overrides against the config dataclass's field annotations, so a
+    string where a number belongs fails here, not as a TypeError inside a rank."""
+    kinds = {"int": int, "float": float, "bool": bool, "str": str}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        ann = str(f.type).replace(" ", "").split("|")
+        optional = "None" in ann
+        known = [kinds[a] for a in ann if a in kinds]
+        if len(known) == 1:
+            Rule(known[0], "", optional=optional).check(f"{section}.{f.name}", values[f.name])
 
 
 @dataclass
@@ -90,6 +185,21 @@ class TrainConfig:
     train: TrainSettings = field(default_factory=TrainSettings)
     data: DataSettings = field(default_factory=DataSettings)
     sparsity: dict = field(default_factory=dict)
+
+    def check_types(self) -> None:
+        """Every setting against its rule (type and range), in place; the first bad one raises."""
+        for section in (self.train, self.data):
+            name = "train" if section is self.train else "data"
+            for key, rule in rules(section).items():
+                setattr(section, key, rule.check(f"{name}.{key}", getattr(section, key)))
+        for key, value in self.fold.items():
+            if key in FOLD_KEYS:
+                FOLD_RULE.check(f"fold.{key}", value)
+        from meshfold.models.config import MoEConfig
+        from meshfold.models.transformer import TransformerConfig
+
+        _check_fields("model", self.model, TransformerConfig)
+        _check_fields("moe", self.moe, MoEConfig)
 
     def fold_spec(self) -> FoldSpec:
         f = dict(self.fold)
@@ -139,22 +249,12 @@ class TrainConfig:
         return dataclasses.replace(base, moe=moe, **m)
 
     def validate(self):
-        """Everything that can be checked before any process starts; returns (spec, model cfg)."""
+        """Everything about the settings themselves that can be checked before any process starts
+        (files and folders: meshfold.train.preflight); returns (spec, model cfg)."""
+        self.check_types()
         spec = self.fold_spec()
         cfg = self.model_config()
         t = self.train
-        for name in ("steps", "batch", "seq", "eval_every", "ckpt_every", "eval_batches"):
-            v = getattr(t, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"train.{name} must be a positive integer, got {v!r}")
-        for name in ("resume", "skip_nonfinite", "retain_cpu_memory"):
-            v = getattr(t, name)
-            if not isinstance(v, bool):
-                raise ValueError(f"train.{name} must be true or false, got {v!r}")
-        if t.dtype not in ("float32", "float64", "bfloat16"):
-            raise ValueError(f"train.dtype = {t.dtype!r}; valid: float32, float64, bfloat16")
-        if not t.lr > 0:
-            raise ValueError(f"train.lr must be > 0, got {t.lr}")
         if t.batch % spec.dp:
             raise ValueError(f"train.batch = {t.batch} is not divisible by dp = {spec.dp} "
                              f"(valid batches: multiples of {spec.dp})")

@@ -32,7 +32,7 @@ class Progress:
         line = (f"[{bar}] step {step}/{self.total}  loss {r['loss']:.4f}{val}  "
                 f"{r['tokens_per_s']:,.0f} tok/s  MFU {100 * r['mfu']:.1f}%  ETA {eta:5.0f}s")
         if self.tty:
-            self.stream.write("\r" + line)
+            self.stream.write("\r" + line + "\033[K")  # clear what a longer line left behind
         elif done % self.every == 0 or step == self.total or "val_loss" in r:
             self.stream.write(line + "\n")
         self.stream.flush()

@@ -1,0 +1,128 @@
+"""``meshfold train``'s settings, data selection, launch checks and progress line, without spawning."""
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshfold.train import faults, preflight
+from meshfold.train.config import DataSettings, TrainSettings, load_config, rules
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_docs_list_every_setting_as_the_code_checks_it():
+    from meshfold.train.settings_doc import BEGIN, END, reference
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    assert text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip() == reference().strip(), \
+        "docs/config.md is stale: python -m meshfold.train.settings_doc --write docs/config.md"
+    for section, obj in (("train", TrainSettings()), ("data", DataSettings())):
+        for key in rules(obj):
+            assert f"`{section}.{key}`" in text
+
+
+def test_every_default_passes_its_own_rule():
+    for obj in (TrainSettings(), DataSettings()):
+        for key, rule in rules(obj).items():
+            assert rule.check(key, getattr(obj, key)) == getattr(obj, key)
+
+
+def test_the_example_toml_holds_only_real_settings_and_validates():
+    cfg = load_config(str(ROOT / "examples" / "train.toml"))
+    spec, _ = cfg.validate()
+    assert spec.world_size == 4
+
+
+def test_fault_injection_is_not_a_setting():
+    for hook in ("inject_nan_at", "kill_rank_at", "crash_in_save_at"):
+        with pytest.raises(ValueError, match="has no setting") as err:
+            load_config(None, [f"train.{hook}=3"])
+        assert hook not in str(err.value).split("valid:")[1]
+    assert faults.parse("kill=2@3,nan_at=4,step_sleep=0.5") == {"kill": (2, 3), "nan_at": 4, "step_sleep": 0.5}
+    with pytest.raises(ValueError, match="cannot read 'kill=2'"):
+        faults.parse("kill=2")
+
+
+def test_data_folders_skip_hidden_and_binary_files(tmp_path):
+    from meshfold.data import corpus_files, load_corpus
+
+    (tmp_path / ".git" / "objects").mkdir(parents=True)
+    (tmp_path / ".git" / "objects" / "pack").write_text("x" * 5000)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("print('a')\n")
+    (tmp_path / "src" / ".env").write_text("SECRET=1\n")
+    (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(200))
+    (tmp_path / "notes.txt").write_text("notes\n")
+    assert corpus_files([tmp_path]) == [tmp_path / "notes.txt", tmp_path / "src" / "a.py"]
+    corpus = load_corpus([tmp_path], val_fraction=0.5)
+    assert bytes(corpus.train) + bytes(corpus.val) == b"notes\n\nprint('a')\n"
+
+
+def test_ranks_beyond_two_per_core_warn():
+    cores = len(os.sched_getaffinity(0))
+    assert preflight.check_launch(2 * cores) == []
+    (warning,) = preflight.check_launch(2 * cores + 1)
+    assert f"{2 * cores + 1} ranks on {cores} cores" in warning
+
+
+def test_torchrun_world_size_must_be_the_fold_world_size(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"fold.world_size = 4 but torchrun started 2 ranks; set --set "
+                                         r"fold.world_size=2"):
+        preflight.check_launch(4)
+    assert preflight.check_launch(2) == []
+
+
+class _Terminal(io.StringIO):
+    """A terminal screen of one line: ``\\r`` returns to column 0 and ``ESC[K`` clears the rest."""
+
+    def isatty(self):
+        return True
+
+    def screen(self) -> str:
+        line, col = [], 0
+        for token in re.split(r"(\r|\n|\x1b\[K)", self.getvalue()):
+            if token == "\r" or token == "\n":
+                col = 0
+                line = [] if token == "\n" else line
+            elif token == "\x1b[K":
+                del line[col:]
+            else:
+                for ch in token:
+                    line[col:col + 1] = [ch]
+                    col += 1
+        return "".join(line)
+
+
+def test_progress_line_on_a_terminal_leaves_no_remnants():
+    from meshfold.train.progress import Progress
+
+    term = _Terminal()
+    p = Progress(10, stream=term)
+    p.update({"step": 5, "loss": 1.0, "val_loss": 2.0, "tokens_per_s": 1e6, "mfu": 0.5})  # a longer line
+    p.update({"step": 6, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.5})
+    screen = term.screen()
+    assert screen.startswith("[") and "step 6/10" in screen
+    assert screen.count("ETA") == 1 and "val" not in screen and screen.endswith("s"), screen
+
+
+def test_version_is_the_package_version():
+    proc = subprocess.run([sys.executable, "-m", "meshfold", "--version"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    version = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"meshfold {version}"
+
+
+def test_train_and_plan_know_the_same_model_names_and_shapes():
+    from meshfold.models.configs import CONFIGS
+    from meshfold.plan.models import MODELS, shape_of_config
+
+    assert set(MODELS) == set(CONFIGS)
+    for name, cfg in CONFIGS.items():
+        assert shape_of_config(name, cfg) == MODELS[name], name
