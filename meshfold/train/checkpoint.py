@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from meshfold.models.transformer_parallel import single_device_name
 
-__all__ = ["save", "load", "latest", "CheckpointError"]
+__all__ = ["save", "load", "latest", "verify", "newest_intact", "CheckpointError"]
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 
@@ -53,6 +53,58 @@ def latest(ckpt_dir: str | os.PathLike) -> Path | None:
         return None
     done = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
     return done[-1][1] if done else None
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Check a checkpoint folder's files without loading them: trainer.json and every rank's RNG
+    file parse, and every safetensors file is whole (its header parses and the file is as long as
+    the header says). Raises :class:`CheckpointError` naming the first bad file."""
+    path = Path(path)
+
+    def bad(detail: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path} could not be read: {detail}")
+
+    for name in ["trainer.json", *sorted(p.name for p in path.glob("rng_rank*.json"))]:
+        try:
+            json.loads((path / name).read_text())
+        except OSError as err:
+            raise bad(f"{name}: {err.strerror}") from None
+        except ValueError as err:
+            raise bad(f"{name} is damaged (not valid JSON: {err})") from None
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise bad("it holds no .safetensors files")
+    for shard in shards:
+        size = shard.stat().st_size
+        try:
+            with open(shard, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 0 < n <= size - 8:
+                    raise ValueError("header cut off")
+                header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            raise bad(f"{shard.name} is damaged (its safetensors header is unreadable; {size:,} bytes)") from None
+        if size != 8 + n + end:
+            raise bad(f"{shard.name} is truncated ({size:,} of {8 + n + end:,} bytes)")
+
+
+def newest_intact(ckpt_dir: str | os.PathLike) -> tuple[Path | None, CheckpointError | None]:
+    """(the newest complete checkpoint that :func:`verify` passes, the error of the newest one if
+    that one is damaged). With no damage the error is None."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return None, None
+    done = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()),
+                  reverse=True)
+    first_error = None
+    for _, p in done:
+        try:
+            verify(p)
+            return p, first_error
+        except CheckpointError as err:
+            first_error = first_error or err
+    return None, first_error
 
 
 def _tensors(model, optimizer) -> dict[str, torch.Tensor]:

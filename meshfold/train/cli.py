@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -35,41 +36,116 @@ def _config(args):
     return cfg
 
 
+class Stopped(Exception):
+    """The launcher was asked to stop (SIGTERM): raised in the main thread like KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = _config(args)
     spec, mcfg = cfg.validate()  # every setting checked before any process starts
+    from meshfold.train import preflight
+
+    warnings = preflight.check_launch(spec.world_size)
+    preflight.check_data(cfg)
+    out = Path(cfg.train.out_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    lock = None
+    if rank == 0:  # under torchrun the global rank 0 keeps the folder for the whole job
+        from meshfold.train.rundir import RunLock, prepare
+
+        lock = RunLock(out)
+    try:
+        if rank == 0:
+            preflight.check_writable(out)
+            preflight.check_resume(out, cfg.train.resume)
+            notes = prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
+            _print_header(cfg, spec, mcfg, out, warnings + notes)
+        return _launch(cfg, spec, out, rank)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _print_header(cfg, spec, mcfg, out: Path, notes: list[str]) -> None:
     from meshfold.data import corpus_description
-    from meshfold.launch import RankError, spawn
+
+    n_params = _count_params(mcfg)
+    print(f"meshfold train: {cfg.model.get('name', 'model')} ({n_params / 1e6:.2f}M parameters, "
+          f"{len(mcfg.moe_layer_ids)} MoE layers) on {spec.world_size} ranks", flush=True)
+    print(f"  attn  pp{spec.pp} x dp{spec.dp} x cp{spec.cp} x tp{spec.tp}   "
+          f"moe  pp{spec.pp} x edp{spec.edp} x ep{spec.ep} x etp{spec.etp}", flush=True)
+    print(f"  data: {corpus_description(cfg.data.paths)}; {cfg.train.steps} steps of "
+          f"{cfg.train.batch} x {cfg.train.seq} tokens; output in {out}/", flush=True)
+    for line in notes:
+        print(f"  {line}", flush=True)
+
+
+def _launch(cfg, spec, out: Path, rank: int) -> int:
+    """Run the ranks; every way the job can end becomes one or two lines and an exit code."""
+    from meshfold.launch import RankError, _under_torchrun, spawn
     from meshfold.train.loop import train_rank
     from meshfold.train.plots import write_plots
 
-    out = Path(cfg.train.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        n_params = _count_params(mcfg)
-        print(f"meshfold train: {cfg.model.get('name', 'model')} ({n_params / 1e6:.2f}M parameters, "
-              f"{len(mcfg.moe_layer_ids)} MoE layers) on {spec.world_size} ranks", flush=True)
-        print(f"  attn  pp{spec.pp} x dp{spec.dp} x cp{spec.cp} x tp{spec.tp}   "
-              f"moe  pp{spec.pp} x edp{spec.edp} x ep{spec.ep} x etp{spec.etp}", flush=True)
-        print(f"  data: {corpus_description(cfg.data.paths)}; {cfg.train.steps} steps of "
-              f"{cfg.train.batch} x {cfg.train.seq} tokens; output in {out}/", flush=True)
+    local = not _under_torchrun()  # under torchrun, torchrun supervises and signals the ranks
+    if local:
+        previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:  # train.timeout bounds each collective; the run itself may take as long as it needs
         results = spawn(train_rank, spec.world_size, cfg, timeout=cfg.train.timeout)
     except RankError as err:
-        print(f"meshfold train: rank {err.rank} failed:\n{err.remote_traceback}", file=sys.stderr)
+        log = _write_failure_log(out, err)
+        summary = err.summary if len(err.summary) <= 600 else err.summary[:600] + " ..."
+        print(f"meshfold train: rank {err.rank} failed: {summary}", file=sys.stderr)
+        print(f"  tracebacks: {log}" if log else "  (the run folder is not writable: no log kept)",
+              file=sys.stderr)
         return 1
     except TimeoutError as err:
         print(f"meshfold train: {err}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, Stopped) as err:
+        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+        from meshfold.train import checkpoint
+
+        last = checkpoint.latest(out / "checkpoints")
+        print(f"\nmeshfold train: stopped by {signal.Signals(signum).name}; every rank has ended. "
+              f"Newest checkpoint: {last or 'none yet'}; rerun the same command to resume", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if local:
+            signal.signal(signal.SIGTERM, previous)
     if rank == 0:
         plots = write_plots(out)
         r = results[0]
-        print(f"done: final loss {r['final_loss']:.4f}; metrics {out / 'metrics.jsonl'}; "
-              f"checkpoint {r['checkpoint']}" if r["final_loss"] is not None else
-              f"done: nothing to train (already at step {cfg.train.steps}); checkpoint {r['checkpoint']}")
+        if r["final_loss"] is not None:
+            print(f"done: final loss {r['final_loss']:.4f}; metrics {out / 'metrics.jsonl'}; "
+                  f"checkpoint {r['checkpoint']}")
+        else:
+            print(f"done: nothing to train: the newest checkpoint is at step {r['start']} and "
+                  f"train.steps = {cfg.train.steps}; checkpoint {r['checkpoint']}")
         print(f"plots: {', '.join(map(str, plots))}" if isinstance(plots, list) else f"note: {plots}")
     return 0
+
+
+def _write_failure_log(out: Path, err) -> Path | None:
+    """Every failed rank's traceback, in ``<out>/logs/failure-<time>.log``; None if unwritable."""
+    import time
+
+    path = out / "logs" / f"failure-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    parts = [f"rank {err.rank} (the first failure):\n{err.remote_traceback}"]
+    parts += [f"rank {r} (after it):\n{tb}" for r, tb in err.others]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(parts))
+    except OSError:
+        return None
+    return path
 
 
 def _count_params(mcfg) -> int:
@@ -95,10 +171,10 @@ def load_trained(run_or_checkpoint: str):
         if found is None:
             raise ValueError(f"{path}/checkpoints has no complete checkpoint")
         path = found
-    try:
-        state = json.loads((path / "trainer.json").read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path} is neither a run folder nor a checkpoint (no trainer.json)") from None
+    if not (path / "trainer.json").exists():
+        raise ValueError(f"{path} is neither a run folder nor a checkpoint (no trainer.json)")
+    checkpoint.verify(path)  # names a damaged trainer.json or shard before torch reads it
+    state = json.loads((path / "trainer.json").read_text())
     cfg = TrainConfig(model=state["model"], moe=state.get("moe", {}), sparsity=state.get("sparsity", {}))
     model = MoETransformer(cfg.model_config())
     checkpoint.load(path, model, None, restore_rng=False)
@@ -141,11 +217,20 @@ def configure_export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output folder for config.json + model.safetensors")
     parser.add_argument("--arch", default=None, help="Hugging Face architecture (default: Mixtral, "
                                                       "or Qwen2-MoE when the model has shared experts)")
+    parser.add_argument("--force", action="store_true", help="write into a folder that is not empty")
 
 
 def main_export(args: argparse.Namespace) -> int:
     from meshfold.models.hf import save_pretrained
 
+    src, dst = Path(args.checkpoint).resolve(), Path(args.out).resolve()
+    run = src if (src / "checkpoints").is_dir() else src.parent.parent if src.parent.name == "checkpoints" else src
+    if dst == run or dst == src or run / "checkpoints" in (dst, *dst.parents):
+        raise ValueError(f"export target {args.out} is the run or checkpoint folder being read; "
+                         f"choose a folder of its own")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.force:
+        raise ValueError(f"export target {args.out} is not empty; choose an empty or new folder, or pass "
+                         f"--force to overwrite its config.json and model.safetensors")
     model, _ = load_trained(args.checkpoint)
     save_pretrained(model, args.out, arch=args.arch)
     print(f"wrote {args.out}/config.json and model.safetensors (Hugging Face format)")

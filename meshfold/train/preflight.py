@@ -1,0 +1,79 @@
+"""What ``meshfold train`` checks on the machine before any rank starts.
+
+The settings themselves are checked by :meth:`TrainConfig.validate` (one rule table). Here: the
+launch (torchrun's world size against ``fold.world_size``; ranks per core), the data (the files
+exist, hold text, and give one training and one validation batch at ``train.seq``), the run
+folder (writable), and the checkpoint a resume would read (whole). Each failure is one
+ValueError naming the value and what to do, so it prints as one line and no rank starts to meet
+it minutes later.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["check_launch", "check_data", "check_writable", "check_resume"]
+
+RANKS_PER_CORE_WARNING = 2
+
+
+def check_launch(world_size: int) -> list[str]:
+    """Torchrun's world size must be ``fold.world_size``; returns warnings (ranks per core)."""
+    started = os.environ.get("WORLD_SIZE")
+    if started is not None and "RANK" in os.environ:
+        if int(started) != world_size:
+            raise ValueError(f"fold.world_size = {world_size} but torchrun started {started} ranks; "
+                             f"set --set fold.world_size={started} (or torchrun --nproc-per-node "
+                             f"{world_size})")
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if world_size > RANKS_PER_CORE_WARNING * cores:
+        return [f"warning: {world_size} ranks on {cores} cores (more than {RANKS_PER_CORE_WARNING} per "
+                f"core): every step waits for ranks that share a core; expect it to be very slow"]
+    return []
+
+
+def check_data(cfg) -> None:
+    """The training text exists and gives one batch of ``train.seq + 1`` bytes in each split."""
+    from meshfold.data import corpus_files, default_corpus_paths, split_sizes
+
+    paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq
+    files = corpus_files(paths) if paths else default_corpus_paths()
+    n_train, n_val = split_sizes(files, vf)
+    where = " ".join(map(str, paths)) if paths else "the standard library"
+    for split, n in (("training", n_train), ("validation", n_val)):
+        if n <= seq + 1:
+            raise ValueError(f"--data {where}: the {split} text would have {n:,} bytes (data.val_fraction "
+                             f"= {vf:g} of {n_train + n_val:,}), not more than train.seq + 1 = {seq + 1}; "
+                             f"give more text, a shorter train.seq or another data.val_fraction")
+
+
+def check_writable(out: Path) -> None:
+    """The run folder and its ``checkpoints/`` accept new files."""
+    for folder in (out, out / "checkpoints"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+                pass
+        except OSError as err:
+            raise ValueError(f"train.out_dir: cannot write in {folder} ({err.strerror}); make it a "
+                             f"writable folder or choose another --out-dir") from None
+
+
+def check_resume(out: Path, resume: bool) -> None:
+    """The newest checkpoint a resume would read is whole; else name the damaged file and the
+    newest intact checkpoint (which is not used silently: the user decides)."""
+    from meshfold.train.checkpoint import newest_intact
+
+    if not resume:
+        return
+    intact, damaged = newest_intact(out / "checkpoints")
+    if damaged is None:
+        return
+    if intact is None:
+        raise ValueError(f"{damaged}; no earlier checkpoint is intact: start over with "
+                         f"train.resume=false (the damaged run is moved aside)")
+    raise ValueError(f"{damaged}; the newest intact checkpoint is {intact.name}: move the checkpoints "
+                     f"after it out of {out / 'checkpoints'} to resume from it")

@@ -1,0 +1,176 @@
+"""The run folder of ``meshfold train``: one run per folder, and resumes that cannot mix runs.
+
+A run folder (``train.out_dir``) holds one training run: ``checkpoints/``, ``metrics.jsonl``,
+plots, ``logs/`` and ``run.json``, the run's identity. Three rules keep it whole:
+
+* **One run at a time.** The launcher holds an exclusive ``flock`` on ``<out_dir>/.lock`` for
+  the run's life. The kernel drops it however the process ends (even SIGKILL), so a lock left
+  by a dead run is simply taken over; a live holder makes a second run fail at once, naming its
+  PID.
+* **A rerun continues the same run or refuses.** ``run.json`` records every setting that
+  changes what is trained (model, MoE, sparsity, data, seed, batch, sequence, optimizer and
+  schedule, dtype). A rerun whose settings differ fails before any rank starts, naming the
+  differences. What may change: the fold (checkpoints reshard), ``train.steps`` (the
+  learning-rate schedule is recomputed, and the run says so), and settings of how the run is
+  watched or kept (evaluation and checkpoint intervals, timeout, ``stop_at``, memory).
+* **Starting over is one rename.** ``train.resume=false`` on a folder that holds a run moves the
+  whole folder aside to ``<out_dir>.replaced-<time>`` and starts in an empty one, so old and new
+  checkpoints and metrics are never mixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+__all__ = ["RunLock", "identity", "prepare"]
+
+LOCK = ".lock"
+IDENTITY = "run.json"
+# train.* settings that change what is trained; the others change how the run is watched or kept
+IDENTITY_TRAIN = ("batch", "seq", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed", "dtype")
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held while the object lives (or until ``release``)."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.out = Path(out_dir)
+        self._file = None
+        self.acquire()
+
+    def acquire(self) -> None:
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            f = open(self.out / LOCK, "a+")
+        except OSError as err:
+            raise ValueError(f"train.out_dir {self.out}: cannot create the run folder or its lock "
+                             f"({err.strerror}); choose a writable --out-dir") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            f.seek(0)
+            holder = _holder(f.read())
+            f.close()
+            raise ValueError(f"train.out_dir {self.out} is in use by another meshfold train ({holder}); "
+                             f"wait for it to end, or choose another --out-dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the file drops the flock
+            self._file = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return f"PID {h['pid']} on {h['host']}, since {h['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "PID unknown"
+
+
+def identity(cfg, mcfg) -> dict:
+    """Flat ``{"section.key": value}`` of everything that defines what a run trains.
+
+    The model is recorded as resolved (every field of the named config after overrides), so a
+    setting spelled out and the same value left at its default compare equal.
+    """
+    model = dataclasses.asdict(dataclasses.replace(mcfg, moe=None))
+    out = {f"model.{k}": v for k, v in model.items() if k != "moe"}
+    if mcfg.moe is not None:
+        moe = dataclasses.asdict(dataclasses.replace(mcfg.moe, expert_sparsity=None))
+        out.update({f"moe.{k}": v for k, v in moe.items() if k != "expert_sparsity"})
+        sp = mcfg.moe.expert_sparsity
+        if sp is not None:
+            out.update({f"sparsity.{k}": v for k, v in dataclasses.asdict(sp).items()})
+    out.update({f"train.{k}": getattr(cfg.train, k) for k in IDENTITY_TRAIN})
+    out["data.paths"] = [os.path.abspath(p) for p in cfg.data.paths] or "Python standard library"
+    out["data.val_fraction"] = cfg.data.val_fraction
+    return json.loads(json.dumps(out, default=str))  # as it reads back from run.json
+
+
+def _has_run(out: Path) -> bool:
+    return any((out / name).exists() for name in ("checkpoints", "metrics.jsonl", IDENTITY))
+
+
+def _recorded(out: Path, cfg, now: dict) -> tuple[dict, int | None]:
+    """(identity, steps) of the run the folder holds; from a checkpoint's trainer.json for a
+    folder written before run.json existed (model, MoE, sparsity and seed only)."""
+    path = out / IDENTITY
+    if path.exists():
+        try:
+            rec = json.loads(path.read_text())
+            return rec["identity"], rec.get("steps")
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path} is damaged ({err}); move it aside to continue the run "
+                             f"unchecked, or start over with train.resume=false") from None
+    from meshfold.train import checkpoint
+
+    last = checkpoint.latest(out / "checkpoints")
+    if last is None:
+        return {}, None
+    try:
+        state = json.loads((last / "trainer.json").read_text())
+    except (OSError, ValueError):
+        return {}, None  # the checkpoint's own check names the damage
+    old = dataclasses.replace(cfg, model=state.get("model", {}), moe=state.get("moe", {}),
+                              sparsity=state.get("sparsity", {}),
+                              train=dataclasses.replace(cfg.train, seed=state.get("seed", cfg.train.seed)))
+    try:
+        ident = identity(old, old.model_config())
+    except (ValueError, TypeError):
+        return {}, None
+    keep = ("model.", "moe.", "sparsity.", "train.seed")
+    return {k: v for k, v in ident.items() if k.startswith(keep)}, None
+
+
+def prepare(lock: RunLock, cfg, mcfg) -> list[str]:
+    """Make the locked folder ready for this run; returns lines to tell the user.
+
+    Starts it over (``train.resume=false``) or checks that this run continues the recorded one,
+    then records this run's identity. Raises ValueError naming every differing setting.
+    """
+    out, notes = lock.out, []
+    now = identity(cfg, mcfg)
+    steps = cfg.train.steps
+    if _has_run(out) and not cfg.train.resume:
+        aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.rename(out, aside)  # the held lock moves with it: nobody can enter the old run
+        lock.release()
+        lock.acquire()  # a fresh folder and lock; if another run got in first, this raises
+        notes.append(f"train.resume=false: moved the earlier run in {out} to {aside}; starting over")
+    elif _has_run(out):
+        old, old_steps = _recorded(out, cfg, now)
+        diff = [k for k in sorted(set(old) | set(now)) if k in old and old[k] != now.get(k)]
+        if diff:
+            shown = "; ".join(f"{k} {old[k]!r} -> {now.get(k)!r}" for k in diff[:6])
+            more = f" (and {len(diff) - 6} more)" if len(diff) > 6 else ""
+            raise ValueError(f"{out} holds a run with other settings: {shown}{more}. Use another "
+                             f"--out-dir for a new run, or train.resume=false to start this one over")
+        if old_steps is not None and old_steps != steps:
+            notes.append(f"train.steps {old_steps} -> {steps}: the learning-rate schedule now spans "
+                         f"{steps} steps (warm-up {cfg.train.warmup}, cosine decay to step {steps})")
+    tmp = out / (IDENTITY + ".tmp")
+    tmp.write_text(json.dumps({"identity": now, "steps": steps}, indent=1) + "\n")
+    os.replace(tmp, out / IDENTITY)
+    return notes
