@@ -126,3 +126,14 @@ def test_train_and_plan_know_the_same_model_names_and_shapes():
     assert set(MODELS) == set(CONFIGS)
     for name, cfg in CONFIGS.items():
         assert shape_of_config(name, cfg) == MODELS[name], name
+
+
+def test_an_unusable_file_is_one_line_naming_it(tmp_path):
+    """An OSError (a folder given as the config file, a path through a file) names the path in one
+    line instead of a traceback."""
+    (tmp_path / "file").write_text("x")
+    for args in (["train", "--config", str(tmp_path)], ["train", "--out-dir", str(tmp_path / "file" / "run")]):
+        proc = subprocess.run([sys.executable, "-m", "meshfold", *args], capture_output=True, text=True,
+                              cwd=ROOT, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and str(tmp_path) in proc.stderr, proc.stderr
