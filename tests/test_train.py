@@ -44,7 +44,8 @@ def test_default_run_learns(tmp_path):
     last = sum(rows[s]["loss"] for s in range(36, 41)) / 5
     assert first > 5.0 and last < first - 1.5, (first, last)  # ln 256 = 5.55 at the start
     r = rows[40]
-    assert r["val_loss"] < first - 1.0 and 0 < r["mfu"] < 1 and r["tokens_per_s"] > 0
+    assert r["val_loss"] < first - 1.0 and 0 < r["mfu_of_measured_gemm"] < 1 and r["tokens_per_s"] > 0
+    assert r["mfu"] is None  # a CPU has no datasheet peak; train.gpu / train.peak_tflops give one
     assert len(r["tokens_per_expert"][0]) == 4 and r["dropped_fraction"] == 0
     assert (tmp_path / "checkpoints" / "step_000040" / "trainer.json").exists()
 

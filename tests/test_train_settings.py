@@ -105,8 +105,9 @@ def test_progress_line_on_a_terminal_leaves_no_remnants():
 
     term = _Terminal()
     p = Progress(10, stream=term)
-    p.update({"step": 5, "loss": 1.0, "val_loss": 2.0, "tokens_per_s": 1e6, "mfu": 0.5})  # a longer line
-    p.update({"step": 6, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.5})
+    p.update({"step": 5, "loss": 1.0, "val_loss": 2.0, "tokens_per_s": 1e6, "mfu": None,
+              "mfu_of_measured_gemm": 0.5})  # a longer line
+    p.update({"step": 6, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.5, "mfu_of_measured_gemm": 0.5})
     screen = term.screen()
     assert screen.startswith("[") and "step 6/10" in screen
     assert screen.count("ETA") == 1 and "val" not in screen and screen.endswith("s"), screen
@@ -137,3 +138,14 @@ def test_an_unusable_file_is_one_line_naming_it(tmp_path):
                               cwd=ROOT, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and str(tmp_path) in proc.stderr, proc.stderr
+
+
+def test_mfu_is_over_the_hardware_peak_when_one_is_named():
+    from meshfold.plan.hardware import HARDWARE
+    from meshfold.train.loop import hardware_peak
+
+    assert hardware_peak(TrainSettings(), 4) is None  # no datasheet peak: only the measured-GEMM share
+    assert hardware_peak(TrainSettings(gpu="h100"), 4) == 4 * HARDWARE["h100"].peak_tflops * 1e12
+    assert hardware_peak(TrainSettings(gpu="h100", peak_tflops=100.0), 2) == 2 * 100e12
+    with pytest.raises(ValueError, match="train.gpu = 'h1000'; valid: h100"):
+        load_config(None, ["train.gpu=h1000"]).check_types()

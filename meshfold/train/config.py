@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshfold.mesh import FoldSpec
+from meshfold.plan.hardware import HARDWARE
 
 __all__ = ["TrainConfig", "load_config", "parse_override"]
 
@@ -138,8 +139,14 @@ class TrainSettings:
                              "without a heartbeat, before the job is declared hung", low=0, open_low=True)
     retain_cpu_memory: bool = setting(False, bool, "CPU ranks keep freed memory for reuse "
                                       "(meshfold.malloc): fewer page faults, the peak heap held until exit")
-    microbatches: int | None = setting(None, int, "micro-batches per step with fold.pp > 1 (default: pp)",
+    microbatches: int | None = setting(None, int, "micro-batches per step: the pipeline schedule's with "
+                                       "fold.pp > 1 (default pp), else gradient accumulation (default 1)",
                                        low=1, optional=True)
+    gpu: str | None = setting(None, str, "hardware preset (meshfold plan's) whose dense BF16 peak is MFU's "
+                              "denominator (default: unset, no MFU on CPU)", choices=tuple(HARDWARE),
+                              optional=True)
+    peak_tflops: float | None = setting(None, float, "peak TFLOP/s per rank for MFU, instead of train.gpu's",
+                                        low=0, open_low=True, optional=True)
     schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
                             choices=("gpipe", "1f1b", "interleaved-1f1b"))
     virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
@@ -264,6 +271,9 @@ class TrainConfig:
                              f"gives 2*cp load-balanced chunks, each split over tp = {spec.tp})")
         if t.seq > cfg.max_seq:
             raise ValueError(f"train.seq = {t.seq} exceeds model max_seq = {cfg.max_seq}")
+        if spec.pp == 1 and t.microbatches and (t.batch // spec.dp) % t.microbatches:
+            raise ValueError(f"train.batch / dp = {t.batch // spec.dp} sequences per rank is not "
+                             f"divisible by train.microbatches = {t.microbatches}")
         if spec.pp > 1:
             from meshfold.models.pipeline import check_pipeline
 

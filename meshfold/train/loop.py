@@ -22,13 +22,14 @@ from meshfold.mesh import fold
 from meshfold.models.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients, shard_batch
+from meshfold.plan.hardware import HARDWARE
 from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig
 from meshfold.train.flops import train_flops_per_step
 from meshfold.train.progress import Progress
 from meshfold.train.pruning import FoldedPruner
 
-__all__ = ["train_rank"]
+__all__ = ["train_rank", "accumulate", "microbatch_counts"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -58,18 +59,53 @@ def _measure_peak(seconds: float = 0.5, device=None, dtype=torch.float32) -> flo
     return 2 * size ** 3 * n / (time.perf_counter() - t0)
 
 
-def _global_loss(model, tokens, targets, spec, rank, backward: bool) -> float:
+def _global_loss(model, tokens, targets, spec, rank, backward: bool, microbatches: int = 1) -> float:
     """The global mean loss of one batch (the same on every rank); with ``backward`` its
-    gradients accumulate. ``model`` is a parallelized MoETransformer or a Pipeline."""
+    gradients accumulate. ``model`` is a parallelized MoETransformer or a Pipeline (which
+    micro-batches through its schedule); without pp, ``microbatches`` > 1 accumulates gradients
+    over that many slices of each rank's local batch (see :func:`accumulate`)."""
     device = next(model.parameters()).device
     lt, pos = (x.to(device) for x in shard_batch(tokens, spec, rank))
     ltg = shard_batch(targets, spec, rank)[0].to(device)
     if isinstance(model, Pipeline):
         return model.step(lt, ltg, pos, backward=backward).item()
+    if microbatches > 1:
+        return accumulate(model, lt, ltg, pos, microbatch_counts(targets, spec.dp, microbatches), backward)
     loss = model.loss(lt, ltg, pos)
     if backward:
         loss.backward()
     return loss.item()
+
+
+def microbatch_counts(targets: torch.Tensor, dp: int, microbatches: int) -> list[float]:
+    """Counted target tokens (!= -100) of each global micro-batch: micro-batch i is the i-th
+    slice of every dp rank's rows of the global [B, S] ``targets``."""
+    B = targets.shape[0]
+    per_rank = targets.reshape(dp, microbatches, B // (dp * microbatches), -1)
+    return (per_rank != -100).sum(dim=(0, 2, 3)).double().tolist()
+
+
+def accumulate(model, tokens, targets, positions, counts: list[float], backward: bool) -> float:
+    """Gradient accumulation without pp: this rank's local ``tokens`` / ``targets`` ([b, s])
+    cut into ``len(counts)`` micro-batches along the batch dim, one forward + backward each.
+
+    ``model.loss`` of micro-batch i is its global mean, ``sum_i / counts[i]``; weighting it by
+    ``counts[i] / sum(counts)`` makes the micro-batches add up to the whole batch's mean loss and
+    gradients (up to summation order), as Pipeline's schedules do. MoE balancing losses attach per
+    micro-batch (Megatron-Core's definition), so with them on, the single-device equivalent is
+    accumulation over the same micro-batches. Under FSDP2 only the last backward reduce-scatters.
+    """
+    m, total = len(counts), sum(counts)
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    loss = 0.0
+    for i, (t, y) in enumerate(zip(tokens.chunk(m), targets.chunk(m))):
+        if sync is not None and backward:
+            sync(i == m - 1)
+        part = model.loss(t, y, positions) * (counts[i] / total)
+        if backward:
+            part.backward()
+        loss += part.item()
+    return loss
 
 
 def _all_sum(t: torch.Tensor) -> torch.Tensor:
@@ -112,6 +148,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         start, skipped = state["step"], state.get("skipped", 0)
         resumed_from = str(last)
     peak = _all_sum(torch.tensor(_measure_peak(device=device, dtype=DTYPES[t.dtype]), device=device)).item()
+    peak_hw = hardware_peak(t, world_size)
     flops = train_flops_per_step(mcfg, t.batch, t.seq)
     n_global = t.batch * t.seq
     if rank == 0:
@@ -130,11 +167,12 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             group["lr"] = _lr(step, t)
         tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed)
         faults.before_step(injected, rank, n)
-        loss = _global_loss(model, tokens, targets, spec, rank, backward=True)  # same on every rank
+        loss = _global_loss(model, tokens, targets, spec, rank, backward=True,
+                            microbatches=t.microbatches or 1)  # the same on every rank
         if faults.loss_is_nan(injected, n):
             loss = float("nan")  # all ranks stop or skip together
         if math.isfinite(loss):
-            record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0)
+            record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, (peak_hw, peak), t0)
             if n % t.eval_every == 0 or n == t.steps:
                 record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
             if rank == 0:
@@ -165,8 +203,20 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             "start": start, "checkpoint": last_good}
 
 
-def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0) -> dict:
-    """Reduce gradients, prune, clip, step; returns step ``n``'s metrics."""
+def hardware_peak(t, world_size: int) -> float | None:
+    """The job's peak FLOP/s from ``train.peak_tflops`` or the ``train.gpu`` preset (dense BF16,
+    shared with ``meshfold plan``), or None where neither is set (a CPU has no datasheet peak)."""
+    per_rank = t.peak_tflops or (HARDWARE[t.gpu].peak_tflops if t.gpu else None)
+    return per_rank * 1e12 * world_size if per_rank else None
+
+
+def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peaks, t0) -> dict:
+    """Reduce gradients, prune, clip, step; returns step ``n``'s metrics.
+
+    ``peaks`` = (hardware peak or None, measured GEMM rate), both FLOP/s of the whole job: ``mfu``
+    is model FLOP/s over the hardware peak, as Megatron-Core and the paper report it;
+    ``mfu_of_measured_gemm`` is over the dense GEMM rate these ranks reached in this run."""
+    peak_hw, peak = peaks
     for module in model.chunks if isinstance(model, Pipeline) else [model]:
         reduce_gradients(module)  # a no-op under FSDP2, which reduce-scattered in backward
     if pruner is not None:
@@ -184,7 +234,8 @@ def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peak, t0) 
             layer.update_expert_bias()
     dt = time.perf_counter() - t0
     record = {"step": n, "loss": loss, "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm,
-              "tokens_per_s": n_global / dt, "mfu": flops / dt / peak, "step_s": dt,
+              "tokens_per_s": n_global / dt, "mfu": flops / dt / peak_hw if peak_hw else None,
+              "mfu_of_measured_gemm": flops / dt / peak, "step_s": dt,
               "skipped_steps": skipped}
     moe = _moe_metrics(model)
     if moe:

@@ -12,6 +12,14 @@ import time
 __all__ = ["Progress"]
 
 
+def _utilization(r: dict) -> str:
+    """MFU against the hardware peak where one is known; else the share of the GEMM rate these
+    ranks measured, named so it is never read as MFU."""
+    if r.get("mfu") is not None:
+        return f"MFU {100 * r['mfu']:.1f}%"
+    return f"{100 * r['mfu_of_measured_gemm']:.1f}% of measured GEMM"
+
+
 class Progress:
     def __init__(self, total: int, start: int = 0, stream=None):
         self.total, self.start = total, start
@@ -30,7 +38,7 @@ class Progress:
         bar = "#" * filled + "." * (width - filled)
         val = f" val {r['val_loss']:.3f}" if "val_loss" in r else ""
         line = (f"[{bar}] step {step}/{self.total}  loss {r['loss']:.4f}{val}  "
-                f"{r['tokens_per_s']:,.0f} tok/s  MFU {100 * r['mfu']:.1f}%  ETA {eta:5.0f}s")
+                f"{r['tokens_per_s']:,.0f} tok/s  {_utilization(r)}  ETA {eta:5.0f}s")
         if self.tty:
             self.stream.write("\r" + line + "\033[K")  # clear what a longer line left behind
         elif done % self.every == 0 or step == self.total or "val_loss" in r:
