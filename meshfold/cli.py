@@ -19,6 +19,7 @@ SUBCOMMANDS = {
               "4-rank CPU run on the Python standard library)", ""),
     "generate": ("meshfold.train.cli", "sample text from a trained checkpoint", "_generate"),
     "export": ("meshfold.train.cli", "write a checkpoint in Hugging Face format", "_export"),
+    "tokenize": ("meshfold.tokenize_cli", "write pre-tokenized shards of text files for meshfold train", ""),
     "layout": ("meshfold.layout_cli", "print the attention and MoE views of a fold", ""),
     "plan": ("meshfold.plan.cli", "choose a folded layout for a cluster (cost and memory model)", ""),
 }

@@ -81,29 +81,57 @@ def split_sizes(files: list[Path], val_fraction: float) -> tuple[int, int]:
     return cut, total - cut
 
 
+class _Window:
+    """Positions ``[lo, hi)`` of a token stream (a numpy array or a memory-mapped TokenStream)."""
+
+    def __init__(self, stream, lo: int, hi: int):
+        self.stream, self.lo, self.hi = stream, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        a, b, _ = window.indices(len(self))
+        return np.asarray(self.stream[self.lo + a:self.lo + b])
+
+
 @dataclass
 class ByteCorpus:
-    """Train and validation byte streams (uint8 numpy arrays)."""
+    """Train and validation token streams: byte-level text (uint8 arrays), or the memory-mapped
+    shards of a pre-tokenized folder (:mod:`meshfold.tokens`)."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | _Window
+    val: np.ndarray | _Window
 
-    def batch(self, split: str, step: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(tokens, targets)``, both [batch, seq] int64, for one global step (same on all ranks)."""
+    def batch(self, split: str, step: int, batch: int, seq: int, seed: int,
+              rows: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens, targets)``, both [batch, seq] int64, for one global step (same on all ranks).
+
+        ``rows``: read only these rows of the global batch (a dp rank's own); the others are left
+        0 and must not be used. The windows drawn do not depend on ``rows``."""
         data = self.train if split == "train" else self.val
         if len(data) <= seq + 1:
-            raise ValueError(f"{split} text has {len(data)} bytes, fewer than seq + 1 = {seq + 1}")
+            raise ValueError(f"{split} text has {len(data)} tokens, fewer than seq + 1 = {seq + 1}")
         rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
         starts = rng.integers(0, len(data) - seq - 1, size=batch)
-        rows = np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int64)
-        t = torch.from_numpy(rows)
+        out = np.zeros((batch, seq + 1), dtype=np.int64)
+        for r in range(batch) if rows is None else rows:
+            out[r] = data[starts[r]:starts[r] + seq + 1]
+        t = torch.from_numpy(out)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
 def load_corpus(paths: list[str | Path] | None = None, val_fraction: float = 0.05) -> ByteCorpus:
-    """Read ``paths`` (files or folders; default: the standard library) into a ByteCorpus."""
+    """Read ``paths`` (files or folders; default: the standard library) into a ByteCorpus; a single
+    folder holding a token index (``meshfold tokenize``) is memory-mapped instead."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    from meshfold.tokens import TokenStream, is_token_folder
+
+    if paths and is_token_folder(paths):
+        stream = TokenStream(paths[0])
+        cut = int(len(stream) * (1 - val_fraction))
+        return ByteCorpus(_Window(stream, 0, cut), _Window(stream, cut, len(stream)))
     files = default_corpus_paths() if not paths else corpus_files(paths)
     chunks = []
     for f in files:

@@ -77,6 +77,14 @@ def _global_loss(model, tokens, targets, spec, rank, backward: bool, microbatche
     return loss.item()
 
 
+def dp_rows(spec, rank: int, batch: int) -> range:
+    """The rows of a global batch of ``batch`` sequences that ``rank``'s dp rank trains on (as
+    ``shard_batch`` cuts them)."""
+    b = batch // spec.dp
+    d = spec.coords(rank)["attn"]["dp"]
+    return range(d * b, (d + 1) * b)
+
+
 def microbatch_counts(targets: torch.Tensor, dp: int, microbatches: int) -> list[float]:
     """Counted target tokens (!= -100) of each global micro-batch: micro-batch i is the i-th
     slice of every dp rank's rows of the global [B, S] ``targets``."""
@@ -138,6 +146,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     from meshfold.data import load_corpus
 
     corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
+    own_rows = dp_rows(spec, rank, t.batch)  # the only rows of each global batch this rank reads
     sp = mcfg.moe.expert_sparsity if mcfg.moe is not None else None
     pruner = FoldedPruner(model, sp, opt) if sp is not None else None
     start, skipped = 0, 0
@@ -165,7 +174,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = _lr(step, t)
-        tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed)
+        tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed, rows=own_rows)
         faults.before_step(injected, rank, n)
         loss = _global_loss(model, tokens, targets, spec, rank, backward=True,
                             microbatches=t.microbatches or 1)  # the same on every rank
@@ -284,11 +293,12 @@ def _step_of(line: str) -> float:
 def evaluate(model, corpus, cfg, spec, rank) -> float:
     """Mean held-out loss over ``eval_batches`` fixed validation batches."""
     t = cfg.train
+    rows = dp_rows(spec, rank, t.batch)
     total = 0.0
     model.eval()
     try:
         for i in range(t.eval_batches):
-            tokens, targets = corpus.batch("val", i, t.batch, t.seq, t.seed)
+            tokens, targets = corpus.batch("val", i, t.batch, t.seq, t.seed, rows=rows)
             total += _global_loss(model, tokens, targets, spec, rank, backward=False)
     finally:
         model.train()

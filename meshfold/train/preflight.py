@@ -38,14 +38,26 @@ def check_launch(world_size: int) -> list[str]:
 def check_data(cfg) -> None:
     """The training text exists and gives one batch of ``train.seq + 1`` bytes in each split."""
     from meshfold.data import corpus_files, default_corpus_paths, split_sizes
+    from meshfold.tokens import is_token_folder, read_index
 
     paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq
-    files = corpus_files(paths) if paths else default_corpus_paths()
-    n_train, n_val = split_sizes(files, vf)
+    if paths and is_token_folder(paths):
+        index = read_index(paths[0])  # names a malformed index or a short shard
+        vocab = cfg.model_config().vocab
+        if index["vocab_size"] > vocab:
+            raise ValueError(f"--data {paths[0]}: its tokenizer has {index['vocab_size']:,} ids but model.vocab "
+                             f"= {vocab:,} (ids >= {vocab:,} have no embedding); set --set "
+                             f"model.vocab={index['vocab_size']}")
+        n_train = int(index["tokens"] * (1 - vf))
+        n_val, unit = index["tokens"] - n_train, "tokens"
+    else:
+        unit = "bytes"
+        files = corpus_files(paths) if paths else default_corpus_paths()
+        n_train, n_val = split_sizes(files, vf)
     where = " ".join(map(str, paths)) if paths else "the standard library"
     for split, n in (("training", n_train), ("validation", n_val)):
         if n <= seq + 1:
-            raise ValueError(f"--data {where}: the {split} text would have {n:,} bytes (data.val_fraction "
+            raise ValueError(f"--data {where}: the {split} text would have {n:,} {unit} (data.val_fraction "
                              f"= {vf:g} of {n_train + n_val:,}), not more than train.seq + 1 = {seq + 1}; "
                              f"give more text, a shorter train.seq or another data.val_fraction")
 
