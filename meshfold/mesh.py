@@ -298,8 +298,12 @@ class FoldedMesh:
         return self._stages[name]
 
 
-def fold(spec: FoldSpec, device_type: str = "cpu") -> FoldedMesh:
+def fold(spec: FoldSpec, device_type: str | None = None) -> FoldedMesh:
     """Build the attention and MoE DeviceMesh views of ``spec`` over the default process group.
+
+    ``device_type`` defaults to what the process group's backend implies: ``"cuda"`` under NCCL,
+    ``"cpu"`` under gloo, so the same code runs on a laptop's gloo ranks and under torchrun on GPUs
+    without pushing CPU tensors into NCCL groups.
 
     Every rank must call this (it creates process groups collectively). A dim whose rank groups
     already exist for another dim (for instance ``etp`` when ``etp == tp``, ``pp`` in both views, or
@@ -317,6 +321,8 @@ def fold(spec: FoldSpec, device_type: str = "cpu") -> FoldedMesh:
     if dist.get_world_size() != spec.world_size:
         raise ValueError(f"spec.world_size = {spec.world_size} but the process group has "
                          f"{dist.get_world_size()} ranks")
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     created: dict[tuple[tuple[int, ...], ...], object] = {}
     owned = []
     unshared = 0

@@ -118,9 +118,34 @@ def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_t
         flush()
     stream.write("\n")
     index = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": vocab, "eos_id": eos,
-             "tokenizer": tokenizer_name, "tokens": total, "shards": shards}
+             "tokenizer": tokenizer_name, "tokens": total, "shards": shards, "sources": sources(files)}
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
+
+
+def sources(files: list[Path]) -> list:
+    """What a token folder was made from: ``[path, size, mtime_ns]`` of each file, to reuse it
+    only while the text is unchanged."""
+    return [[str(Path(f).resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdout) -> Path:
+    """``data.tokenizer``: the text ``paths`` tokenized into ``folder`` (reused while the text
+    and the tokenizer are the same); returns the folder to train on."""
+    from meshfold.data import corpus_files, default_corpus_paths
+
+    files = corpus_files(paths) if paths else default_corpus_paths()
+    try:
+        index = json.loads((folder / INDEX).read_text())
+        if index.get("sources") == sources(files) and index.get("tokenizer") == str(Path(tokenizer).resolve()):
+            read_index(folder)
+            stream.write(f"  data: reusing the tokens in {folder}/\n")
+            return folder
+    except (OSError, ValueError):
+        pass
+    stream.write(f"  data: tokenizing {len(files)} files with {tokenizer} into {folder}/\n")
+    write_shards(load_tokenizer(tokenizer), files, folder, str(Path(tokenizer).resolve()), stream=stream)
+    return folder
 
 
 def is_token_folder(paths) -> bool:

@@ -107,3 +107,19 @@ def test_tokenize_command_names_bad_inputs(tmp_path):
     assert main(["tokenize", "--train-tokenizer", "280", "--out", str(tmp_path / "o"), str(tmp_path / "t.txt")]) == 0
     assert Path(tmp_path / "o" / "index.json").exists()
     assert np.fromfile(tmp_path / "o" / "shard-00000.bin", dtype=np.uint16).size > 0
+
+
+@pytest.mark.multirank
+def test_data_tokenizer_tokenizes_text_for_the_run_and_reuses_it(corpus, tmp_path):
+    from tests.test_train import SMALL2, losses, meshfold
+
+    root, out, _ = corpus
+    run = [*SMALL2, "--data", str(root), "--set", f"data.tokenizer={json.dumps(str(out / 'tokenizer.json'))}",
+           "--set", "model.vocab=300", "--set", "train.seq=16", "--out-dir", str(tmp_path)]
+    proc = meshfold("train", "--steps", "2", *run)
+    assert proc.returncode == 0 and "tokenizing 3 files" in proc.stdout, proc.stderr[-2000:]
+    assert TokenStream(tmp_path / "tokens")[0:50].tolist() == TokenStream(out)[0:50].tolist()
+    proc = meshfold("train", "--steps", "3", *run)
+    assert proc.returncode == 0 and "reusing the tokens" in proc.stdout and sorted(losses(tmp_path)) == [1, 2, 3]
+    proc = meshfold("train", "--steps", "3", *run[:-2], "--set", "model.vocab=256", "--out-dir", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "has 300 ids but model.vocab = 256" in proc.stderr, proc.stderr

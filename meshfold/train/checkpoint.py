@@ -5,7 +5,7 @@ Layout of ``<out_dir>/checkpoints/``::
     step_000100/            a complete checkpoint (renamed into place only when every rank is done)
         shard-*.safetensors DCP's Hugging Face storage: tensors + JSON sharding metadata
         trainer.json        step, config, fold, metrics counters (rank 0)
-        rng_rank0.json ...  each rank's torch RNG state
+        rng_rank0.json ...  each rank's torch RNG state (CPU, and its GPU's under CUDA)
     step_000200.tmp/        a save in progress or interrupted: never read
 
 Why these choices:
@@ -143,8 +143,11 @@ def save(path_root: str | os.PathLike, step: int, model, optimizer, trainer_stat
     with torch.no_grad():
         dcp.save(_tensors(model, optimizer),
                  storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    rng = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's own GPU's stream too
+        rng["cuda"] = torch.cuda.get_rng_state().tolist()
     with open(tmp / f"rng_rank{rank}.json", "w") as f:
-        json.dump({"torch": torch.get_rng_state().tolist()}, f)
+        json.dump(rng, f)
     if rank == 0:
         with open(tmp / "trainer.json", "w") as f:
             json.dump(trainer_state, f, indent=1)
@@ -193,5 +196,8 @@ def load(path: str | os.PathLike, model, optimizer=None, restore_rng: bool = Tru
         rng = path / f"rng_rank{rank}.json"
         if rng.exists():  # absent when resuming on more ranks than saved: fresh streams
             with open(rng) as f:
-                torch.set_rng_state(torch.tensor(json.load(f)["torch"], dtype=torch.uint8))
+                states = json.load(f)
+            torch.set_rng_state(torch.tensor(states["torch"], dtype=torch.uint8))
+            if "cuda" in states and torch.cuda.is_available():
+                torch.cuda.set_rng_state(torch.tensor(states["cuda"], dtype=torch.uint8))
     return state

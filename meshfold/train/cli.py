@@ -68,6 +68,15 @@ def main(args: argparse.Namespace) -> int:
             preflight.check_resume(out, cfg.train.resume)
             notes = prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
             _print_header(cfg, spec, mcfg, out, warnings + notes)
+        if cfg.data.tokenizer:  # every rank trains on the folder rank 0 fills before the ranks meet
+            from meshfold.tokens import tokenize_for_run
+
+            folder = out / "tokens"
+            if rank == 0:
+                tokenize_for_run(cfg.data.paths, cfg.data.tokenizer, folder)
+            cfg.data.paths = [str(folder)]
+            if rank == 0:
+                preflight.check_data(cfg)  # the size again, now in tokens
         return _launch(cfg, spec, out, rank)
     finally:
         if lock is not None:

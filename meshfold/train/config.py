@@ -159,6 +159,9 @@ class DataSettings:
                           "skipped")
     val_fraction: float = setting(0.05, float, "the last fraction of the text, held out for validation",
                                   low=0, high=1, open_low=True, open_high=True)
+    tokenizer: str | None = setting(None, str, "a Hugging Face tokenizers tokenizer.json, or a checkpoint folder "
+                                    "holding one: the text is tokenized into <out_dir>/tokens/ before the ranks "
+                                    "start (default: unset, byte-level)", optional=True)
 
 
 FOLD_KEYS = ("world_size", "tp", "cp", "dp", "pp", "etp", "ep", "edp")

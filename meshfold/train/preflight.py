@@ -41,6 +41,13 @@ def check_data(cfg) -> None:
     from meshfold.tokens import is_token_folder, read_index
 
     paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq
+    if cfg.data.tokenizer and not (paths and is_token_folder(paths)):
+        from meshfold.tokens import load_tokenizer
+
+        ids, vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(with_added_tokens=True), cfg.model_config().vocab
+        if ids > vocab:
+            raise ValueError(f"data.tokenizer {cfg.data.tokenizer} has {ids:,} ids but model.vocab = {vocab:,} "
+                             f"(ids >= {vocab:,} have no embedding); set --set model.vocab={ids}")
     if paths and is_token_folder(paths):
         index = read_index(paths[0])  # names a malformed index or a short shard
         vocab = cfg.model_config().vocab

@@ -106,6 +106,8 @@ def identity(cfg, mcfg) -> dict:
     out.update({f"train.{k}": getattr(cfg.train, k) for k in IDENTITY_TRAIN})
     out["data.paths"] = [os.path.abspath(p) for p in cfg.data.paths] or "Python standard library"
     out["data.val_fraction"] = cfg.data.val_fraction
+    if cfg.data.tokenizer:
+        out["data.tokenizer"] = os.path.abspath(cfg.data.tokenizer)
     return json.loads(json.dumps(out, default=str))  # as it reads back from run.json
 
 
