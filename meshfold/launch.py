@@ -25,7 +25,7 @@ Two guards keep ranks from outliving or silently stalling their launcher:
   the moment the launcher is gone, however it ended (SIGTERM, SIGKILL, the OOM killer): a rank's
   parent is the forkserver, not the launcher, so the kernel's parent-death signal cannot say so;
 * every rank beats a heartbeat from a background thread into shared memory; a rank whose beat is
-  older than half of ``timeout`` (it was stopped, or is stuck in the kernel) ends the job with
+  older than ``max(timeout / 2, 10 s)`` (it was stopped, or is stuck in the kernel) ends the job with
   :class:`RankError` naming it, before its peers' collective time-outs blame themselves.
 
 Ranks ignore SIGINT: a Ctrl-C reaches the whole terminal's process group, and the launcher alone
@@ -59,7 +59,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["RankError", "World", "spawn"]
+__all__ = ["RankError", "World", "spawn", "under_torchrun"]
 
 DEFAULT_TIMEOUT_S = 120.0
 # imported once by the forkserver (a failed import is skipped): the slow third-party imports every
@@ -70,7 +70,8 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
            "torch.distributed.fsdp"]
 
 
-HEARTBEAT_S = 1.0  # how often each rank beats; a rank is stalled after max(timeout / 2, 5 s) without
+HEARTBEAT_S = 1.0  # how often each rank beats; a rank is stalled after max(timeout / 2, 10 s) without
+STALL_FLOOR_S = 10.0
 
 
 class RankError(RuntimeError):
@@ -109,7 +110,8 @@ def _loopback_interface() -> str:
     return next((n for n in ("lo", "lo0") if n in names), names[0] if names else "lo")
 
 
-def _under_torchrun() -> bool:
+def under_torchrun() -> bool:
+    """Whether this process is a rank torchrun started (or the default group already exists)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -264,7 +266,9 @@ class _Procs:
         self.results = self.ctx.Queue()
         # each rank's last heartbeat (time.monotonic, one clock for all processes); 0: not yet
         self.beats = self.ctx.Array("d", world_size, lock=False)
-        self.stall_after = max(timeout / 2, 5.0)
+        self.stall_after = max(timeout / 2, STALL_FLOOR_S)
+        self._polled = time.monotonic()  # the launcher's own last look, to see it was paused
+        self._grace_until = 0.0
         self.procs = []
         for rank in range(world_size):
             p = self.ctx.Process(target=target, daemon=True,
@@ -298,6 +302,11 @@ class _Procs:
     def _stalled(self, out: dict) -> list[tuple[int, float]]:
         """``(rank, seconds since its last heartbeat)`` for each unfinished rank past the limit."""
         now = time.monotonic()
+        if now - self._polled > 2 * HEARTBEAT_S:  # the launcher itself was paused (Ctrl-Z, a
+            self._grace_until = now + 3 * HEARTBEAT_S  # frozen cgroup): let every rank beat again
+        self._polled = now
+        if now < self._grace_until:
+            return []
         return [(r, now - self.beats[r]) for r in range(self.world_size)
                 if r not in out and self.beats[r] > 0 and now - self.beats[r] > self.stall_after
                 and self.procs[r].exitcode is None]
@@ -329,7 +338,7 @@ class _Procs:
         if stalled:
             r, quiet = stalled[0]
             raise RankError(r, f"stopped responding: no heartbeat for {quiet:.0f} s "
-                               f"(limit {self.stall_after:.0f} s, half the timeout); it was stopped "
+                               f"(limit {self.stall_after:.0f} s: max(timeout / 2, {STALL_FLOOR_S:.0f} s)); it was stopped "
                                f"(SIGSTOP, a debugger) or is stuck in the kernel", errors) from None
         crashed = [r for r in crashed if r not in {q for q, _ in stalled}]
         if crashed:
@@ -362,7 +371,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TI
     """
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if _under_torchrun():
+    if under_torchrun():
         return _run_under_torchrun(fn, world_size, args, timeout)
     procs = _Procs(_spawn_entry, world_size, timeout, lambda rank: (fn, args))
     try:

@@ -18,7 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
                      help="train a byte-level BPE tokenizer of VOCAB ids on the files (saved to OUT)")
     parser.add_argument("--out", required=True, help="folder for the shards, index.json (and tokenizer.json)")
-    parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="ids per shard (default 2^27)")
+    parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="a shard closes after the document that reaches this many ids (default 2^27)")
     parser.add_argument("files", nargs="+", help="text files or folders (hidden and binary files skipped)")
 
 

@@ -49,11 +49,11 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
+        raise ValueError(f"tokenizer {path}: no tokenizer.json there")
     try:
         return _tokenizers().Tokenizer.from_file(str(file))
     except Exception as err:  # noqa: BLE001 - tokenizers raises its own exception types
-        raise ValueError(f"--tokenizer {file}: not a tokenizers file ({err})") from None
+        raise ValueError(f"tokenizer {file}: not a tokenizers file ({err})") from None
 
 
 def eos_id(tok) -> int:
@@ -125,8 +125,8 @@ def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_t
 
 def sources(files: list[Path]) -> list:
     """What a token folder was made from: ``[path, size, mtime_ns]`` of each file, to reuse it
-    only while the text is unchanged."""
-    return [[str(Path(f).resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    only while the text (and the tokenizer file) is unchanged."""
+    return [[str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files]
 
 
 def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdout) -> Path:
@@ -135,9 +135,10 @@ def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdou
     from meshfold.data import corpus_files, default_corpus_paths
 
     files = corpus_files(paths) if paths else default_corpus_paths()
+    file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
     try:
         index = json.loads((folder / INDEX).read_text())
-        if index.get("sources") == sources(files) and index.get("tokenizer") == str(Path(tokenizer).resolve()):
+        if index.get("sources") == sources(files) and index.get("tokenizer_file") == sources([file])[0]:
             read_index(folder)
             stream.write(f"  data: reusing the tokens in {folder}/\n")
             return folder
@@ -145,6 +146,9 @@ def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdou
         pass
     stream.write(f"  data: tokenizing {len(files)} files with {tokenizer} into {folder}/\n")
     write_shards(load_tokenizer(tokenizer), files, folder, str(Path(tokenizer).resolve()), stream=stream)
+    index = json.loads((folder / INDEX).read_text())
+    index["tokenizer_file"] = sources([file])[0]
+    (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return folder
 
 
@@ -164,6 +168,9 @@ def read_index(folder: str | Path) -> dict:
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as err:
         raise ValueError(f"{folder / INDEX} is not a meshfold token index ({type(err).__name__}: {err}); "
                          f"rewrite it with meshfold tokenize") from None
+    if sum(s["tokens"] for s in shards) != index.get("tokens"):
+        raise ValueError(f"{folder / INDEX}: its shards hold {sum(s['tokens'] for s in shards):,} tokens, "
+                         f"not the {index.get('tokens')} it says; rerun meshfold tokenize")
     for s in shards:
         path = folder / s["file"]
         size = path.stat().st_size if path.is_file() else -1

@@ -155,7 +155,7 @@ def test_generate_and_export(tmp_path):
     for target in (tmp_path / "hf", tmp_path, tmp_path / "checkpoints" / "step_000003"):
         proc = meshfold("export", str(tmp_path), str(target))
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert ("not empty" if target.name == "hf" else "being read") in proc.stderr, proc.stderr
+        assert ("not empty" if target.name == "hf" else "run being read") in proc.stderr, proc.stderr
     assert meshfold("export", str(tmp_path), str(tmp_path / "hf"), "--force").returncode == 0
     import torch
 

@@ -198,6 +198,6 @@ def load(path: str | os.PathLike, model, optimizer=None, restore_rng: bool = Tru
             with open(rng) as f:
                 states = json.load(f)
             torch.set_rng_state(torch.tensor(states["torch"], dtype=torch.uint8))
-            if "cuda" in states and torch.cuda.is_available():
+            if "cuda" in states and torch.cuda.is_initialized():  # a rank training on its GPU
                 torch.cuda.set_rng_state(torch.tensor(states["cuda"], dtype=torch.uint8))
     return state

@@ -36,8 +36,8 @@ def _config(args):
     return cfg
 
 
-class Stopped(Exception):
-    """The launcher was asked to stop (SIGTERM): raised in the main thread like KeyboardInterrupt."""
+class Stopped(KeyboardInterrupt):
+    """The launcher was asked to stop (SIGTERM): raised in the main thread, handled like Ctrl-C."""
 
     def __init__(self, signum: int):
         self.signum = signum
@@ -45,18 +45,40 @@ class Stopped(Exception):
 
 
 def _raise_stopped(signum, frame):
+    signal.signal(signum, signal.SIG_IGN)  # one stop is enough: a second signal must not interrupt it
     raise Stopped(signum)
 
 
 def main(args: argparse.Namespace) -> int:
+    from meshfold.launch import under_torchrun
+
+    local = not under_torchrun()  # under torchrun, torchrun supervises and signals the ranks
+    if not local:
+        return _main(args, local)
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        return _main(args, local)
+    except KeyboardInterrupt as err:  # before or after the ranks ran (during them: _launch)
+        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+        print(f"\nmeshfold train: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace, local: bool) -> int:
     cfg = _config(args)
     spec, mcfg = cfg.validate()  # every setting checked before any process starts
-    from meshfold.train import preflight
+    from meshfold.train import faults, preflight
 
+    faults.parse()  # a test's fault list that does not parse fails here, not in the ranks
+    if cfg.data.tokenizer and not local:
+        raise ValueError("data.tokenizer under torchrun: tokenize once beforehand with meshfold tokenize "
+                         "--tokenizer T --out DIR FILES, then train with --data DIR")
     warnings = preflight.check_launch(spec.world_size)
     preflight.check_data(cfg)
     out = Path(cfg.train.out_dir)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = 0 if local else int(os.environ["RANK"])
     lock = None
     if rank == 0:  # under torchrun the global rank 0 keeps the folder for the whole job
         from meshfold.train.rundir import RunLock, prepare
@@ -68,19 +90,34 @@ def main(args: argparse.Namespace) -> int:
             preflight.check_resume(out, cfg.train.resume)
             notes = prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
             _print_header(cfg, spec, mcfg, out, warnings + notes)
-        if cfg.data.tokenizer:  # every rank trains on the folder rank 0 fills before the ranks meet
+            done = _steps_done(out) if cfg.train.resume and local else 0
+            end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+            if done >= end:  # no rank needs to start to learn that
+                print(f"done: nothing to train: the newest checkpoint is at step {done} and train.steps = "
+                      f"{cfg.train.steps}; checkpoint {_latest_checkpoint(out)}")
+                return 0
+        if cfg.data.tokenizer:  # local only: the ranks start after the folder is filled
             from meshfold.tokens import tokenize_for_run
 
-            folder = out / "tokens"
-            if rank == 0:
-                tokenize_for_run(cfg.data.paths, cfg.data.tokenizer, folder)
-            cfg.data.paths = [str(folder)]
-            if rank == 0:
-                preflight.check_data(cfg)  # the size again, now in tokens
-        return _launch(cfg, spec, out, rank)
+            cfg.data.paths = [str(tokenize_for_run(cfg.data.paths, cfg.data.tokenizer, out / "tokens"))]
+            cfg.data.tokenizer = None  # the ranks read the tokens (run.json keeps what made them)
+            preflight.check_data(cfg)  # the size again, now in tokens
+        return _launch(cfg, spec, out, rank, local)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _latest_checkpoint(out: Path):
+    from meshfold.train import checkpoint
+
+    return checkpoint.latest(out / "checkpoints")
+
+
+def _steps_done(out: Path) -> int:
+    """The step of the run folder's newest complete checkpoint (0 without one)."""
+    last = _latest_checkpoint(out)
+    return json.loads((last / "trainer.json").read_text())["step"] if last is not None else 0
 
 
 def _print_header(cfg, spec, mcfg, out: Path, notes: list[str]) -> None:
@@ -97,15 +134,12 @@ def _print_header(cfg, spec, mcfg, out: Path, notes: list[str]) -> None:
         print(f"  {line}", flush=True)
 
 
-def _launch(cfg, spec, out: Path, rank: int) -> int:
+def _launch(cfg, spec, out: Path, rank: int, local: bool) -> int:
     """Run the ranks; every way the job can end becomes one or two lines and an exit code."""
-    from meshfold.launch import RankError, _under_torchrun, spawn
+    from meshfold.launch import RankError, spawn
     from meshfold.train.loop import train_rank
     from meshfold.train.plots import write_plots
 
-    local = not _under_torchrun()  # under torchrun, torchrun supervises and signals the ranks
-    if local:
-        previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:  # train.timeout bounds each collective; the run itself may take as long as it needs
         results = spawn(train_rank, spec.world_size, cfg, timeout=cfg.train.timeout)
     except RankError as err:
@@ -118,7 +152,7 @@ def _launch(cfg, spec, out: Path, rank: int) -> int:
     except TimeoutError as err:
         print(f"meshfold train: {err}", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, Stopped) as err:
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM as Stopped
         signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
         from meshfold.train import checkpoint
 
@@ -126,9 +160,6 @@ def _launch(cfg, spec, out: Path, rank: int) -> int:
         print(f"\nmeshfold train: stopped by {signal.Signals(signum).name}; every rank has ended. "
               f"Newest checkpoint: {last or 'none yet'}; rerun the same command to resume", file=sys.stderr)
         return 128 + signum
-    finally:
-        if local:
-            signal.signal(signal.SIGTERM, previous)
     if rank == 0:
         plots = write_plots(out)
         r = results[0]
@@ -233,9 +264,9 @@ def main_export(args: argparse.Namespace) -> int:
     from meshfold.models.hf import save_pretrained
 
     src, dst = Path(args.checkpoint).resolve(), Path(args.out).resolve()
-    run = src if (src / "checkpoints").is_dir() else src.parent.parent if src.parent.name == "checkpoints" else src
-    if dst == run or dst == src or run / "checkpoints" in (dst, *dst.parents):
-        raise ValueError(f"export target {args.out} is the run or checkpoint folder being read; "
+    run = src.parent.parent if src.parent.name == "checkpoints" else src
+    if dst in (run, src) or run / "checkpoints" in (dst, *dst.parents):
+        raise ValueError(f"export target {args.out} is the run being read or inside its checkpoints; "
                          f"choose a folder of its own")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.force:
         raise ValueError(f"export target {args.out} is not empty; choose an empty or new folder, or pass "

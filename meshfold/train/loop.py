@@ -70,7 +70,7 @@ def _global_loss(model, tokens, targets, spec, rank, backward: bool, microbatche
     if isinstance(model, Pipeline):
         return model.step(lt, ltg, pos, backward=backward).item()
     if microbatches > 1:
-        return accumulate(model, lt, ltg, pos, microbatch_counts(targets, spec.dp, microbatches), backward)
+        return accumulate(model, lt, ltg, pos, microbatch_counts(ltg, microbatches), backward)
     loss = model.loss(lt, ltg, pos)
     if backward:
         loss.backward()
@@ -85,31 +85,34 @@ def dp_rows(spec, rank: int, batch: int) -> range:
     return range(d * b, (d + 1) * b)
 
 
-def microbatch_counts(targets: torch.Tensor, dp: int, microbatches: int) -> list[float]:
-    """Counted target tokens (!= -100) of each global micro-batch: micro-batch i is the i-th
-    slice of every dp rank's rows of the global [B, S] ``targets``."""
-    B = targets.shape[0]
-    per_rank = targets.reshape(dp, microbatches, B // (dp * microbatches), -1)
-    return (per_rank != -100).sum(dim=(0, 2, 3)).double().tolist()
+def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list[float]:
+    """Counted target tokens (!= -100) of each global micro-batch, from this rank's own [b, s]
+    targets: micro-batch i is the i-th slice of every dp rank's rows, and without pp every
+    global token sits on exactly one rank, so one all-reduce of the local counts sums them."""
+    b = local_targets_bs.shape[0]
+    counts_m = (local_targets_bs.reshape(microbatches, b // microbatches, -1) != -100).sum(dim=(1, 2)).double()
+    dist.all_reduce(counts_m)
+    return counts_m.tolist()
 
 
-def accumulate(model, tokens, targets, positions, counts: list[float], backward: bool) -> float:
-    """Gradient accumulation without pp: this rank's local ``tokens`` / ``targets`` ([b, s])
+def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], backward: bool) -> float:
+    """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s])
     cut into ``len(counts)`` micro-batches along the batch dim, one forward + backward each.
 
     ``model.loss`` of micro-batch i is its global mean, ``sum_i / counts[i]``; weighting it by
     ``counts[i] / sum(counts)`` makes the micro-batches add up to the whole batch's mean loss and
-    gradients (up to summation order), as Pipeline's schedules do. MoE balancing losses attach per
-    micro-batch (Megatron-Core's definition), so with them on, the single-device equivalent is
-    accumulation over the same micro-batches. Under FSDP2 only the last backward reduce-scatters.
+    gradients (up to summation order), as Pipeline's schedules do. MoE balancing losses are
+    computed per micro-batch (Megatron-Core's definition) and attach with their full coefficient,
+    as under Pipeline: their gradients add up over the micro-batches, where Megatron-Core scales
+    each by 1 / microbatches. Under FSDP2 only the last backward reduce-scatters.
     """
     m, total = len(counts), sum(counts)
     sync = getattr(model, "set_requires_gradient_sync", None)
     loss = 0.0
-    for i, (t, y) in enumerate(zip(tokens.chunk(m), targets.chunk(m))):
+    for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
         if sync is not None and backward:
             sync(i == m - 1)
-        part = model.loss(t, y, positions) * (counts[i] / total)
+        part = model.loss(tokens_ms, targets_ms, positions) * (counts[i] / total)
         if backward:
             part.backward()
         loss += part.item()

@@ -41,6 +41,8 @@ def check_data(cfg) -> None:
     from meshfold.tokens import is_token_folder, read_index
 
     paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq
+    if cfg.data.tokenizer and paths and is_token_folder(paths):
+        raise ValueError(f"data.tokenizer with --data {paths[0]}, which is tokenized already: drop one of them")
     if cfg.data.tokenizer and not (paths and is_token_folder(paths)):
         from meshfold.tokens import load_tokenizer
 
@@ -52,7 +54,7 @@ def check_data(cfg) -> None:
         index = read_index(paths[0])  # names a malformed index or a short shard
         vocab = cfg.model_config().vocab
         if index["vocab_size"] > vocab:
-            raise ValueError(f"--data {paths[0]}: its tokenizer has {index['vocab_size']:,} ids but model.vocab "
+            raise ValueError(f"data {paths[0]}: its tokenizer has {index['vocab_size']:,} ids but model.vocab "
                              f"= {vocab:,} (ids >= {vocab:,} have no embedding); set --set "
                              f"model.vocab={index['vocab_size']}")
         n_train = int(index["tokens"] * (1 - vf))
@@ -61,10 +63,10 @@ def check_data(cfg) -> None:
         unit = "bytes"
         files = corpus_files(paths) if paths else default_corpus_paths()
         n_train, n_val = split_sizes(files, vf)
-    where = " ".join(map(str, paths)) if paths else "the standard library"
+    where = f"data {' '.join(map(str, paths))}" if paths else "the standard library's text"
     for split, n in (("training", n_train), ("validation", n_val)):
         if n <= seq + 1:
-            raise ValueError(f"--data {where}: the {split} text would have {n:,} {unit} (data.val_fraction "
+            raise ValueError(f"{where}: the {split} text would have {n:,} {unit} (data.val_fraction "
                              f"= {vf:g} of {n_train + n_val:,}), not more than train.seq + 1 = {seq + 1}; "
                              f"give more text, a shorter train.seq or another data.val_fraction")
 
@@ -72,6 +74,9 @@ def check_data(cfg) -> None:
 def check_writable(out: Path) -> None:
     """The run folder and its ``checkpoints/`` accept new files."""
     for folder in (out, out / "checkpoints"):
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"train.out_dir: {folder} is a file, where a folder belongs; move it or choose "
+                             f"another --out-dir")
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):

@@ -106,13 +106,15 @@ def identity(cfg, mcfg) -> dict:
     out.update({f"train.{k}": getattr(cfg.train, k) for k in IDENTITY_TRAIN})
     out["data.paths"] = [os.path.abspath(p) for p in cfg.data.paths] or "Python standard library"
     out["data.val_fraction"] = cfg.data.val_fraction
-    if cfg.data.tokenizer:
-        out["data.tokenizer"] = os.path.abspath(cfg.data.tokenizer)
+    out["data.tokenizer"] = os.path.abspath(cfg.data.tokenizer) if cfg.data.tokenizer else None
     return json.loads(json.dumps(out, default=str))  # as it reads back from run.json
 
 
 def _has_run(out: Path) -> bool:
-    return any((out / name).exists() for name in ("checkpoints", "metrics.jsonl", IDENTITY))
+    """Whether the folder holds anything of a run (an empty checkpoints/ does not count)."""
+    ckpts = out / "checkpoints"
+    return (out / "metrics.jsonl").exists() or (out / IDENTITY).exists() or \
+        (ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()))
 
 
 def _recorded(out: Path, cfg, now: dict) -> tuple[dict, int | None]:
@@ -156,16 +158,20 @@ def prepare(lock: RunLock, cfg, mcfg) -> list[str]:
     now = identity(cfg, mcfg)
     steps = cfg.train.steps
     if _has_run(out) and not cfg.train.resume:
-        aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.rename(out, aside)  # the held lock moves with it: nobody can enter the old run
+        real = out.resolve()  # a symlinked run folder: move what it points to, not the link
+        aside = real.with_name(f"{real.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        os.rename(real, aside)  # the held lock moves with it: nobody can enter the old run
         lock.release()
         lock.acquire()  # a fresh folder and lock; if another run got in first, this raises
         notes.append(f"train.resume=false: moved the earlier run in {out} to {aside}; starting over")
     elif _has_run(out):
         old, old_steps = _recorded(out, cfg, now)
-        diff = [k for k in sorted(set(old) | set(now)) if k in old and old[k] != now.get(k)]
+        # a run.json lists every identity key, so a setting only one side has differs too; a
+        # folder from before run.json existed records only some keys, and only those compare
+        keys = set(old) | set(now) if (out / IDENTITY).exists() else set(old)
+        diff = sorted(k for k in keys if old.get(k) != now.get(k))
         if diff:
-            shown = "; ".join(f"{k} {old[k]!r} -> {now.get(k)!r}" for k in diff[:6])
+            shown = "; ".join(f"{k} {old.get(k)!r} -> {now.get(k)!r}" for k in diff[:6])
             more = f" (and {len(diff) - 6} more)" if len(diff) > 6 else ""
             raise ValueError(f"{out} holds a run with other settings: {shown}{more}. Use another "
                              f"--out-dir for a new run, or train.resume=false to start this one over")
