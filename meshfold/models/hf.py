@@ -397,10 +397,12 @@ def _from_pretrained_folded(path, hf, cfg, model, mesh) -> MoETransformer:
     state = load_state(path, cfg, select=select, arch=_architecture(hf))
     state = {n: t.to(params[n].dtype).contiguous() for n, t in state.items()}
     parallelize(model, mesh, local_state=state)
-    for module in model.modules():  # buffers (none in HF MoE checkpoints) start at their defaults
-        for bname, buf in list(module.named_buffers(recurse=False)):
+    kind = mesh.device_type
+    device = torch.device(kind) if kind == "cpu" else torch.device(kind, torch.get_device_module(kind).current_device())
+    for module in model.modules():  # buffers (none in HF MoE checkpoints) start at their defaults,
+        for bname, buf in list(module.named_buffers(recurse=False)):  # on the mesh's device
             if buf.is_meta:
-                module.register_buffer(bname, torch.zeros(buf.shape, dtype=buf.dtype))
+                module.register_buffer(bname, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
     return model
 
 
