@@ -5,13 +5,16 @@
   one named mesh dim; :func:`exchange_splits` learns receive counts (the one host sync).
 * :func:`redistribute`: layout changes that keep the global tensor, including moves between the
   folded ``attn`` and ``moe`` views.
+* :func:`local_view`: a DTensor parameter's local shard with Partial gradients, for single-device
+  code applied to each rank's own tokens.
 """
 
-from meshfold.placements.collectives import (all_gather_v, all_to_all_v, exchange_splits,
-                                             reduce_scatter_v, set_debug_checks)
+from meshfold.placements.collectives import (all_gather_v, all_to_all_v, exchange_splits, gather_equal,
+                                             reduce_scatter_v, set_debug_checks, sum_statistic)
+from meshfold.placements.params import local_view, partial_grads
 from meshfold.placements.ragged import RaggedShard, RaggedTensor, chunk_sizes
 from meshfold.placements.redistribute import redistribute, resplit_sizes
 
 __all__ = ["RaggedShard", "RaggedTensor", "all_gather_v", "all_to_all_v", "chunk_sizes",
-           "exchange_splits", "reduce_scatter_v", "redistribute", "resplit_sizes",
-           "set_debug_checks"]
+           "exchange_splits", "gather_equal", "local_view", "partial_grads", "reduce_scatter_v",
+           "redistribute", "resplit_sizes", "set_debug_checks", "sum_statistic"]
