@@ -44,11 +44,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshfold.models.dispatcher import gather_rows
-from meshfold.placements import all_gather_v, all_to_all_v, reduce_scatter_v
+from meshfold.placements import (all_gather_v, all_to_all_v, gather_equal, local_view, reduce_scatter_v,
+                                  sum_statistic)
 from meshfold.placements.collectives import debug_checks_enabled
 
 __all__ = ["MOE_LAYOUT", "LocalComm", "FoldedComm", "parallelize_moe"]
@@ -138,10 +138,7 @@ class FoldedComm:
 
     # ---- parameters ----
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        if not isinstance(p, DTensor):
-            return p
-        grad_placements = [Partial() if isinstance(q, Replicate) else q for q in p.placements]
-        return p.to_local(grad_placements=grad_placements)
+        return local_view(p)
 
     def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a tile mask: experts over ep, ffn tiles over etp (dim 3 of the
@@ -155,11 +152,7 @@ class FoldedComm:
     # ---- token statistics ----
     def sum(self, t: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
         """Sum a (non-differentiable) statistic over attention dims, e.g. ("cp", "tp")."""
-        t = t.detach().clone()
-        for d in dims:
-            if getattr(self, d) > 1:
-                dist.all_reduce(t, group=self.attn.get_group(d))
-        return t
+        return sum_statistic(t, self.attn, dims)
 
     def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
         """Concatenate per-token rows over attention dims (rank-major, innermost dim fastest);
@@ -179,11 +172,10 @@ class FoldedComm:
         """[n_local] * group size; with debug checks on, verified across the group first."""
         n = getattr(self, dim)
         if debug_checks_enabled():
-            seen = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-            dist.all_gather(seen, torch.tensor([n_local], device=device), group=self.attn.get_group(dim))
-            if len({int(v) for v in seen}) > 1:
+            seen = gather_equal(torch.tensor([n_local], device=device), self.attn, dim).flatten().tolist()
+            if len(set(seen)) > 1:
                 raise ValueError(f"ranks of attn dim {dim!r} hold different token counts "
-                                 f"{[int(v) for v in seen]}; the MoE layer needs an even split")
+                                 f"{seen}; the MoE layer needs an even split")
         return [n_local] * n
 
     # ---- dispatch ----
@@ -195,15 +187,8 @@ class FoldedComm:
         E, ep, etp = num_experts, self.ep, self.etp
         El = E // ep
         # counts of every rank in my ep x etp block: [etp][ep][E] host ints (the one sync)
-        block = counts_E.to(torch.int64).unsqueeze(0)  # [1, E]
-        for d, n in (("ep", ep), ("etp", etp)):
-            if n > 1:
-                parts = [torch.empty_like(block) for _ in range(n)]
-                dist.all_gather(parts, block, group=self.moe.get_group(d))
-                block = torch.stack(parts)
-            else:
-                block = block.unsqueeze(0)
-        C = block.reshape(etp, ep, E).tolist()  # C[q][i][e]: the host sync
+        block = gather_equal(gather_equal(counts_E.to(torch.int64), self.moe, "ep"), self.moe, "etp")
+        C = block.tolist()  # C[q][i][e]: the host sync
         j = self.ep_rank
         mine = C[self.moe.get_local_rank("etp")]  # my ep group's counts, mine[j] = this rank's
         send = [sum(mine[j][d * El:(d + 1) * El]) for d in range(ep)]

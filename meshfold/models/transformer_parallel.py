@@ -44,12 +44,13 @@ from meshfold.models.attention import CausalMaskCache
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
-from meshfold.placements import all_gather_v, reduce_scatter_v
+from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
 
 __all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "shard_batch", "local_positions",
            "grad_norm", "full_state_dict", "single_device_name"]
 
 R = Replicate()
+ATTN_DIMS = ("dp", "cp", "tp")
 
 # parameter name suffix -> placements over attn (dp, cp, tp)
 TRANSFORMER_LAYOUT = {
@@ -81,10 +82,6 @@ class _Local(nn.Module):
 
     def forward(self, p):
         return p.to_local(grad_placements=self.grad_placements)
-
-
-def _partial_grads(placements):
-    return [Partial() if isinstance(p, Replicate) else p for p in placements]
 
 
 class _TensorParallel(nn.Module):
@@ -208,7 +205,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
-        parametrize.register_parametrization(module, attr, _Local(_partial_grads(placements)), unsafe=True)
+        parametrize.register_parametrization(module, attr, _Local(partial_grads(placements)), unsafe=True)
     masks = CausalMaskCache()  # one mask per forward for all layers (context parallelism)
     for block in blocks.values():
         if spec.cp > 1:
@@ -220,7 +217,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
                 block.mlp = _TensorParallel(block.mlp, attn_mesh, spec.tp, positional=False)
     model.folded = folded
     model.gather_logits = _GlobalLogits(attn_mesh, spec)
-    model.reduce_loss = _global_mean
+    model.reduce_loss = _GlobalMeanLoss(attn_mesh)
     if data_parallel == "fsdp":
         _fully_shard(model, folded)
     return model
@@ -288,24 +285,29 @@ class _GlobalLogits:
 
 
 class _GlobalMean(torch.autograd.Function):
-    """Forward: sum of every rank's ``(loss sum, token count)``, divided. Backward: each rank's
-    local sum gets ``1 / global count``, its own share (not the all-reduce's adjoint, which would
-    count every rank's gradient world-size times)."""
+    """Forward: sum of every rank's ``(loss sum, token count)`` over the attention mesh,
+    divided. Backward: each rank's local sum gets ``1 / global count``, its own share (not the
+    all-reduce's adjoint, which would count every rank's gradient world-size times)."""
 
     @staticmethod
-    def forward(ctx, total, count):
-        both = torch.stack([total.detach().double(), count.double()])
-        dist.all_reduce(both)
+    def forward(ctx, total, count, mesh):
+        both = sum_statistic(torch.stack([total.detach().double(), count.double()]), mesh, ATTN_DIMS)
         ctx.n = both[1]
         return (both[0] / both[1]).to(total.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad / ctx.n.to(grad.dtype), None
+        return grad / ctx.n.to(grad.dtype), None, None
 
 
-def _global_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    return _GlobalMean.apply(total, count)
+class _GlobalMeanLoss:
+    """``model.reduce_loss``: a rank's (cross-entropy sum, token count) -> the global mean."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def __call__(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return _GlobalMean.apply(total, count, self.mesh)
 
 
 # ---- data layout -----------------------------------------------------------------------------
