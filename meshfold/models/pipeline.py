@@ -43,11 +43,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.moe import MoELayer
-from meshfold.models.transformer import MoETransformer, cross_entropy_sum, run_blocks
+from meshfold.models.transformer import MoETransformer, cross_entropy_sum, run_layers
 from meshfold.models.transformer_parallel import parallelize
 
 __all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline"]
@@ -81,12 +80,7 @@ class ModelChunk(nn.Module):
         self.positions: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        x = run_blocks(self.layers.values(), x, self.positions, self.cfg)
-        if self.norm is not None:
-            x = F.linear(self.norm(x), self.head.weight)
-        return x
+        return run_layers(self, x, self.positions)
 
 
 def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int) -> None:
