@@ -29,7 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from meshfold.kernels import cpu_grouped
 
-__all__ = ["capacity", "gather_rows", "keep_mask", "permute", "scatter_rows", "scatter_rows_reference", "unpermute",
+__all__ = ["capacity", "drop_pairs", "gather_rows", "keep_mask", "permute", "scatter_rows", "scatter_rows_reference", "unpermute",
            "unpermute_reference", "Permuted"]
 
 
@@ -58,6 +58,25 @@ def keep_mask(experts_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int
     rank_in_expert = torch.empty_like(position)
     rank_in_expert[order] = position - start_E[e[order]]
     return (rank_in_expert < cap).reshape(T, k)
+
+
+def drop_pairs(experts_TK: torch.Tensor, probs_TK: torch.Tensor, cfg, comm) -> tuple[torch.Tensor | None, int | None]:
+    """(keep_TK bool [T, k] or None when dropless, rows per expert to pad to or None) under the
+    layer's config: sub-sequence dropping decides on this rank's tokens, full-sequence dropping on
+    the DP rank's tokens, gathered over attn (cp, tp) with ``comm.gather_tokens``."""
+    if cfg.capacity_factor is None:
+        return None, None
+    T, k = experts_TK.shape
+    if cfg.drop_scope == "sub_sequence":
+        cap = capacity(T, k, cfg.num_experts, cfg.capacity_factor)
+        keep = keep_mask(experts_TK, probs_TK, cfg.num_experts, cap, cfg.drop_policy)
+    else:
+        both = torch.cat([experts_TK.to(probs_TK.dtype), probs_TK.detach()], dim=1)
+        group, offset = comm.gather_tokens(both, ("cp", "tp"))
+        g_experts, g_probs = group[:, :k].long(), group[:, k:]
+        cap = capacity(group.shape[0], k, cfg.num_experts, cfg.capacity_factor)
+        keep = keep_mask(g_experts, g_probs, cfg.num_experts, cap, cfg.drop_policy)[offset:offset + T]
+    return keep, (cap if cfg.pad_to_capacity else None)
 
 
 def _counts(e: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -143,12 +143,35 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_gate_up, std=hidden ** -0.5)
         nn.init.normal_(self.w_down, std=ffn ** -0.5)
 
-    def forward(self, x_MH, offsets_E, local=lambda name, p: p, masks=(None, None)):
-        """:func:`expert_ffn` on ``local(name, weight)``, this rank's shards (the layer's comm).
-        The weights are read here, inside the module call, so module hooks (FSDP2's all-gather
-        of expert weights over ``edp``) see it."""
+    def forward(self, x_MH, offsets_E, local=lambda name, p: p, local_mask=lambda name, m: m):
+        """:func:`expert_ffn` on ``local(name, weight)``, this rank's shards (the layer's comm),
+        with this rank's slices of the tile masks if there are any. The weights are read here,
+        inside the module call, so module hooks (FSDP2's all-gather of expert weights over
+        ``edp``) see it."""
+        masks = (None, None)
+        if hasattr(self, "mask_gate_up"):
+            m1 = local_mask("experts.mask_gate_up", self.mask_gate_up)  # [E, H/bk, two, F/bn]
+            masks = (m1.reshape(m1.shape[0], m1.shape[1], -1), local_mask("experts.mask_down", self.mask_down))
         return expert_ffn(x_MH, local("experts.w_gate_up", self.w_gate_up), local("experts.w_down", self.w_down),
                           offsets_E, self.kind, masks)
+
+    # ---- tile-sparse experts ---------------------------------------------------------------
+    def add_tile_masks(self, sp, etp: int = 1) -> None:
+        """Per-expert tile masks of ``sp`` (an ExpertSparsity): gate_up [E, H/bk, two, F/bn]
+        (gate and up tiles kept apart, so an ETP shard of F takes matching tiles of both) and
+        down [E, F/bk, H/bn]; ``etp`` checks that the tiles divide every ETP shard of F."""
+        E, H, two, Fn = self.w_gate_up.shape
+        gate_up = sp.new_mask(E, H, Fn, etp=etp, etp_dim="N")  # checks tiles vs. F and its shards
+        self.register_buffer("mask_gate_up", gate_up.unsqueeze(2).expand(-1, -1, two, -1).contiguous())
+        self.register_buffer("mask_down", sp.new_mask(E, Fn, H, etp=etp, etp_dim="K"))
+
+    def sparse_layers(self) -> dict:
+        """``{name: (weight parameter, mask [E, Kt, Nt])}`` for ``meshfold.sparsity.TilePruner``:
+        ``w_down`` [E, F, H]; ``w_gate_up`` [E, H, 2, F], which the pruner reads as [E, H, 2F]
+        (gate columns, then up), with its mask [E, H/bk, 2, F/bn] viewed the same way."""
+        m = self.mask_gate_up
+        return {"w_gate_up": (self.w_gate_up, m.view(m.shape[0], m.shape[1], -1)),
+                "w_down": (self.w_down, self.mask_down)}
 
 
 class SharedExpert(nn.Module):
