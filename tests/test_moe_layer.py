@@ -335,6 +335,7 @@ def test_fast_combine_equals_reference_with_gradients(dtype, tol):
 def test_combine_in_parts_on_the_pool_equals_one_part(dtype, monkeypatch):
     """The combine's parts (tiny here, so many run on two pool workers) give bitwise the values
     and gradients of one part: every output element is written by one part with the same ops."""
+    from meshfold.kernels import combine
     from meshfold.models import dispatcher
 
     _, probs, perm, y = _routed(101, 3, 5, 16, dtype)
@@ -344,7 +345,7 @@ def test_combine_in_parts_on_the_pool_equals_one_part(dtype, monkeypatch):
     torch.set_num_threads(2)
     try:
         for rows in (10**6, 7):
-            monkeypatch.setattr(dispatcher, "COMBINE_ROWS", rows)
+            monkeypatch.setattr(combine, "COMBINE_ROWS", rows)
             out = dispatcher.unpermute(y, perm, 101)
             results.append((out, *torch.autograd.grad(out, (y, probs), dout)))
     finally:
@@ -356,7 +357,7 @@ def test_combine_in_parts_on_the_pool_equals_one_part(dtype, monkeypatch):
 def test_fast_permute_gradient_equals_plain_indexing():
     """gather_rows' backward (index_add) is autograd's x[token] backward, fp32-accumulated in
     bf16: equal to the fp64 sum rounded once."""
-    from meshfold.models.dispatcher import gather_rows
+    from meshfold.kernels import gather_rows
 
     for dtype in (torch.float64, torch.bfloat16):
         x, _, perm, _ = _routed(29, 4, 6, 8, dtype)
@@ -372,10 +373,10 @@ def test_fast_permute_gradient_equals_plain_indexing():
 def test_fast_swiglu_equals_reference_with_gradients(dtype, rows_per_part, monkeypatch):
     """Bitwise the plain definition, whether the rows run as one part or as parts on the pool
     (two intra-op threads, so the pool is used; 23 rows cut into 23, 5 or 1 parts)."""
-    from meshfold.models import experts
-    from meshfold.models.experts import swiglu, swiglu_reference
+    from meshfold.kernels import ffn
+    from meshfold.kernels import swiglu, swiglu_reference
 
-    monkeypatch.setattr(experts, "PART_ELEMENTS", rows_per_part * 2 * 7)
+    monkeypatch.setattr(ffn, "PART_ELEMENTS", rows_per_part * 2 * 7)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -395,23 +396,23 @@ def test_fast_swiglu_equals_reference_with_gradients(dtype, rows_per_part, monke
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_gelu_in_parts_equals_torch_gelu_with_gradients(dtype, rows_per_part, monkeypatch):
     """One ``F.gelu``'s values and gradient to a few ulps, whether run whole or in parts on the pool."""
-    from meshfold.models import experts
+    from meshfold.kernels import ffn
 
-    monkeypatch.setattr(experts, "PART_ELEMENTS", rows_per_part * 7)
+    monkeypatch.setattr(ffn, "PART_ELEMENTS", rows_per_part * 7)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         h = torch.randn(23, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
         h.requires_grad_()
         da = torch.randn(23, 7, dtype=torch.float64).to(dtype)
-        got, want = experts.gelu(h), F.gelu(h)
+        got, want = ffn.gelu(h), F.gelu(h)
         # a part's last elements may take ATen's scalar erf instead of the vector one: a few ulps
         # (bf16 computes in fp32, so at most one bf16 ulp after rounding)
         ulps = dict(rtol=(1 if dtype == torch.bfloat16 else 16) * torch.finfo(dtype).eps, atol=torch.finfo(dtype).tiny)
         torch.testing.assert_close(got, want, **ulps)
         torch.testing.assert_close(torch.autograd.grad(got, h, da)[0], torch.autograd.grad(want, h, da)[0], **ulps)
         if dtype == torch.float64:
-            assert torch.autograd.gradcheck(experts.gelu, (h.detach().requires_grad_(),))
+            assert torch.autograd.gradcheck(ffn.gelu, (h.detach().requires_grad_(),))
     finally:
         torch.set_num_threads(threads)
 
@@ -421,10 +422,9 @@ def test_pool_workers_follow_inference_mode_and_create_graph(kind, monkeypatch):
     """The CPU pool's workers run in the caller's grad and inference modes: on two threads a
     forward under ``torch.inference_mode`` and a backward with ``create_graph`` (a gradient
     penalty) give what ``no_grad`` and a plain backward give; GELU experts differentiate twice."""
-    from meshfold.models import experts
-    from meshfold.models.experts import expert_ffn
+    from meshfold.kernels import expert_ffn, ffn
 
-    monkeypatch.setattr(experts, "PART_ELEMENTS", 64)  # several activation parts, too
+    monkeypatch.setattr(ffn, "PART_ELEMENTS", 64)  # several activation parts, too
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -453,7 +453,7 @@ def test_pool_workers_follow_inference_mode_and_create_graph(kind, monkeypatch):
 def test_single_threaded_scatter_rows_equals_index_add_on_all_threads(dtype):
     """gather_rows' backward on one pool thread gives bitwise the multi-threaded index_add
     (bf16: the fp64 sum rounded once); the caller's thread count is left as it was."""
-    from meshfold.models.dispatcher import scatter_rows, scatter_rows_reference
+    from meshfold.kernels import scatter_rows, scatter_rows_reference
 
     x, _, perm, _ = _routed(301, 3, 9, 40, dtype)
     g = torch.randn(301 * 3, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(dtype)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshfold.models.dispatcher import gather_rows
+from meshfold.kernels import gather_rows
 from meshfold.placements import (all_gather_v, all_to_all_v, gather_equal, local_view, reduce_scatter_v,
                                   sum_statistic)
 from meshfold.placements.collectives import debug_checks_enabled
