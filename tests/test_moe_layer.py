@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from meshfold.kernels import expand_tile_mask
@@ -188,6 +188,59 @@ def test_folded_layer_equals_reference_with_token_dropping(worlds, world_size, m
     @given(moe_cases(world_size, mode))
     def check(case):
         world.run(_run_case, case)
+
+    check()
+
+
+def _rank_routing(rank, E, k, H, seed, max_tokens=5):
+    """Rank ``rank``'s tokens x [T, H], their experts [T, k] (distinct per token) and weights,
+    the same on every rank that builds them; T in 0..max_tokens differs between ranks."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    T = int(torch.randint(0, max_tokens + 1, (1,), generator=g))
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    probs = torch.rand(T, k, generator=g, dtype=torch.float64)
+    return x, experts, probs
+
+
+def _check_dispatch(rank, world_size, spec, E, k, seed):
+    from meshfold.models.dispatcher import permute
+    from meshfold.models.moe_parallel import FoldedComm
+
+    comm = FoldedComm(cached_fold(spec))
+    x, experts, probs = _rank_routing(rank, E, k, 3, seed)
+    perm = permute(x, experts, probs, E)
+    routed = comm.dispatch(perm.x_NH, perm.counts_E)
+    got = routed.tokens.full_tensor()
+    # single device: the tokens of this rank's ep x etp block, in the block's rank order
+    me = spec.coords(rank)["moe"]
+    block = [spec.rank("moe", **{**me, "ep": i, "etp": q}) for i in range(spec.ep) for q in range(spec.etp)]
+    X, EXP, P = (torch.cat(parts) for parts in zip(*(_rank_routing(r, E, k, 3, seed) for r in block)))
+    want = permute(X, EXP, P, E)
+    assert torch.equal(got, want.x_NH)
+    El = E // spec.ep
+    mine = want.counts_E[me["ep"] * El:(me["ep"] + 1) * El]
+    assert torch.equal(routed.offsets_E, mine.cumsum(0).to(torch.int32))
+    # combine is dispatch's inverse: etp rank 0 returns the rows, the others a zero summand
+    back = comm.combine(routed, routed.rows * (me["etp"] == 0))
+    assert torch.equal(back, perm.x_NH)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_dispatched_tokens_are_single_device_permute_rows_in_order(worlds, world_size):
+    """For any fold, the dispatch's RaggedTensor on moe (ep, etp) is, as a global tensor, what
+    single-device permute gives for the block's tokens, row for row; its offsets are the local
+    experts' row counts, and combining the rows back returns each rank's permuted rows."""
+    world = worlds(world_size)
+    both = FoldSpec(world_size, ep=2, etp=world_size // 2)  # rows from several ep and etp ranks
+
+    @settings(max_examples=10 if world_size < 8 else 6)
+    @given(fold_specs(world_sizes=[world_size]), st.sampled_from([1, 2]), st.integers(1, 3), st.integers(0, 10**6))
+    @example(both, 2, 2, 1)
+    def check(spec, experts_per_rank, k, seed):
+        E = spec.ep * experts_per_rank
+        world.run(_check_dispatch, spec, E, min(k, E), seed)
 
     check()
 

@@ -74,9 +74,9 @@ class MoELayer(nn.Module):
         self._loss_shares, self._loss_totals = {name: v.detach() for name, v in losses.items()}, None
 
         perm = permute(x_TH, experts_TK, probs_TK, cfg.num_experts, keep_TK, pad_to)
-        x_MH, offsets, handle = comm.dispatch(perm.x_NH, perm.counts_E, cfg.num_experts)
-        y_MH = self.experts(x_MH, offsets, comm.local, comm.local_mask)
-        y_NH = comm.combine(y_MH, handle)
+        routed = comm.dispatch(perm.x_NH, perm.counts_E)  # folded: routed.tokens, a RaggedTensor on moe (ep, etp)
+        y_MH = self.experts(routed.rows, routed.offsets_E, comm.local, comm.local_mask)
+        y_NH = comm.combine(routed, y_MH)
         y_TH = unpermute(y_NH, perm, T)
 
         if self.shared is not None:

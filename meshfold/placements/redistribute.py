@@ -26,8 +26,8 @@ under both layouts (e.g. tokens ``Shard(0)`` over attn ``(dp, cp, tp)`` are ``Sh
 over the source mesh's dims makes them agree, so no rank re-labels while another raises.
 
 The token dispatch itself (rank i sends ``splits[j]`` rows to rank j, a block transpose of the
-rows) is not a re-layout of one global tensor, so it is the collective
-:func:`~meshfold.placements.collectives.all_to_all_v`, not a redistribute.
+rows) is not a re-layout of one global tensor, so it is an op of its own
+(:mod:`meshfold.placements.token_dispatch`), not a redistribute.
 """
 
 from __future__ import annotations
