@@ -198,7 +198,9 @@ def _rank_routing(rank, E, k, H, seed, max_tokens=5):
     g = torch.Generator().manual_seed(seed * 1009 + rank)
     T = int(torch.randint(0, max_tokens + 1, (1,), generator=g))
     x = torch.randn(T, H, generator=g, dtype=torch.float64)
-    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    experts = torch.zeros(0, k, dtype=torch.long)
+    if T:
+        experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     probs = torch.rand(T, k, generator=g, dtype=torch.float64)
     return x, experts, probs
 

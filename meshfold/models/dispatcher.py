@@ -4,9 +4,9 @@ Shapes: T = tokens, k = top-k, E = experts, N = routed (token, expert) pairs kep
 
 ``permute`` orders the kept pairs expert-major, stable in token order (tokens of one expert are
 contiguous, as the grouped GEMM wants); ``unpermute`` sums each token's expert outputs weighted by
-its routing probabilities. The collective half (all-to-all-v over ``ep``, all-gather-v /
-reduce-scatter-v over ``etp``) lives in :mod:`meshfold.models.moe_parallel`; on one device it is
-the identity.
+its routing probabilities; how their rows move is :mod:`meshfold.kernels.combine`. The
+collective half (all-to-all-v over ``ep``, all-gather-v / reduce-scatter-v over ``etp``) is
+:func:`meshfold.placements.dispatch`; on one device it is the identity.
 
 Dropping (``capacity_factor`` set): an expert keeps at most ``capacity = ceil(cf * T * k / E)``
 pairs of the token set that decides (this rank's tokens for sub-sequence dropping, the DP rank's
@@ -58,7 +58,8 @@ def keep_mask(experts_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int
     return (rank_in_expert < cap).reshape(T, k)
 
 
-def drop_pairs(experts_TK: torch.Tensor, probs_TK: torch.Tensor, cfg, comm) -> tuple[torch.Tensor | None, int | None]:
+def drop_pairs(experts_TK: torch.Tensor, probs_TK: torch.Tensor, cfg,
+               comm) -> tuple[torch.Tensor | None, int | None]:
     """(keep_TK bool [T, k] or None when dropless, rows per expert to pad to or None) under the
     layer's config: sub-sequence dropping decides on this rank's tokens, full-sequence dropping on
     the DP rank's tokens, gathered over attn (cp, tp) with ``comm.gather_tokens``."""
@@ -137,9 +138,9 @@ def unpermute(y_NH: torch.Tensor, perm: Permuted, num_tokens: int) -> torch.Tens
     """``out[t] = sum over t's kept pairs of probs * y`` -> [T, H] in y's dtype.
 
     Dropless and unpadded (``perm.pair_N`` set), every token has exactly k rows: the fast path
-    :func:`~meshfold.kernels.combine_topk` weights them in one batched ``[1, k] @ [k, H]`` per token in y's dtype
-    (the weights rounded to it; bf16 GEMMs accumulate in fp32). Otherwise, and as the definition
-    the fast path is tested against, :func:`unpermute_reference`.
+    :func:`~meshfold.kernels.combine_topk` weights them in one batched ``[1, k] @ [k, H]`` per
+    token in y's dtype (the weights rounded to it; bf16 GEMMs accumulate in fp32). Otherwise, and
+    as the definition the fast path is tested against, :func:`unpermute_reference`.
     """
     if perm.pair_N is not None:
         return combine_topk(y_NH, perm.probs_TK, perm.pair_N, perm.token_N)

@@ -83,7 +83,8 @@ class MoELayer(nn.Module):
             y_TH = y_TH + self._shared(x_TH)
         self.last_metrics = routing_metrics(stats)
         if self.training:  # evaluation forwards do not steer the aux-loss-free bias
-            self._bias_counts = stats.routed_all if self._bias_counts is None else self._bias_counts + stats.routed_all
+            seen = self._bias_counts
+            self._bias_counts = stats.routed_all if seen is None else seen + stats.routed_all
         return y_TH.reshape(shape)
 
     def _shared(self, x_TH):

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshfold.placements import (Routed, all_gather_v, combine, dispatch, gather_equal, local_view, reduce_scatter_v,
-                                  sum_statistic)
+from meshfold.placements import (Routed, all_gather_v, combine, dispatch, gather_equal, local_view,
+                                  reduce_scatter_v, sum_statistic)
 from meshfold.placements.collectives import debug_checks_enabled
 
 __all__ = ["MOE_LAYOUT", "LocalComm", "FoldedComm", "parallelize_moe"]

@@ -88,8 +88,8 @@ class RaggedTensor:
     """A local tensor plus the mesh and placements that say which piece of the whole it is.
 
     ``placements[i]`` is ``Replicate()``, ``Partial()`` (this rank holds a summand) or
-    ``RaggedShard(d, sizes)`` for mesh dim ``i``. A ``RaggedShard`` on mesh dim ``i`` must give this rank's local size:
-    ``local.shape[d] == sizes[mesh.get_local_rank(i)]`` (checked).
+    ``RaggedShard(d, sizes)`` for mesh dim ``i``. A ``RaggedShard`` on mesh dim ``i`` must give
+    this rank's local size: ``local.shape[d] == sizes[mesh.get_local_rank(i)]`` (checked).
     """
 
     def __init__(self, local: torch.Tensor, mesh, placements: Sequence):

@@ -135,7 +135,8 @@ def combine(y: RaggedTensor, routed: Routed, ep: str = "ep", etp: str = "etp") -
     summands over etp) back to the ranks and the order the rows were dispatched from: [N, H] in
     the input order of :func:`dispatch`. Differentiable."""
     expected = tuple(Partial() if isinstance(p, Replicate) else p for p in routed.tokens.placements)
-    if y.mesh is not routed.tokens.mesh or tuple(y.placements) != expected or y.local.shape[0] != routed.rows.shape[0]:
+    same_rows = y.local.shape[0] == routed.rows.shape[0]
+    if y.mesh is not routed.tokens.mesh or tuple(y.placements) != expected or not same_rows:
         raise ValueError(f"combine: {y} does not hold the expert outputs of this dispatch: expected "
                          f"{tuple(routed.rows.shape)[:1]} rows with placements {expected} (Routed.outputs)")
     y_MH = y.local
