@@ -35,7 +35,6 @@ count), so the shares add up to the single-device mean loss and so do the gradie
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -44,7 +43,7 @@ from meshfold.models.attention import CausalMaskCache
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
-from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
+from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_in_place, sum_statistic
 
 __all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "shard_batch", "local_positions",
            "grad_norm", "full_state_dict", "single_device_name"]
@@ -279,7 +278,7 @@ class _GlobalLogits:
 
     def _cp_tp_ranks(self):
         """Global ranks of this rank's (cp, tp) block, in (cp, tp) order."""
-        me = self.spec.coords(dist.get_rank())["attn"]
+        me = self.spec.coords(self.mesh.get_rank())["attn"]
         return [self.spec.rank("attn", **{**me, "cp": c, "tp": t})
                 for c in range(self.spec.cp) for t in range(self.spec.tp)]
 
@@ -373,14 +372,13 @@ def reduce_gradients(model: nn.Module) -> None:
             buckets.setdefault((id(p.device_mesh), dims), []).append(p)
     for (_, dims), params in buckets.items():
         mesh = params[0].device_mesh
-        groups = [mesh.get_group(i) for i in dims if mesh.size(i) > 1]  # none: nothing to sum
+        names = [mesh.mesh_dim_names[i] for i in dims if mesh.size(i) > 1]  # none: nothing to sum
         locals_ = [p.grad.to_local() for p in params]
-        for run in _by_size(locals_, REDUCE_BUCKET_BYTES) if groups else []:
+        for run in _by_size(locals_, REDUCE_BUCKET_BYTES) if names else []:
             bucket = locals_[run]
             alone = len(bucket) == 1 and bucket[0].is_contiguous()  # summed in place
             flat = bucket[0] if alone else torch.cat([t.reshape(-1) for t in bucket])
-            for group in groups:
-                dist.all_reduce(flat, group=group)
+            sum_in_place(flat, mesh, names)
             if not alone:
                 for t, part in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
                     t.copy_(part.view_as(t))
@@ -402,7 +400,8 @@ def _by_size(tensors: list[torch.Tensor], limit: int) -> list[slice]:
 
 @torch.no_grad()
 def grad_norm(model: nn.Module) -> torch.Tensor:
-    """Global L2 norm of all (reduced) gradients, each element counted once."""
+    """Global L2 norm of all (reduced) gradients, each element counted once (``model``: a
+    parallelized model or a Pipeline, anything with ``folded``)."""
     total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     for p in model.parameters():
         if p.grad is None:
@@ -415,9 +414,8 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
                     replicas *= g.device_mesh.size(i)
             total += g.to_local().double().square().sum() / replicas
         else:
-            total += g.double().square().sum() / dist.get_world_size()
-    dist.all_reduce(total)
-    return total.sqrt()
+            total += g.double().square().sum() / model.folded.spec.world_size
+    return sum_in_place(total, model.folded.attn).sqrt()  # over every rank
 
 
 def single_device_name(name: str) -> str:

@@ -12,7 +12,7 @@
 """
 
 from meshfold.placements.collectives import (all_gather_v, all_to_all_v, exchange_splits, gather_equal,
-                                             reduce_scatter_v, set_debug_checks, sum_statistic)
+                                             reduce_scatter_v, set_debug_checks, sum_in_place, sum_statistic)
 from meshfold.placements.params import local_view, partial_grads
 from meshfold.placements.ragged import RaggedShard, RaggedTensor, chunk_sizes
 from meshfold.placements.redistribute import redistribute, resplit_sizes
@@ -20,4 +20,4 @@ from meshfold.placements.token_dispatch import Routed, combine, dispatch
 
 __all__ = ["RaggedShard", "RaggedTensor", "Routed", "all_gather_v", "all_to_all_v", "chunk_sizes", "combine",
            "dispatch", "exchange_splits", "gather_equal", "local_view", "partial_grads", "reduce_scatter_v",
-           "redistribute", "resplit_sizes", "set_debug_checks", "sum_statistic"]
+           "redistribute", "resplit_sizes", "set_debug_checks", "sum_in_place", "sum_statistic"]

@@ -16,10 +16,10 @@ forward                    meaning                                        backwa
 ``sum_partial``            the sum of every rank's tensor                 identity (replicated)
 =========================  =============================================  ========================
 
-Non-differentiable helpers for metadata and statistics: :func:`sum_statistic` (a sum over named
-mesh dims), :func:`gather_equal` (an equal-size all-gather), :func:`all_agree` (is a flag set on
-every rank). The rest of meshfold.placements and the MoE layer reach ``torch.distributed`` only
-through this module, so every collective they run names its mesh dim.
+Non-differentiable helpers for metadata and statistics: :func:`sum_statistic` /
+:func:`sum_in_place` (a sum over named mesh dims), :func:`gather_equal` (an equal-size all-gather), :func:`all_agree` (is a flag set on
+every rank). The rest of meshfold.placements and the models reach ``torch.distributed``
+collectives only through this module, so every collective they run names its mesh dims.
 
 The variable-size ones are built on ``all_to_all_single``, which gloo and NCCL both support with unequal splits
 and every dtype (gloo has no uneven all-gather). ``reduce_scatter_v`` sums the received pieces
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_to_all_v", "all_gather_v", "all_gather_replicated", "reduce_scatter_v", "sum_partial",
-           "exchange_splits", "sum_statistic", "gather_equal", "all_agree", "on_dim",
+           "exchange_splits", "sum_statistic", "sum_in_place", "gather_equal", "all_agree", "on_dim",
            "set_debug_checks", "debug_checks_enabled"]
 
 _DEBUG = os.environ.get("MESHFOLD_DEBUG_SPLITS", "") not in ("", "0")
@@ -280,8 +280,14 @@ def sum_partial(x: torch.Tensor, mesh, dim: str) -> torch.Tensor:
 def sum_statistic(t: torch.Tensor, mesh, dims: Sequence[str]) -> torch.Tensor:
     """A (non-differentiable) statistic summed over the named mesh dims, e.g. token counts over
     ``("cp", "tp")``: one all-reduce per dim of size > 1; returns a new tensor."""
-    t = t.detach().clone()
-    for d in dims:
+    return sum_in_place(t.detach().clone(), mesh, dims)
+
+
+def sum_in_place(t: torch.Tensor, mesh, dims: Sequence[str] | None = None) -> torch.Tensor:
+    """Sum ``t`` over the named mesh dims (None: every dim, i.e. all the mesh's ranks) in place,
+    one all-reduce per dim of size > 1; returns t. Not differentiable: for statistics and
+    gradient buffers."""
+    for d in mesh.mesh_dim_names if dims is None else dims:
         group, G, _ = _group(mesh, d)
         if G > 1:
             dist.all_reduce(t, group=group)
