@@ -14,7 +14,7 @@ median over rounds is reported):
   visits, fused into one GEMM pair (no routing, no permutation).
 * ``meshfold``: ``MoELayer`` (fp32 router, dropless, grouped GEMM through meshfold.kernels).
 * ``experts_only``: the ceiling of ``meshfold``: exactly the expert computation it runs
-  (``meshfold.models.experts.expert_ffn``: grouped GEMM, SwiGLU, grouped GEMM, and their backward
+  (``meshfold.kernels.expert_ffn``: grouped GEMM, SwiGLU, grouped GEMM, and their backward
   with the gradients of the rows and of both weights) on rows already permuted, with the same
   per-expert row counts as meshfold's routing of the same input. No router, no permute, no
   combine: the fraction of dense it reaches is what the grouped expert GEMMs allow at this shape.
@@ -66,7 +66,7 @@ from peak_rss import peak_rss_mib  # noqa: E402  (benchmarks/peak_rss.py)
 
 from meshfold.malloc import retain_freed_memory  # noqa: E402
 from meshfold.models import MoEConfig, MoELayer  # noqa: E402
-from meshfold.models.experts import expert_ffn  # noqa: E402
+from meshfold.kernels import expert_ffn  # noqa: E402
 
 # name -> (E, k, H, F, T)
 SHAPES = {

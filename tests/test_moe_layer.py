@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from meshfold.kernels import expand_tile_mask
@@ -192,6 +192,61 @@ def test_folded_layer_equals_reference_with_token_dropping(worlds, world_size, m
     check()
 
 
+def _rank_routing(rank, E, k, H, seed, max_tokens=5):
+    """Rank ``rank``'s tokens x [T, H], their experts [T, k] (distinct per token) and weights,
+    the same on every rank that builds them; T in 0..max_tokens differs between ranks."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    T = int(torch.randint(0, max_tokens + 1, (1,), generator=g))
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    experts = torch.zeros(0, k, dtype=torch.long)
+    if T:
+        experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    probs = torch.rand(T, k, generator=g, dtype=torch.float64)
+    return x, experts, probs
+
+
+def _check_dispatch(rank, world_size, spec, E, k, seed):
+    from meshfold.models.dispatcher import permute
+    from meshfold.models.moe_parallel import FoldedComm
+
+    comm = FoldedComm(cached_fold(spec))
+    x, experts, probs = _rank_routing(rank, E, k, 3, seed)
+    perm = permute(x, experts, probs, E)
+    routed = comm.dispatch(perm.x_NH, perm.counts_E)
+    got = routed.tokens.full_tensor()
+    # single device: the tokens of this rank's ep x etp block, in the block's rank order
+    me = spec.coords(rank)["moe"]
+    block = [spec.rank("moe", **{**me, "ep": i, "etp": q}) for i in range(spec.ep) for q in range(spec.etp)]
+    X, EXP, P = (torch.cat(parts) for parts in zip(*(_rank_routing(r, E, k, 3, seed) for r in block)))
+    want = permute(X, EXP, P, E)
+    assert torch.equal(got, want.x_NH)
+    El = E // spec.ep
+    mine = want.counts_E[me["ep"] * El:(me["ep"] + 1) * El]
+    assert torch.equal(routed.offsets_E, mine.cumsum(0).to(torch.int32))
+    # combine is dispatch's inverse: etp rank 0 returns the rows, the others a zero summand
+    back = comm.combine(routed, routed.rows * (me["etp"] == 0))
+    assert torch.equal(back, perm.x_NH)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_dispatched_tokens_are_single_device_permute_rows_in_order(worlds, world_size):
+    """For any fold, the dispatch's RaggedTensor on moe (ep, etp) is, as a global tensor, what
+    single-device permute gives for the block's tokens, row for row; its offsets are the local
+    experts' row counts, and combining the rows back returns each rank's permuted rows."""
+    world = worlds(world_size)
+    both = FoldSpec(world_size, ep=2, etp=world_size // 2)  # rows from several ep and etp ranks
+
+    @settings(max_examples=10 if world_size < 8 else 6)
+    @given(fold_specs(world_sizes=[world_size]), st.sampled_from([1, 2]), st.integers(1, 3), st.integers(0, 10**6))
+    @example(both, 2, 2, 1)
+    def check(spec, experts_per_rank, k, seed):
+        E = spec.ep * experts_per_rank
+        world.run(_check_dispatch, spec, E, min(k, E), seed)
+
+    check()
+
+
 def test_ep_rank_receiving_no_tokens(worlds):
     """Megatron-LM#1877 crashed when an EP rank received zero tokens."""
     spec = FoldSpec(4, tp=2, ep=4)
@@ -335,6 +390,7 @@ def test_fast_combine_equals_reference_with_gradients(dtype, tol):
 def test_combine_in_parts_on_the_pool_equals_one_part(dtype, monkeypatch):
     """The combine's parts (tiny here, so many run on two pool workers) give bitwise the values
     and gradients of one part: every output element is written by one part with the same ops."""
+    from meshfold.kernels import combine
     from meshfold.models import dispatcher
 
     _, probs, perm, y = _routed(101, 3, 5, 16, dtype)
@@ -344,7 +400,7 @@ def test_combine_in_parts_on_the_pool_equals_one_part(dtype, monkeypatch):
     torch.set_num_threads(2)
     try:
         for rows in (10**6, 7):
-            monkeypatch.setattr(dispatcher, "COMBINE_ROWS", rows)
+            monkeypatch.setattr(combine, "COMBINE_ROWS", rows)
             out = dispatcher.unpermute(y, perm, 101)
             results.append((out, *torch.autograd.grad(out, (y, probs), dout)))
     finally:
@@ -356,7 +412,7 @@ def test_combine_in_parts_on_the_pool_equals_one_part(dtype, monkeypatch):
 def test_fast_permute_gradient_equals_plain_indexing():
     """gather_rows' backward (index_add) is autograd's x[token] backward, fp32-accumulated in
     bf16: equal to the fp64 sum rounded once."""
-    from meshfold.models.dispatcher import gather_rows
+    from meshfold.kernels import gather_rows
 
     for dtype in (torch.float64, torch.bfloat16):
         x, _, perm, _ = _routed(29, 4, 6, 8, dtype)
@@ -372,10 +428,10 @@ def test_fast_permute_gradient_equals_plain_indexing():
 def test_fast_swiglu_equals_reference_with_gradients(dtype, rows_per_part, monkeypatch):
     """Bitwise the plain definition, whether the rows run as one part or as parts on the pool
     (two intra-op threads, so the pool is used; 23 rows cut into 23, 5 or 1 parts)."""
-    from meshfold.models import experts
-    from meshfold.models.experts import swiglu, swiglu_reference
+    from meshfold.kernels import ffn
+    from meshfold.kernels import swiglu, swiglu_reference
 
-    monkeypatch.setattr(experts, "PART_ELEMENTS", rows_per_part * 2 * 7)
+    monkeypatch.setattr(ffn, "PART_ELEMENTS", rows_per_part * 2 * 7)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -395,23 +451,23 @@ def test_fast_swiglu_equals_reference_with_gradients(dtype, rows_per_part, monke
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_gelu_in_parts_equals_torch_gelu_with_gradients(dtype, rows_per_part, monkeypatch):
     """One ``F.gelu``'s values and gradient to a few ulps, whether run whole or in parts on the pool."""
-    from meshfold.models import experts
+    from meshfold.kernels import ffn
 
-    monkeypatch.setattr(experts, "PART_ELEMENTS", rows_per_part * 7)
+    monkeypatch.setattr(ffn, "PART_ELEMENTS", rows_per_part * 7)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         h = torch.randn(23, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
         h.requires_grad_()
         da = torch.randn(23, 7, dtype=torch.float64).to(dtype)
-        got, want = experts.gelu(h), F.gelu(h)
+        got, want = ffn.gelu(h), F.gelu(h)
         # a part's last elements may take ATen's scalar erf instead of the vector one: a few ulps
         # (bf16 computes in fp32, so at most one bf16 ulp after rounding)
         ulps = dict(rtol=(1 if dtype == torch.bfloat16 else 16) * torch.finfo(dtype).eps, atol=torch.finfo(dtype).tiny)
         torch.testing.assert_close(got, want, **ulps)
         torch.testing.assert_close(torch.autograd.grad(got, h, da)[0], torch.autograd.grad(want, h, da)[0], **ulps)
         if dtype == torch.float64:
-            assert torch.autograd.gradcheck(experts.gelu, (h.detach().requires_grad_(),))
+            assert torch.autograd.gradcheck(ffn.gelu, (h.detach().requires_grad_(),))
     finally:
         torch.set_num_threads(threads)
 
@@ -421,10 +477,9 @@ def test_pool_workers_follow_inference_mode_and_create_graph(kind, monkeypatch):
     """The CPU pool's workers run in the caller's grad and inference modes: on two threads a
     forward under ``torch.inference_mode`` and a backward with ``create_graph`` (a gradient
     penalty) give what ``no_grad`` and a plain backward give; GELU experts differentiate twice."""
-    from meshfold.models import experts
-    from meshfold.models.experts import expert_ffn
+    from meshfold.kernels import expert_ffn, ffn
 
-    monkeypatch.setattr(experts, "PART_ELEMENTS", 64)  # several activation parts, too
+    monkeypatch.setattr(ffn, "PART_ELEMENTS", 64)  # several activation parts, too
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -453,7 +508,7 @@ def test_pool_workers_follow_inference_mode_and_create_graph(kind, monkeypatch):
 def test_single_threaded_scatter_rows_equals_index_add_on_all_threads(dtype):
     """gather_rows' backward on one pool thread gives bitwise the multi-threaded index_add
     (bf16: the fp64 sum rounded once); the caller's thread count is left as it was."""
-    from meshfold.models.dispatcher import scatter_rows, scatter_rows_reference
+    from meshfold.kernels import scatter_rows, scatter_rows_reference
 
     x, _, perm, _ = _routed(301, 3, 9, 40, dtype)
     g = torch.randn(301 * 3, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(dtype)

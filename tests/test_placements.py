@@ -121,6 +121,28 @@ def test_zero_size_contributions_everywhere(worlds):
     assert worlds(4).run(_zero_rows_everywhere) == [((0, 3), (0, 3))] * 4
 
 
+def _full_of_partial(rank, world_size):
+    """RaggedShard over ep, Partial over etp: the whole tensor is the ragged concat of the etp
+    sums; its gradient reaches every summand once (each rank's own slice)."""
+    from meshfold.mesh import FoldSpec
+
+    fm = cached_fold(FoldSpec(world_size, ep=2, etp=world_size // 2))
+    mesh = fm.moe["ep", "etp"]
+    sizes = [3, 1]
+    i, q = mesh.get_local_rank("ep"), mesh.get_local_rank("etp")
+    summands = [[_data(7, 10 * e + t, (n, 2)) for t in range(world_size // 2)] for e, n in enumerate(sizes)]
+    x = summands[i][q].clone().requires_grad_()
+    full = RaggedTensor(x, mesh, [RaggedShard(0, sizes), Partial()]).full_tensor()
+    want = torch.cat([sum(parts) for parts in summands])
+    w = _data(8, 0, (sum(sizes), 2))
+    (full * w).sum().backward()
+    return torch.equal(full, want), torch.equal(x.grad, w[sum(sizes[:i]):sum(sizes[:i + 1])])
+
+
+def test_ragged_tensor_full_tensor_sums_partial_and_gathers_ragged(worlds):
+    assert worlds(4).run(_full_of_partial) == [(True, True)] * 4
+
+
 def _exchange(rank, world_size, send):
     from meshfold.mesh import FoldSpec
 

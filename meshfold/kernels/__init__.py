@@ -1,10 +1,21 @@
-"""How experts compute: grouped GEMM over expert-major tokens, optionally tile-sparse.
+"""How experts compute: every device-specific execution detail of an MoE layer lives here.
 
-``grouped_mm(x [M, K], w [E, K, N], offsets [E] int32, *, tile_mask=None, backend="auto")`` is the
-entry point (Triton on CUDA, torch on CPU); ``grouped_mm_reference`` is the plain loop it is
-tested against. A tile mask is bool [E, K // bk, N // bn]; the helpers below build and expand it.
+Each op has one entry point for every device, a fast implementation chosen by device (Triton on
+CUDA, the CPU pool of :mod:`.cpu_pool` on CPU) and a plain torch reference beside it that the
+tests compare it with:
+
+* ``grouped_mm(x [M, K], w [E, K, N], offsets [E] int32, *, tile_mask=None, backend="auto")``:
+  the expert GEMM, optionally tile-sparse; reference ``grouped_mm_reference``. A tile mask is
+  bool [E, K // bk, N // bn]; the helpers below build and expand it.
+* ``expert_ffn``: the routed experts' MLP (grouped GEMM, SwiGLU or GELU, grouped GEMM);
+  ``backend="reference"`` is its plain definition. ``swiglu`` / ``gelu``: its activations.
+* ``gather_rows`` (permute's gather) and ``combine_topk`` (the dropless combine); references
+  ``scatter_rows_reference`` and ``combine_reference``.
 """
 
+from meshfold.kernels.combine import (combine_reference, combine_topk, gather_rows, scatter_rows,
+                                      scatter_rows_reference)
+from meshfold.kernels.ffn import expert_ffn, gelu, swiglu, swiglu_reference
 from meshfold.kernels.grouped_mm import grouped_mm
 from meshfold.kernels.reference import (
     apply_tile_mask,
@@ -17,10 +28,19 @@ from meshfold.kernels.reference import (
 
 __all__ = [
     "apply_tile_mask",
+    "combine_reference",
+    "combine_topk",
     "dense_tile_mask",
     "expand_tile_mask",
+    "expert_ffn",
+    "gather_rows",
+    "gelu",
     "grouped_mm",
     "grouped_mm_reference",
+    "scatter_rows",
+    "scatter_rows_reference",
+    "swiglu",
+    "swiglu_reference",
     "tile_grid",
     "tile_shape",
 ]

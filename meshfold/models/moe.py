@@ -1,7 +1,7 @@
 """The MoE layer: route, dispatch, experts, combine, plus shared experts and balancing losses.
 
 Legend: B = sequences, S = sequence length (this rank's slice), T = B*S tokens on this rank,
-H = hidden, E = experts, k = top-k, N = routed rows.
+H = hidden, E = experts, k = top-k, N = routed rows, M = rows this rank's experts receive.
 
 Written as single-device code. ``MoELayer(cfg)`` runs on one device; ``MoELayer(cfg, mesh=fm)``
 (or :func:`~meshfold.models.moe_parallel.parallelize_moe`) runs folded: each rank passes its own
@@ -9,22 +9,12 @@ tokens (batch over dp, sequence over cp and, with sequence parallelism, over tp)
 back in the same layout. The only difference is the ``comm`` object the layer asks for
 collectives (see :mod:`meshfold.models.moe_parallel`).
 
-Losses, on the routing map that dispatch uses (Megatron-LM#2767 computed them on another one):
-
-* ``aux``: Switch loss over each DP rank's micro-batch (its tokens, summed over cp x tp), averaged
-  over DP ranks: Megatron-Core's ``aux_loss``.
-* ``global_aux``: Switch loss over the tokens of every DP rank (counts summed over dp x cp x tp),
-  equal to the single-device loss on the whole batch. Counts are summed rather than per-rank
-  losses averaged, so there is no 1/DP shrinkage (Megatron-LM#3672).
-* ``seq_aux``: Switch loss per sequence (counts summed over cp x tp), averaged over sequences.
-* ``z``: mean over all tokens of ``logsumexp(logits)^2``.
-
-Each rank attaches only its share of every loss (its tokens' probabilities times the global
-counts), so the shares of all ranks sum to the loss and so do their gradients: a DP gradient sum
-gives exactly the single-device gradient. ``last_losses`` holds the full values (weighted by
-their coefficients) and ``last_metrics`` tokens per expert, dropped fraction and load imbalance.
-All token statistics of one forward travel in two fused vectors (over (cp, tp), then dp): three
-small all-reduces per layer on a folded mesh, besides the dispatch's own count exchange.
+The pieces, one file each: :mod:`.router` (top-k routing), :mod:`.dispatcher` (dropping,
+permute / unpermute), :mod:`.experts`, :mod:`.token_stats` (the counts and their reductions over
+the attention dims) and :mod:`.balancing` (the losses, attached as each rank's share, so a DP
+gradient sum gives the single-device gradient). ``last_losses`` holds the full loss values
+(weighted by their coefficients), ``last_metrics`` tokens per expert, dropped fraction and load
+imbalance.
 """
 
 from __future__ import annotations
@@ -33,11 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models.balancing import attach_loss, balancing_loss_shares
 from meshfold.models.config import MoEConfig
-from meshfold.models.dispatcher import capacity, keep_mask, permute, unpermute
+from meshfold.models.dispatcher import drop_pairs, permute, unpermute
 from meshfold.models.experts import Experts, SharedExpert, shared_expert_ffn
 from meshfold.models.moe_parallel import LocalComm, parallelize_moe
-from meshfold.models.router import Router, attach_loss, aux_scores, switch_aux_loss, z_loss
+from meshfold.models.router import Router
+from meshfold.models.token_stats import routing_metrics, token_stats
 
 __all__ = ["MoELayer"]
 
@@ -57,7 +49,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden, cfg.ffn, cfg.expert_kind, dtype)
         self.shared = SharedExpert(cfg.hidden, cfg.shared_ffn, cfg.shared_kind, dtype) if cfg.shared_ffn else None
         if cfg.expert_sparsity is not None:
-            self._add_tile_masks(cfg.expert_sparsity, mesh)
+            self.experts.add_tile_masks(cfg.expert_sparsity, mesh.spec.etp if mesh is not None else 1)
         self.comm = LocalComm()
         self._loss_shares: dict[str, torch.Tensor] = {}
         self._loss_totals: dict[str, torch.Tensor] | None = {}
@@ -74,52 +66,27 @@ class MoELayer(nn.Module):
         T = x_TH.shape[0]
         probs_TK, experts_TK, logits_TE = self.router(x_TH, comm.local)
 
-        keep_TK, pad_to = self._drop(experts_TK, probs_TK, T)
-        stats = self._token_stats(experts_TK, keep_TK, B, S, T)
-        probs_TK = self._attach_losses(probs_TK, logits_TE, stats, B, S, T)
+        keep_TK, pad_to = drop_pairs(experts_TK, probs_TK, cfg, comm)
+        stats = token_stats(experts_TK, keep_TK, B, S, cfg.num_experts, bool(cfg.seq_aux_loss_coeff), comm)
+        losses = balancing_loss_shares(logits_TE, stats, B, S, comm.dp, cfg)
+        for value in losses.values():
+            probs_TK = attach_loss(probs_TK, value)
+        self._loss_shares, self._loss_totals = {name: v.detach() for name, v in losses.items()}, None
 
         perm = permute(x_TH, experts_TK, probs_TK, cfg.num_experts, keep_TK, pad_to)
-        x_MH, offsets, handle = comm.dispatch(perm.x_NH, perm.counts_E, cfg.num_experts)
-        masks = (None, None)
-        if cfg.expert_sparsity is not None:
-            m1 = comm.local_mask("experts.mask_gate_up", self.experts.mask_gate_up)
-            masks = (m1.reshape(m1.shape[0], m1.shape[1], -1),
-                     comm.local_mask("experts.mask_down", self.experts.mask_down))
-        y_MH = self.experts(x_MH, offsets, comm.local, masks)
-        y_NH = comm.combine(y_MH, handle)
+        routed = comm.dispatch(perm.x_NH, perm.counts_E)  # folded: routed.tokens, a RaggedTensor on moe (ep, etp)
+        y_MH = self.experts(routed.rows, routed.offsets_E, comm.local, comm.local_mask)
+        y_NH = comm.combine(routed, y_MH)
         y_TH = unpermute(y_NH, perm, T)
 
         if self.shared is not None:
             y_TH = y_TH + self._shared(x_TH)
-        self._metrics(stats)
+        self.last_metrics = routing_metrics(stats)
+        if self.training:  # evaluation forwards do not steer the aux-loss-free bias
+            seen = self._bias_counts
+            self._bias_counts = stats.routed_all if seen is None else seen + stats.routed_all
         return y_TH.reshape(shape)
 
-    # ---- tile-sparse experts ---------------------------------------------------------------
-    def _add_tile_masks(self, sp, mesh) -> None:
-        """Per-expert tile masks: gate_up [E, H/bk, 2, F/bn] (gate and up tiles kept apart, so an
-        ETP shard of F takes matching tiles of both) and down [E, F/bk, H/bn]."""
-        cfg = self.cfg
-        etp = mesh.spec.etp if mesh is not None else 1
-        E, H, Fn = cfg.num_experts, cfg.hidden, cfg.ffn
-        two = 2 if cfg.expert_kind == "swiglu" else 1
-        gate_up = sp.new_mask(E, H, Fn, etp=etp, etp_dim="N")  # checks tiles vs. F and its shards
-        self.experts.register_buffer(
-            "mask_gate_up", gate_up.unsqueeze(2).expand(-1, -1, two, -1).contiguous())
-        self.experts.register_buffer("mask_down", sp.new_mask(E, Fn, H, etp=etp, etp_dim="K"))
-
-    def sparse_layers(self) -> dict:
-        """``{name: (weight parameter, mask [E, Kt, Nt])}`` for ``meshfold.sparsity.TilePruner``:
-        ``w_down`` [E, F, H]; ``w_gate_up`` [E, H, 2, F], which the pruner reads as [E, H, 2F]
-        (gate columns, then up), with its mask [E, H/bk, 2, F/bn] viewed the same way. Single
-        device: under ETP each rank would prune its shard with its own threshold."""
-        if self.cfg.expert_sparsity is None:
-            raise ValueError("sparse_layers needs MoEConfig(expert_sparsity=ExpertSparsity(...))")
-        ex = self.experts
-        m = ex.mask_gate_up
-        return {"w_gate_up": (ex.w_gate_up, m.view(m.shape[0], m.shape[1], -1)),
-                "w_down": (ex.w_down, ex.mask_down)}
-
-    # ---- pieces -----------------------------------------------------------------------------
     def _shared(self, x_TH):
         comm, sh = self.comm, self.shared
         x_full = comm.shared_in(x_TH)
@@ -129,71 +96,13 @@ class MoELayer(nn.Module):
             y = y * torch.sigmoid(F.linear(x_TH, comm.local("shared.gate", sh.gate)))
         return y
 
-    def _drop(self, experts_TK, probs_TK, T):
-        cfg, comm = self.cfg, self.comm
-        if cfg.capacity_factor is None:
-            return None, None
-        if cfg.drop_scope == "sub_sequence":
-            cap = capacity(T, cfg.topk, cfg.num_experts, cfg.capacity_factor)
-            keep = keep_mask(experts_TK, probs_TK, cfg.num_experts, cap, cfg.drop_policy)
-        else:  # decide over the DP rank's tokens, gathered over attn (cp, tp)
-            both = torch.cat([experts_TK.to(probs_TK.dtype), probs_TK.detach()], dim=1)
-            group, offset = comm.gather_tokens(both, ("cp", "tp"))
-            k = cfg.topk
-            g_experts, g_probs = group[:, :k].long(), group[:, k:]
-            cap = capacity(group.shape[0], k, cfg.num_experts, cfg.capacity_factor)
-            keep = keep_mask(g_experts, g_probs, cfg.num_experts, cap, cfg.drop_policy)[offset:offset + T]
-        return keep, (cap if cfg.pad_to_capacity else None)
-
-    @torch.no_grad()
-    def _token_stats(self, experts_TK, keep_TK, B, S, T) -> dict:
-        """Every token statistic the losses and metrics need, summed over the right attention
-        dims in one fused vector per stage: (cp, tp) first (one sequence's ranks), then dp.
-        Counts are of the routing map before dropping (Megatron-LM#2767: losses must see the
-        map dispatch uses); ``kept`` after dropping. Three small all-reduces per layer at most."""
-        cfg, comm, E = self.cfg, self.comm, self.cfg.num_experts
-        dev = experts_TK.device
-        e = experts_TK.reshape(-1)
-        routed_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
-        kept_E = routed_E if keep_TK is None else torch.zeros_like(routed_E).scatter_add_(
-            0, e, keep_TK.reshape(-1).to(torch.int64))
-        parts = [routed_E, kept_E, torch.tensor([T, S], device=dev)]
-        if cfg.seq_aux_loss_coeff:
-            seq_of = torch.arange(T, device=dev).div(S, rounding_mode="floor").repeat_interleave(cfg.topk)
-            seq_BE = torch.zeros(B, E, dtype=torch.int64, device=dev).index_put_(
-                (seq_of, e), torch.ones_like(e), accumulate=True)
-            parts.append(seq_BE.reshape(-1))
-        seq_part = comm.sum(torch.cat(parts), ("cp", "tp"))  # one sequence group's totals
-        routed_seq, kept_seq, (T_seq, S_seq) = seq_part[:E], seq_part[E:2 * E], seq_part[2 * E:2 * E + 2]
-        every = comm.sum(torch.cat([routed_seq, kept_seq, T_seq.reshape(1),
-                                    torch.tensor([B], device=dev)]), ("dp",))
-        return {"routed_seq": routed_seq, "T_seq": T_seq.double(), "S_seq": S_seq.double(),
-                "seq_BE": seq_part[2 * E + 2:].reshape(B, E) if cfg.seq_aux_loss_coeff else None,
-                "routed_all": every[:E], "kept_all": every[E:2 * E],
-                "T_all": every[2 * E].double(), "B_all": every[2 * E + 1].double()}
-
-    def _attach_losses(self, probs_TK, logits_TE, st, B, S, T):
-        cfg, comm = self.cfg, self.comm
-        losses = {}
-        if cfg.any_aux_loss:
-            scores_TE = aux_scores(logits_TE, cfg)
-        if cfg.aux_loss_coeff:
-            losses["aux"] = cfg.aux_loss_coeff * switch_aux_loss(
-                scores_TE, st["routed_seq"], st["T_seq"], cfg) / comm.dp
-        if cfg.global_aux_loss_coeff:
-            losses["global_aux"] = cfg.global_aux_loss_coeff * switch_aux_loss(
-                scores_TE, st["routed_all"], st["T_all"], cfg)
-        if cfg.seq_aux_loss_coeff:
-            # the Switch loss of each sequence (its S tokens' scores, its counts), summed over B
-            share = switch_aux_loss(scores_TE.reshape(B, S, -1).transpose(0, 1), st["seq_BE"], st["S_seq"], cfg)
-            losses["seq_aux"] = cfg.seq_aux_loss_coeff * share / st["B_all"]
-        if cfg.z_loss_coeff:
-            losses["z"] = cfg.z_loss_coeff * z_loss(logits_TE, st["T_all"])
-        for value in losses.values():
-            probs_TK = attach_loss(probs_TK, value)
-        self._loss_shares = {name: v.detach() for name, v in losses.items()}
-        self._loss_totals = None
-        return probs_TK
+    def sparse_layers(self) -> dict:
+        """The experts' ``{name: (weight, mask)}`` for ``meshfold.sparsity.TilePruner``
+        (:meth:`Experts.sparse_layers`). Single device: under ETP each rank would prune its
+        shard with its own threshold."""
+        if self.cfg.expert_sparsity is None:
+            raise ValueError("sparse_layers needs MoEConfig(expert_sparsity=ExpertSparsity(...))")
+        return self.experts.sparse_layers()
 
     @property
     def last_losses(self) -> dict[str, torch.Tensor]:
@@ -209,17 +118,6 @@ class MoELayer(nn.Module):
             else:
                 self._loss_totals = {}
         return self._loss_totals
-
-    @torch.no_grad()
-    def _metrics(self, st) -> None:
-        total_E, kept_E = st["routed_all"], st["kept_all"]
-        self.last_metrics = {
-            "tokens_per_expert": total_E,
-            "dropped_fraction": 1.0 - kept_E.sum() / total_E.sum().clamp(min=1),
-            "load_imbalance": total_E.max() / total_E.float().mean().clamp(min=1e-9),
-        }
-        if self.training:  # evaluation forwards do not steer the aux-loss-free bias
-            self._bias_counts = total_E if self._bias_counts is None else self._bias_counts + total_E
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

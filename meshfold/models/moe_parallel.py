@@ -29,26 +29,26 @@ Token counts: every rank of an attention (cp, tp) group holds the same number of
 parallelism splits evenly), which the shared expert's TP all-gather and full-sequence dropping rely
 on instead of exchanging sizes; ``MESHFOLD_DEBUG_SPLITS=1`` checks it.
 
-Dispatch (the paper's token dispatcher), per layer: one host sync, when the per-expert counts of
-every rank in this rank's ``ep x etp`` block are gathered (two small all-gathers, one
-``.tolist()``); then all-to-all-v over ``ep``, all-gather-v over ``etp``, a local re-sort so each
-local expert's rows are contiguous; the reverse after the experts (re-sort back, reduce-scatter-v
-over ``etp``, all-to-all-v back over ``ep``). With pad-to-capacity every expert gets the same
-number of rows, but the counts are still exchanged this way (and, on CUDA, dropping selects the
-kept pairs with a boolean mask, a second sync): a static-split path is a possible optimisation.
+Dispatch (the paper's token dispatcher): :func:`meshfold.placements.dispatch` over the ``(ep, etp)``
+block of the MoE mesh, which returns the routed rows as a RaggedTensor there (one host sync for
+the counts, all-to-all-v over ``ep``, all-gather-v over ``etp``), and
+:func:`meshfold.placements.combine`, which takes the experts' outputs back. With pad-to-capacity
+every expert gets the same number of rows, but the counts are still exchanged this way (and, on
+CUDA, dropping selects the kept pairs with a boolean mask, a second sync): a static-split path
+is a possible optimisation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshfold.models.dispatcher import gather_rows
-from meshfold.placements import all_gather_v, all_to_all_v, reduce_scatter_v
+from meshfold.placements import (Routed, all_gather_v, combine, dispatch, gather_equal, local_view,
+                                  reduce_scatter_v, sum_statistic)
 from meshfold.placements.collectives import debug_checks_enabled
 
 __all__ = ["MOE_LAYOUT", "LocalComm", "FoldedComm", "parallelize_moe"]
@@ -71,28 +71,11 @@ MASK_LAYOUT = {"experts.mask_gate_up": 3, "experts.mask_down": 1}
 
 
 @dataclass
-class _Dispatched:
-    send: list
-    recv: list
-    gather_sizes: list | None
-    order: torch.Tensor | None  # received (etp, ep, expert) chunk order -> expert-major
+class LocalRoute:
+    """One device's dispatch: the rows stay where they are (a :class:`Routed` without a mesh)."""
 
-
-def _expert_major_order(C, j: int, El: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order_M, offsets_El) for the M rows a rank receives, stored as chunks (q, i, e) in that
-    order (chunk (q, i, e) holds C[q][i][j*El + e] rows): ``rows[order_M]`` lists the same chunks
-    expert-major (e, q, i), and offsets_El are the cumulative row counts per local expert (int32).
-    Built with tensor arithmetic (no per-chunk loop); M is passed in so that nothing syncs."""
-    size_QIE = torch.tensor(C, dtype=torch.int64, device=device)[:, :, j * El:(j + 1) * El]
-    start_QIE = (size_QIE.flatten().cumsum(0) - size_QIE.flatten()).view_as(size_QIE)
-    size_K = size_QIE.permute(2, 0, 1).flatten()  # chunks in expert-major order (e, q, i)
-    start_K = start_QIE.permute(2, 0, 1).flatten()  # where each sits in the received rows
-    # row n of chunk k goes to output position out_start_K[k] + n and comes from start_K[k] + n
-    out_start_K = size_K.cumsum(0) - size_K
-    order_M = torch.arange(M, device=device) + torch.repeat_interleave(
-        start_K - out_start_K, size_K, output_size=M)
-    offsets_El = size_QIE.sum((0, 1)).cumsum(0).to(torch.int32)
-    return order_M, offsets_El
+    rows: torch.Tensor
+    offsets_E: torch.Tensor
 
 
 class LocalComm:
@@ -112,10 +95,10 @@ class LocalComm:
     def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
         return t, 0
 
-    def dispatch(self, x_NH, counts_E, num_experts):
-        return x_NH, torch.cumsum(counts_E, 0).to(torch.int32), None
+    def dispatch(self, x_NH, counts_E):
+        return LocalRoute(x_NH, torch.cumsum(counts_E, 0).to(torch.int32))
 
-    def combine(self, y_NH, handle):
+    def combine(self, routed, y_NH):
         return y_NH
 
     def shared_in(self, x_TH):
@@ -138,10 +121,7 @@ class FoldedComm:
 
     # ---- parameters ----
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        if not isinstance(p, DTensor):
-            return p
-        grad_placements = [Partial() if isinstance(q, Replicate) else q for q in p.placements]
-        return p.to_local(grad_placements=grad_placements)
+        return local_view(p)
 
     def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a tile mask: experts over ep, ffn tiles over etp (dim 3 of the
@@ -155,11 +135,7 @@ class FoldedComm:
     # ---- token statistics ----
     def sum(self, t: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
         """Sum a (non-differentiable) statistic over attention dims, e.g. ("cp", "tp")."""
-        t = t.detach().clone()
-        for d in dims:
-            if getattr(self, d) > 1:
-                dist.all_reduce(t, group=self.attn.get_group(d))
-        return t
+        return sum_statistic(t, self.attn, dims)
 
     def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
         """Concatenate per-token rows over attention dims (rank-major, innermost dim fastest);
@@ -179,11 +155,10 @@ class FoldedComm:
         """[n_local] * group size; with debug checks on, verified across the group first."""
         n = getattr(self, dim)
         if debug_checks_enabled():
-            seen = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-            dist.all_gather(seen, torch.tensor([n_local], device=device), group=self.attn.get_group(dim))
-            if len({int(v) for v in seen}) > 1:
+            seen = gather_equal(torch.tensor([n_local], device=device), self.attn, dim).flatten().tolist()
+            if len(set(seen)) > 1:
                 raise ValueError(f"ranks of attn dim {dim!r} hold different token counts "
-                                 f"{[int(v) for v in seen]}; the MoE layer needs an even split")
+                                 f"{seen}; the MoE layer needs an even split")
         return [n_local] * n
 
     # ---- dispatch ----
@@ -191,37 +166,19 @@ class FoldedComm:
         n = num_experts // self.ep
         return self.ep_rank * n, (self.ep_rank + 1) * n
 
-    def dispatch(self, x_NH, counts_E, num_experts):
-        E, ep, etp = num_experts, self.ep, self.etp
-        El = E // ep
-        # counts of every rank in my ep x etp block: [etp][ep][E] host ints (the one sync)
-        block = counts_E.to(torch.int64).unsqueeze(0)  # [1, E]
-        for d, n in (("ep", ep), ("etp", etp)):
-            if n > 1:
-                parts = [torch.empty_like(block) for _ in range(n)]
-                dist.all_gather(parts, block, group=self.moe.get_group(d))
-                block = torch.stack(parts)
-            else:
-                block = block.unsqueeze(0)
-        C = block.reshape(etp, ep, E).tolist()  # C[q][i][e]: the host sync
-        j = self.ep_rank
-        mine = C[self.moe.get_local_rank("etp")]  # my ep group's counts, mine[j] = this rank's
-        send = [sum(mine[j][d * El:(d + 1) * El]) for d in range(ep)]
-        recv = [sum(mine[i][j * El:(j + 1) * El]) for i in range(ep)]
-        x = all_to_all_v(x_NH, send, recv, self.moe, "ep")  # rows ordered (source i, local e)
-        gather_sizes = None
-        if etp > 1:
-            gather_sizes = [sum(sum(C[q][i][j * El:(j + 1) * El]) for i in range(ep)) for q in range(etp)]
-            x = all_gather_v(x, gather_sizes, self.moe, "etp")  # rows ordered (q, i, e)
-        # chunk (q, i, e) holds C[q][i][j*El + e] rows; re-sort to expert-major (e, q, i)
-        order_M, offsets_El = _expert_major_order(C, j, El, x.shape[0], x.device)
-        return gather_rows(x, order_M), offsets_El, _Dispatched(send, recv, gather_sizes, order_M)
+    @functools.cached_property
+    def experts_mesh(self):
+        """The ``(ep, etp)`` block of the MoE mesh that one dispatch spans."""
+        return self.moe["ep", "etp"]
 
-    def combine(self, y_MH, h: _Dispatched):
-        y = torch.empty_like(y_MH).index_copy(0, h.order, y_MH) if y_MH.shape[0] else y_MH
-        if h.gather_sizes is not None:
-            y = reduce_scatter_v(y, h.gather_sizes, self.moe, "etp")
-        return all_to_all_v(y, h.recv, h.send, self.moe, "ep")
+    def dispatch(self, x_NH, counts_E) -> Routed:
+        """This rank's expert-major rows to their experts: ``routed.tokens`` is a RaggedTensor on
+        the ``(ep, etp)`` mesh (:func:`meshfold.placements.dispatch`)."""
+        return dispatch(x_NH, counts_E, self.experts_mesh)
+
+    def combine(self, routed: Routed, y_MH):
+        """The experts' outputs (summands over etp) back to the rows' ranks, in permute order."""
+        return combine(routed.outputs(y_MH), routed)
 
     # ---- shared expert: a TP MLP with sequence parallelism ----
     def shared_in(self, x_TH):

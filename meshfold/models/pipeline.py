@@ -42,13 +42,12 @@ Example (4 ranks: pp2 x tp2 | pp2 x ep2)::
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.moe import MoELayer
-from meshfold.models.transformer import MoETransformer, cross_entropy_sum, run_blocks
+from meshfold.models.transformer import MoETransformer, cross_entropy_sum, run_layers
 from meshfold.models.transformer_parallel import parallelize
+from meshfold.placements import sum_in_place
 
 __all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline"]
 
@@ -81,12 +80,7 @@ class ModelChunk(nn.Module):
         self.positions: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        x = run_blocks(self.layers.values(), x, self.positions, self.cfg)
-        if self.norm is not None:
-            x = F.linear(self.norm(x), self.head.weight)
-        return x
+        return run_layers(self, x, self.positions)
 
 
 def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int) -> None:
@@ -132,7 +126,7 @@ class Pipeline:
         self.folded, self.microbatches = folded, microbatches
         n = pp * virtual
         layers = chunk_layers(model.cfg.layers, n)
-        r = spec.coords(dist.get_rank())["attn"]["pp"]
+        r = folded.attn.get_local_rank("pp")
         self.stage_ids = [r + k * pp for k in range(virtual)]
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1) for s in self.stage_ids]
         for chunk in self.chunks:
@@ -192,7 +186,7 @@ class Pipeline:
             raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
                              f"microbatches = {self.microbatches}")
         count = (targets != -100).sum().double()
-        dist.all_reduce(count)  # every pp stage holds the same data: pp x the global count
+        sum_in_place(count, self.folded.attn)  # every pp stage holds the same data: pp x the global count
         self._n_global = count / self.folded.spec.pp
         for chunk in self.chunks:
             chunk.positions = positions
@@ -205,5 +199,5 @@ class Pipeline:
         share = torch.zeros((), dtype=torch.float64, device=count.device)
         if self.has_last:
             share += torch.stack([x.detach() for x in losses]).sum().double()
-        dist.all_reduce(share)  # only the last stage's ranks hold losses
+        sum_in_place(share, self.folded.attn)  # only the last stage's ranks hold losses
         return share

@@ -1,6 +1,6 @@
-"""Router: gate logits, top-k selection and the load-balancing losses.
+"""Router: gate logits and top-k selection (its balancing losses: :mod:`.balancing`).
 
-Shapes: T = tokens on this rank, H = hidden, E = experts, k = top-k, B = sequences, S = sequence.
+Shapes: T = tokens on this rank, H = hidden, E = experts, k = top-k.
 
 Definitions follow Megatron-Core (``megatron/core/transformer/moe/moe_utils.py``):
 
@@ -9,15 +9,8 @@ Definitions follow Megatron-Core (``megatron/core/transformer/moe/moe_utils.py``
   (normalised over the k when k > 1), group-limited top-k, a scaling factor, and an expert bias
   used for selection only. ``renormalize`` adds the Hugging Face behaviour: Mixtral always
   renormalises the pre-softmax top-k weights, Qwen2-MoE when ``norm_topk_prob`` is set.
-* :func:`switch_aux_loss` is ``switch_load_balancing_loss_func``:
-  ``E / (k * N^2) * sum_e count_e * sum_t p_te`` (1 for a perfectly balanced router). Hugging Face's
-  ``load_balancing_loss_func`` is the same quantity times k.
-* :func:`z_loss` is ``z_loss_func``: ``mean_t logsumexp(logits_t)^2``.
 
-Every loss here is linear in the router probabilities once the token counts are fixed, which is
-what lets the folded layer compute each rank's share of a loss on its own tokens: the counts are
-summed over the right ranks, the shares of all ranks add up to the loss, and the gradient needs no
-extra collective.
+The losses that balance this routing live beside it, in :mod:`meshfold.models.balancing`.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from torch import nn
 
 from meshfold.models.config import MoEConfig
 
-__all__ = ["Router", "topk_routing", "switch_aux_loss", "z_loss", "aux_scores", "attach_loss"]
+__all__ = ["Router", "topk_routing"]
 
 
 def _group_limited_topk(scores_TE, k, num_groups, group_topk):
@@ -75,51 +68,6 @@ def topk_routing(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.T
     if cfg.topk_scaling_factor is not None:
         probs_TK = probs_TK * cfg.topk_scaling_factor
     return probs_TK, experts_TK
-
-
-def aux_scores(logits_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
-    """Per-expert probabilities the balancing losses use: softmax over all E, or for sigmoid the
-    sigmoid scores normalised to sum to 1 (Megatron-Core's choice)."""
-    if cfg.score_function == "softmax":
-        return torch.softmax(logits_TE, dim=-1)
-    s = torch.sigmoid(logits_TE)
-    return s / (s.sum(-1, keepdim=True) + 1e-20)
-
-
-def switch_aux_loss(scores_TE, counts_E, num_tokens, cfg: MoEConfig):
-    """Switch load-balancing loss ``E / (k N^2) sum_e count_e sum_t p_te``.
-
-    ``counts_E`` and ``num_tokens`` describe the whole balancing group (already summed over its
-    ranks); ``scores_TE`` may be only this rank's tokens, giving this rank's share of the loss.
-    """
-    E, k = cfg.num_experts, cfg.topk
-    n = torch.as_tensor(num_tokens, dtype=torch.float64)  # a tensor stays on device: no sync
-    return (scores_TE.sum(0) * counts_E).sum() * (E / (k * n * n))
-
-
-def z_loss(logits_TE, num_tokens):
-    """``sum_t logsumexp(logits_t)^2 / num_tokens`` (the mean when num_tokens = T)."""
-    n = torch.as_tensor(num_tokens, dtype=torch.float64)
-    return torch.logsumexp(logits_TE, dim=-1).square().sum() / n
-
-
-class _AttachLoss(torch.autograd.Function):
-    """Return ``x`` unchanged; in backward, give ``loss`` the gradient 1, so the loss joins the
-    backward pass as if added to the final loss, without changing the forward output."""
-
-    @staticmethod
-    def forward(ctx, x, loss):
-        ctx.save_for_backward(loss)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(loss)
-
-
-def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    return _AttachLoss.apply(x, loss)
 
 
 class Router(nn.Module):

@@ -21,7 +21,7 @@ from meshfold.models.config import MoEConfig
 from meshfold.models.layers import MLP, RMSNorm
 from meshfold.models.moe import MoELayer
 
-__all__ = ["TransformerConfig", "Block", "MoETransformer", "run_blocks", "cross_entropy_sum"]
+__all__ = ["TransformerConfig", "Block", "MoETransformer", "run_blocks", "run_layers", "cross_entropy_sum"]
 
 
 @dataclass
@@ -126,6 +126,21 @@ def run_blocks(blocks, x: torch.Tensor, positions: torch.Tensor | None, cfg: Tra
     return x
 
 
+def run_layers(m: nn.Module, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """The model's computation on a run of its layers, shared by the whole model and a pipeline
+    chunk (:class:`~meshfold.models.pipeline.ModelChunk`), which hold the same attributes:
+    ``embed`` (tokens [B, S] -> [B, S, H]; None: x is hidden already), ``layers``, and ``norm`` +
+    ``head`` (None: return hidden [B, S, H]; a None ``head`` with a norm ties it to ``embed``)."""
+    if m.embed is not None:
+        x = m.embed(x)  # [B, S, H]
+    blocks = m.layers.values() if isinstance(m.layers, nn.ModuleDict) else m.layers
+    x = run_blocks(blocks, x, positions, m.cfg)  # [B, S, H]
+    if m.norm is None:
+        return x
+    w_head = m.embed.weight if m.head is None else m.head.weight  # [V, H]
+    return F.linear(m.norm(x), w_head)  # [B, S, V]
+
+
 class MoETransformer(nn.Module):
     """``forward(tokens [B, S] int64, positions [S] | [B, S] | None) -> logits [B, S, V]``.
 
@@ -163,9 +178,7 @@ class MoETransformer(nn.Module):
         return self._logits(tokens, positions)
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        x = run_blocks(self.layers, self.embed(tokens), positions, self.cfg)  # [B, S, H]
-        w_head = self.embed.weight if self.head is None else self.head.weight  # [V, H]
-        return F.linear(self.norm(x), w_head)  # [B, S, V]
+        return run_layers(self, tokens, positions)  # [B, S, V]
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor,
              positions: torch.Tensor | None = None) -> torch.Tensor:

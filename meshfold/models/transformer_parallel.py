@@ -35,7 +35,6 @@ count), so the shares add up to the single-device mean loss and so do the gradie
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -44,12 +43,13 @@ from meshfold.models.attention import CausalMaskCache
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
-from meshfold.placements import all_gather_v, reduce_scatter_v
+from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_in_place, sum_statistic
 
 __all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "shard_batch", "local_positions",
            "grad_norm", "full_state_dict", "single_device_name"]
 
 R = Replicate()
+ATTN_DIMS = ("dp", "cp", "tp")
 
 # parameter name suffix -> placements over attn (dp, cp, tp)
 TRANSFORMER_LAYOUT = {
@@ -81,10 +81,6 @@ class _Local(nn.Module):
 
     def forward(self, p):
         return p.to_local(grad_placements=self.grad_placements)
-
-
-def _partial_grads(placements):
-    return [Partial() if isinstance(p, Replicate) else p for p in placements]
 
 
 class _TensorParallel(nn.Module):
@@ -208,7 +204,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
-        parametrize.register_parametrization(module, attr, _Local(_partial_grads(placements)), unsafe=True)
+        parametrize.register_parametrization(module, attr, _Local(partial_grads(placements)), unsafe=True)
     masks = CausalMaskCache()  # one mask per forward for all layers (context parallelism)
     for block in blocks.values():
         if spec.cp > 1:
@@ -220,7 +216,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
                 block.mlp = _TensorParallel(block.mlp, attn_mesh, spec.tp, positional=False)
     model.folded = folded
     model.gather_logits = _GlobalLogits(attn_mesh, spec)
-    model.reduce_loss = _global_mean
+    model.reduce_loss = _GlobalMeanLoss(attn_mesh)
     if data_parallel == "fsdp":
         _fully_shard(model, folded)
     return model
@@ -282,30 +278,35 @@ class _GlobalLogits:
 
     def _cp_tp_ranks(self):
         """Global ranks of this rank's (cp, tp) block, in (cp, tp) order."""
-        me = self.spec.coords(dist.get_rank())["attn"]
+        me = self.spec.coords(self.mesh.get_rank())["attn"]
         return [self.spec.rank("attn", **{**me, "cp": c, "tp": t})
                 for c in range(self.spec.cp) for t in range(self.spec.tp)]
 
 
 class _GlobalMean(torch.autograd.Function):
-    """Forward: sum of every rank's ``(loss sum, token count)``, divided. Backward: each rank's
-    local sum gets ``1 / global count``, its own share (not the all-reduce's adjoint, which would
-    count every rank's gradient world-size times)."""
+    """Forward: sum of every rank's ``(loss sum, token count)`` over the attention mesh,
+    divided. Backward: each rank's local sum gets ``1 / global count``, its own share (not the
+    all-reduce's adjoint, which would count every rank's gradient world-size times)."""
 
     @staticmethod
-    def forward(ctx, total, count):
-        both = torch.stack([total.detach().double(), count.double()])
-        dist.all_reduce(both)
+    def forward(ctx, total, count, mesh):
+        both = sum_statistic(torch.stack([total.detach().double(), count.double()]), mesh, ATTN_DIMS)
         ctx.n = both[1]
         return (both[0] / both[1]).to(total.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad / ctx.n.to(grad.dtype), None
+        return grad / ctx.n.to(grad.dtype), None, None
 
 
-def _global_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    return _GlobalMean.apply(total, count)
+class _GlobalMeanLoss:
+    """``model.reduce_loss``: a rank's (cross-entropy sum, token count) -> the global mean."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def __call__(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return _GlobalMean.apply(total, count, self.mesh)
 
 
 # ---- data layout -----------------------------------------------------------------------------
@@ -371,14 +372,13 @@ def reduce_gradients(model: nn.Module) -> None:
             buckets.setdefault((id(p.device_mesh), dims), []).append(p)
     for (_, dims), params in buckets.items():
         mesh = params[0].device_mesh
-        groups = [mesh.get_group(i) for i in dims if mesh.size(i) > 1]  # none: nothing to sum
+        names = [mesh.mesh_dim_names[i] for i in dims if mesh.size(i) > 1]  # none: nothing to sum
         locals_ = [p.grad.to_local() for p in params]
-        for run in _by_size(locals_, REDUCE_BUCKET_BYTES) if groups else []:
+        for run in _by_size(locals_, REDUCE_BUCKET_BYTES) if names else []:
             bucket = locals_[run]
             alone = len(bucket) == 1 and bucket[0].is_contiguous()  # summed in place
             flat = bucket[0] if alone else torch.cat([t.reshape(-1) for t in bucket])
-            for group in groups:
-                dist.all_reduce(flat, group=group)
+            sum_in_place(flat, mesh, names)
             if not alone:
                 for t, part in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
                     t.copy_(part.view_as(t))
@@ -400,7 +400,8 @@ def _by_size(tensors: list[torch.Tensor], limit: int) -> list[slice]:
 
 @torch.no_grad()
 def grad_norm(model: nn.Module) -> torch.Tensor:
-    """Global L2 norm of all (reduced) gradients, each element counted once."""
+    """Global L2 norm of all (reduced) gradients, each element counted once (``model``: a
+    parallelized model or a Pipeline, anything with ``folded``)."""
     total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     for p in model.parameters():
         if p.grad is None:
@@ -413,9 +414,8 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
                     replicas *= g.device_mesh.size(i)
             total += g.to_local().double().square().sum() / replicas
         else:
-            total += g.double().square().sum() / dist.get_world_size()
-    dist.all_reduce(total)
-    return total.sqrt()
+            total += g.double().square().sum() / model.folded.spec.world_size
+    return sum_in_place(total, model.folded.attn).sqrt()  # over every rank
 
 
 def single_device_name(name: str) -> str:

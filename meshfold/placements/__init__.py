@@ -5,13 +5,19 @@
   one named mesh dim; :func:`exchange_splits` learns receive counts (the one host sync).
 * :func:`redistribute`: layout changes that keep the global tensor, including moves between the
   folded ``attn`` and ``moe`` views.
+* :func:`dispatch` / :func:`combine`: the MoE token dispatch, rows in, a RaggedTensor of
+  expert-major rows on the ``(ep, etp)`` mesh out, and back.
+* :func:`local_view`: a DTensor parameter's local shard with Partial gradients, for single-device
+  code applied to each rank's own tokens.
 """
 
-from meshfold.placements.collectives import (all_gather_v, all_to_all_v, exchange_splits,
-                                             reduce_scatter_v, set_debug_checks)
+from meshfold.placements.collectives import (all_gather_v, all_to_all_v, exchange_splits, gather_equal,
+                                             reduce_scatter_v, set_debug_checks, sum_in_place, sum_statistic)
+from meshfold.placements.params import local_view, partial_grads
 from meshfold.placements.ragged import RaggedShard, RaggedTensor, chunk_sizes
 from meshfold.placements.redistribute import redistribute, resplit_sizes
+from meshfold.placements.token_dispatch import Routed, combine, dispatch
 
-__all__ = ["RaggedShard", "RaggedTensor", "all_gather_v", "all_to_all_v", "chunk_sizes",
-           "exchange_splits", "reduce_scatter_v", "redistribute", "resplit_sizes",
-           "set_debug_checks"]
+__all__ = ["RaggedShard", "RaggedTensor", "Routed", "all_gather_v", "all_to_all_v", "chunk_sizes", "combine",
+           "dispatch", "exchange_splits", "gather_equal", "local_view", "partial_grads", "reduce_scatter_v",
+           "redistribute", "resplit_sizes", "set_debug_checks", "sum_in_place", "sum_statistic"]

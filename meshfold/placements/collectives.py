@@ -6,15 +6,22 @@ the receive sizes is the dispatch's one device-to-host sync: :func:`exchange_spl
 one mesh dim (one ``.tolist()`` of a [group] int64 tensor); the MoE dispatcher gathers the counts
 of its whole ep x etp block instead, also with one ``.tolist()``.
 
-=====================  =============================================  =========================
-forward                meaning                                        backward
-=====================  =============================================  =========================
-``all_to_all_v``       rank i sends ``input_splits[j]`` rows to j      all-to-all, splits swapped
-``all_gather_v``       every rank gets the concat of all ranks' rows  reduce-scatter-v
-``reduce_scatter_v``   rank i gets rows ``sizes[i]`` of the sum        all-gather-v
-=====================  =============================================  =========================
+=========================  =============================================  ========================
+forward                    meaning                                        backward
+=========================  =============================================  ========================
+``all_to_all_v``           rank i sends ``input_splits[j]`` rows to j     all-to-all, splits swapped
+``all_gather_v``           every rank gets the concat of all ranks' rows  reduce-scatter-v
+``reduce_scatter_v``       rank i gets rows ``sizes[i]`` of the sum       all-gather-v
+``all_gather_replicated``  the concat, as one replicated tensor           this rank's slice
+``sum_partial``            the sum of every rank's tensor                 identity (replicated)
+=========================  =============================================  ========================
 
-All three are built on ``all_to_all_single``, which gloo and NCCL both support with unequal splits
+Non-differentiable helpers for metadata and statistics: :func:`sum_statistic` /
+:func:`sum_in_place` (a sum over named mesh dims), :func:`gather_equal` (an equal-size all-gather), :func:`all_agree` (is a flag set on
+every rank). The rest of meshfold.placements and the models reach ``torch.distributed``
+collectives only through this module, so every collective they run names its mesh dims.
+
+The variable-size ones are built on ``all_to_all_single``, which gloo and NCCL both support with unequal splits
 and every dtype (gloo has no uneven all-gather). ``reduce_scatter_v`` sums the received pieces
 locally in rank order (deterministic; half-precision inputs are summed in fp32 and rounded once).
 Byte counts equal the ring algorithms' (each rank receives ``(group - 1) * rows`` for the
@@ -34,7 +41,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all_v", "all_gather_v", "reduce_scatter_v", "exchange_splits",
+__all__ = ["all_to_all_v", "all_gather_v", "all_gather_replicated", "reduce_scatter_v", "sum_partial",
+           "exchange_splits", "sum_statistic", "sum_in_place", "gather_equal", "all_agree", "on_dim",
            "set_debug_checks", "debug_checks_enabled"]
 
 _DEBUG = os.environ.get("MESHFOLD_DEBUG_SPLITS", "") not in ("", "0")
@@ -219,3 +227,90 @@ def exchange_splits(input_splits: Sequence[int] | torch.Tensor, mesh, dim: str) 
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out.tolist()
+
+
+def on_dim(fn, x: torch.Tensor, d: int) -> torch.Tensor:
+    """Apply ``fn``, an op on rows (dim 0), to tensor dim ``d`` of x."""
+    if d == 0:
+        return fn(x)
+    return fn(x.movedim(d, 0)).movedim(0, d)
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """all-gather-v whose output is one replicated tensor: its gradient is the same on every rank,
+    so each rank's input gradient is just its own slice (DTensor's Shard -> Replicate rule)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, mesh, dim, me):
+        ctx.meta = (sum(sizes[:me]), sizes[me])
+        return all_gather_v(x.detach(), sizes, mesh, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start, n = ctx.meta
+        return grad[start:start + n], None, None, None, None
+
+
+def all_gather_replicated(x: torch.Tensor, sizes: Sequence[int], mesh, dim: str) -> torch.Tensor:
+    """:func:`all_gather_v` whose result is treated as one replicated tensor (RaggedShard ->
+    Replicate): the backward keeps this rank's slice of the (replicated) gradient instead of
+    summing every rank's."""
+    _, _, me = _group(mesh, dim)
+    return _GatherReplicated.apply(x, list(sizes), mesh, dim, me)
+
+
+class _SumPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_partial(x: torch.Tensor, mesh, dim: str) -> torch.Tensor:
+    """Partial -> Replicate over mesh dim ``dim``: the sum of every rank's x; the replicated
+    gradient passes through unchanged (each rank's input gets it once)."""
+    return _SumPartial.apply(x, _group(mesh, dim)[0])
+
+
+def sum_statistic(t: torch.Tensor, mesh, dims: Sequence[str]) -> torch.Tensor:
+    """A (non-differentiable) statistic summed over the named mesh dims, e.g. token counts over
+    ``("cp", "tp")``: one all-reduce per dim of size > 1; returns a new tensor."""
+    return sum_in_place(t.detach().clone(), mesh, dims)
+
+
+def sum_in_place(t: torch.Tensor, mesh, dims: Sequence[str] | None = None) -> torch.Tensor:
+    """Sum ``t`` over the named mesh dims (None: every dim, i.e. all the mesh's ranks) in place,
+    one all-reduce per dim of size > 1; returns t. Not differentiable: for statistics and
+    gradient buffers."""
+    for d in mesh.mesh_dim_names if dims is None else dims:
+        group, G, _ = _group(mesh, d)
+        if G > 1:
+            dist.all_reduce(t, group=group)
+    return t
+
+
+def gather_equal(t: torch.Tensor, mesh, dim: str) -> torch.Tensor:
+    """[G, *t.shape]: every rank's t (all of one shape) over mesh dim ``dim``, in rank order
+    (not differentiable; for metadata such as per-expert counts)."""
+    group, G, _ = _group(mesh, dim)
+    if G == 1:
+        return t.unsqueeze(0)
+    parts = [torch.empty_like(t) for _ in range(G)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+def all_agree(flag: bool, mesh, device) -> bool:
+    """True iff ``flag`` is set on every rank of ``mesh`` (a MIN over each of its dims in turn,
+    so only the mesh's own ranks take part): lets ranks decide together, all raising or none."""
+    ok = torch.tensor([int(flag)], device=device)
+    for name in mesh.mesh_dim_names:
+        group, G, _ = _group(mesh, name)
+        if G > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return bool(ok.item())

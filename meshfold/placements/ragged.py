@@ -7,8 +7,8 @@ rank 2 nine. DTensor (torch 2.13) cannot say that: its ``Shard`` means ``torch.c
 
 * :class:`RaggedShard` ``(dim, sizes)``: tensor dim ``dim`` is split over one mesh dim, the rank at
   position ``j`` of that mesh dim holding ``sizes[j]`` rows. The sizes travel with the placement.
-* :class:`RaggedTensor`: a local tensor + the mesh + one placement per mesh dim (``Replicate``
-  or ``RaggedShard``). It converts to a DTensor with :meth:`RaggedTensor.to_dtensor`
+* :class:`RaggedTensor`: a local tensor + the mesh + one placement per mesh dim (``Replicate``,
+  ``Partial`` or ``RaggedShard``). It converts to a DTensor with :meth:`RaggedTensor.to_dtensor`
   whenever the sizes happen to be ``torch.chunk``-shaped, and from one with
   :meth:`RaggedTensor.from_dtensor`.
 
@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["RaggedShard", "RaggedTensor", "chunk_sizes"]
+from meshfold.placements.collectives import all_gather_replicated, on_dim, sum_partial
+
+__all__ = ["RaggedShard", "RaggedTensor", "chunk_sizes", "explicit_shards"]
 
 
 def chunk_sizes(length: int, parts: int) -> list[int]:
@@ -66,12 +68,28 @@ class RaggedShard:
         return f"RaggedShard(dim={self.dim}, sizes={self.sizes})"
 
 
+def explicit_shards(placements: Sequence, shape: Sequence[int], mesh) -> list:
+    """``placements`` with every ``Shard(d)`` of a tensor of global ``shape`` made explicit as
+    ``RaggedShard(d, torch.chunk sizes)``; other placements unchanged. Each tensor dim may be
+    sharded over one mesh dim only (``ValueError`` otherwise)."""
+    out = []
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if sum(isinstance(q, Shard) and q.dim == p.dim for q in placements) > 1:
+                raise ValueError(f"tensor dim {p.dim} is sharded over several mesh dims "
+                                 f"{tuple(placements)}; meshfold handles one mesh dim per tensor dim "
+                                 f"(use DTensor's redistribute for nested shards)")
+            p = RaggedShard(p.dim, chunk_sizes(shape[p.dim], mesh.size(i)))
+        out.append(p)
+    return out
+
+
 class RaggedTensor:
     """A local tensor plus the mesh and placements that say which piece of the whole it is.
 
-    ``placements[i]`` is ``Replicate()`` or ``RaggedShard(d, sizes)`` for mesh dim
-    ``i``. A ``RaggedShard`` on mesh dim ``i`` must give this rank's local size:
-    ``local.shape[d] == sizes[mesh.get_local_rank(i)]`` (checked).
+    ``placements[i]`` is ``Replicate()``, ``Partial()`` (this rank holds a summand) or
+    ``RaggedShard(d, sizes)`` for mesh dim ``i``. A ``RaggedShard`` on mesh dim ``i`` must give
+    this rank's local size: ``local.shape[d] == sizes[mesh.get_local_rank(i)]`` (checked).
     """
 
     def __init__(self, local: torch.Tensor, mesh, placements: Sequence):
@@ -81,9 +99,9 @@ class RaggedTensor:
                              f"{mesh.mesh_dim_names}), got {len(placements)}: {placements}")
         ragged_dims = {}
         for i, p in enumerate(placements):
-            if not isinstance(p, (Replicate, RaggedShard)):
+            if not isinstance(p, (Replicate, Partial, RaggedShard)):
                 raise ValueError(f"RaggedTensor placement {p!r} on mesh dim {i} is not supported; "
-                                 f"valid: Replicate(), RaggedShard(d, sizes) (a Shard's sizes are "
+                                 f"valid: Replicate(), Partial(), RaggedShard(d, sizes) (a Shard's sizes are "
                                  f"unknown without the global shape: use RaggedTensor.from_dtensor)")
             if isinstance(p, RaggedShard) and not 0 <= p.dim < local.ndim:
                 raise ValueError(f"placement {p!r} names tensor dim {p.dim} of a "
@@ -118,27 +136,28 @@ class RaggedTensor:
         return self.local
 
     def full_tensor(self) -> torch.Tensor:
-        """The whole tensor on every rank (collective; differentiable, DTensor gradient rules)."""
-        from meshfold.placements.redistribute import redistribute
+        """The whole tensor on every rank (collective; differentiable, DTensor gradient rules):
+        innermost mesh dim first, ragged dims all-gathered, partial ones summed."""
+        local, names = self.local, self.mesh.mesh_dim_names
+        for i in reversed(range(self.mesh.ndim)):
+            p = self.placements[i]
+            if isinstance(p, RaggedShard):
+                local = on_dim(lambda t: all_gather_replicated(t, p.sizes, self.mesh, names[i]), local, p.dim)
+            elif isinstance(p, Partial):
+                local = sum_partial(local, self.mesh, names[i])
+        return local
 
-        out = redistribute(self, self.mesh, [Replicate()] * self.mesh.ndim)
-        return out.to_local()
+    def with_local(self, local: torch.Tensor, placements: Sequence | None = None) -> "RaggedTensor":
+        """A RaggedTensor on the same mesh holding ``local`` (with these placements, or the same)."""
+        return RaggedTensor(local, self.mesh, self.placements if placements is None else placements)
 
     @classmethod
     def from_dtensor(cls, x: DTensor) -> "RaggedTensor":
         """Wrap a DTensor's local shard; each ``Shard(d)`` becomes ``RaggedShard(d, sizes)`` with
         the ``torch.chunk`` sizes DTensor uses. Each tensor dim may be sharded over one mesh dim."""
-        placements, seen = [], set()
-        for i, p in enumerate(x.placements):
-            if isinstance(p, Shard):
-                if p.dim in seen:
-                    raise ValueError(f"from_dtensor: tensor dim {p.dim} is sharded over several mesh "
-                                     f"dims {x.placements}; only one is supported")
-                seen.add(p.dim)
-                placements.append(RaggedShard(p.dim, chunk_sizes(x.shape[p.dim], x.device_mesh.size(i))))
-            elif isinstance(p, Replicate):
-                placements.append(p)
-            else:
+        placements = explicit_shards(x.placements, x.shape, x.device_mesh)
+        for i, p in enumerate(placements):
+            if isinstance(p, Partial):
                 raise ValueError(f"from_dtensor: placement {p!r} on mesh dim {i} is not supported; "
                                  f"redistribute Partial first (e.g. to RaggedShard, a reduce-scatter-v)")
         return cls(x.to_local(), x.device_mesh, placements)

@@ -26,8 +26,8 @@ under both layouts (e.g. tokens ``Shard(0)`` over attn ``(dp, cp, tp)`` are ``Sh
 over the source mesh's dims makes them agree, so no rank re-labels while another raises.
 
 The token dispatch itself (rank i sends ``splits[j]`` rows to rank j, a block transpose of the
-rows) is not a re-layout of one global tensor, so it is the collective
-:func:`~meshfold.placements.collectives.all_to_all_v`, not a redistribute.
+rows) is not a re-layout of one global tensor, so it is an op of its own
+(:mod:`meshfold.placements.token_dispatch`), not a redistribute.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshfold.placements.collectives import _group, all_gather_v, all_to_all_v, reduce_scatter_v
-from meshfold.placements.ragged import RaggedShard, RaggedTensor, chunk_sizes
+from meshfold.placements.collectives import (all_agree, all_gather_replicated, all_gather_v, all_to_all_v,
+                                             on_dim, reduce_scatter_v, sum_partial)
+from meshfold.placements.ragged import RaggedShard, RaggedTensor, chunk_sizes, explicit_shards
 
 __all__ = ["redistribute", "resplit_sizes"]
 
@@ -61,21 +61,6 @@ def resplit_sizes(src: Sequence[int], dst: Sequence[int], me: int) -> tuple[list
     return send, recv
 
 
-class _GatherReplicatedGrad(torch.autograd.Function):
-    """all-gather-v whose output is one replicated tensor: its gradient is the same on every rank,
-    so each rank's input gradient is just its own slice (DTensor's Shard -> Replicate rule)."""
-
-    @staticmethod
-    def forward(ctx, x, sizes, mesh, dim, me):
-        ctx.meta = (sum(sizes[:me]), sizes[me])
-        return all_gather_v(x.detach(), sizes, mesh, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        start, n = ctx.meta
-        return grad[start:start + n], None, None, None, None
-
-
 class _SliceFullGrad(torch.autograd.Function):
     """Replicate -> RaggedShard: a local slice whose input gradient (replicated) is the gathered
     gradient of every rank's slice."""
@@ -92,27 +77,6 @@ class _SliceFullGrad(torch.autograd.Function):
         return all_gather_v(grad.contiguous(), sizes, mesh, dim), None, None, None, None
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Partial -> Replicate: sum over the mesh dim; the replicated gradient passes through."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _on_dim0(fn, x: torch.Tensor, d: int) -> torch.Tensor:
-    """Apply a rows-on-dim-0 op to tensor dim d."""
-    if d == 0:
-        return fn(x)
-    return fn(x.movedim(d, 0)).movedim(0, d)
-
-
 def _source(x) -> tuple[torch.Tensor, object, list]:
     """(local tensor, mesh, placements with Shard made explicit as RaggedShard)."""
     if isinstance(x, RaggedTensor):
@@ -121,18 +85,22 @@ def _source(x) -> tuple[torch.Tensor, object, list]:
         has_partial = any(isinstance(p, Partial) for p in x.placements)
         grad_pl = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
         local = x.to_local(grad_placements=grad_pl) if has_partial else x.to_local()
-        placements = []
-        for i, p in enumerate(x.placements):
-            if isinstance(p, Shard):
-                if sum(isinstance(q, Shard) and q.dim == p.dim for q in x.placements) > 1:
-                    raise ValueError(f"redistribute: tensor dim {p.dim} is sharded over several "
-                                     f"mesh dims {x.placements}; meshfold handles one mesh dim "
-                                     f"per tensor dim (use DTensor's redistribute for nested shards)")
-                placements.append(RaggedShard(p.dim, chunk_sizes(x.shape[p.dim], x.device_mesh.size(i))))
-            else:
-                placements.append(p)
-        return local, x.device_mesh, placements
+        return local, x.device_mesh, explicit_shards(x.placements, x.shape, x.device_mesh)
     raise TypeError(f"redistribute takes a DTensor or RaggedTensor, got {type(x).__name__}")
+
+
+def _ragged_targets(placements, local: torch.Tensor, src: list, mesh) -> list:
+    """Target placements with each ``Shard(d)`` made explicit as ``RaggedShard(d, torch.chunk
+    sizes)`` of the tensor's global length along d (the source's ragged total, else local)."""
+    tgt = []
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d = p.dim % local.ndim
+            owner = [q for q in src if isinstance(q, RaggedShard) and q.dim == d]
+            length = owner[0].total if owner else local.shape[d]
+            p = RaggedShard(d, chunk_sizes(length, mesh.size(i)))
+        tgt.append(p)
+    return tgt
 
 
 def redistribute(x, mesh, placements: Sequence):
@@ -154,17 +122,11 @@ def redistribute(x, mesh, placements: Sequence):
     if isinstance(x, DTensor) and not wants_ragged:
         return x.redistribute(mesh, placements)
     local, mesh, src = _source(x)
-    tgt = []
-    for i, p in enumerate(placements):
-        if isinstance(p, Shard):
-            d = p.dim % local.ndim
-            s = src[i]
-            length = s.total if isinstance(s, RaggedShard) and s.dim == d else local.shape[d]
-            p = RaggedShard(d, chunk_sizes(length, mesh.size(i)))
+    tgt = _ragged_targets(placements, local, src, mesh)
+    for i, p in enumerate(tgt):
         if isinstance(p, Partial):
             raise ValueError(f"redistribute: to {p!r} on mesh dim {mesh.mesh_dim_names[i]!r} is not "
                              f"supported from {src[i]!r}")
-        tgt.append(p)
     _check_single_sharding(tgt, "target")
     for i in reversed(range(mesh.ndim)):  # innermost mesh dim first
         if src[i] != tgt[i]:
@@ -199,18 +161,17 @@ def _step(local: torch.Tensor, mesh, i: int, src: list, p) -> torch.Tensor:
             raise ValueError(f"redistribute: target sizes {p.sizes} sum to {p.total} but the tensor "
                              f"has {s.total} rows along dim {p.dim} ({s.sizes})")
         send, recv = resplit_sizes(s.sizes, p.sizes, me)
-        return _on_dim0(lambda t: all_to_all_v(t, send, recv, mesh, name), local, p.dim)
+        return on_dim(lambda t: all_to_all_v(t, send, recv, mesh, name), local, p.dim)
     if isinstance(s, RaggedShard) and isinstance(p, Replicate):
-        return _on_dim0(lambda t: _GatherReplicatedGrad.apply(t, list(s.sizes), mesh, name, me),
-                        local, s.dim)
+        return on_dim(lambda t: all_gather_replicated(t, s.sizes, mesh, name), local, s.dim)
     if isinstance(s, Replicate) and isinstance(p, RaggedShard):
         _check_total(p, local, name)
-        return _on_dim0(lambda t: _SliceFullGrad.apply(t, list(p.sizes), mesh, name, me), local, p.dim)
+        return on_dim(lambda t: _SliceFullGrad.apply(t, list(p.sizes), mesh, name, me), local, p.dim)
     if isinstance(s, Partial) and isinstance(p, RaggedShard):
         _check_total(p, local, name)
-        return _on_dim0(lambda t: reduce_scatter_v(t, list(p.sizes), mesh, name), local, p.dim)
+        return on_dim(lambda t: reduce_scatter_v(t, list(p.sizes), mesh, name), local, p.dim)
     if isinstance(s, Partial) and isinstance(p, Replicate):
-        return _AllReduceSum.apply(local, _group(mesh, name)[0])
+        return sum_partial(local, mesh, name)
     raise ValueError(f"redistribute: {s!r} -> {p!r} on mesh dim {name!r} is not supported; "
                      f"supported: Shard/RaggedShard -> RaggedShard/Shard/Replicate, Replicate -> "
                      f"RaggedShard/Shard, Partial -> RaggedShard/Shard/Replicate")
@@ -243,16 +204,6 @@ def _dtensor_box(shape, mesh, placements):
     return list(zip(offset, local_shape))
 
 
-def _agree(flag: bool, mesh, device) -> bool:
-    """True iff the flag is set on every rank of ``mesh`` (a MIN over each of its dims in turn,
-    so only the mesh's own ranks take part): all of them re-label, or all raise."""
-    ok = torch.tensor([int(flag)], device=device)
-    for i in range(mesh.ndim):
-        if mesh.size(i) > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=mesh.get_group(i))
-    return bool(ok.item())
-
-
 def _relabel_error(src_mesh, mesh, src, src_box, tgt, tgt_box):
     return ValueError(
         f"redistribute between meshes {src_mesh.mesh_dim_names} -> {mesh.mesh_dim_names}: the "
@@ -267,22 +218,15 @@ def _relabel(x, mesh, placements):
         # DTensor-only layouts, nested shards allowed: compare boxes with DTensor's own rule.
         src_box = _dtensor_box(x.shape, x.device_mesh, x.placements)
         tgt_box = _dtensor_box(x.shape, mesh, placements)
-        if not _agree(src_box == tgt_box, x.device_mesh, x.device):
+        if not all_agree(src_box == tgt_box, x.device_mesh, x.device):
             raise _relabel_error(x.device_mesh, mesh, x.placements, src_box, placements, tgt_box)
         return DTensor.from_local(x.to_local(), mesh, placements, run_check=False,
                                   shape=x.shape, stride=x.stride())
     local, src_mesh, src = _source(x)
-    tgt = []
-    for i, p in enumerate(placements):
-        if isinstance(p, Shard):
-            d = p.dim % local.ndim
-            owner = [q for q in src if isinstance(q, RaggedShard) and q.dim == d]
-            length = owner[0].total if owner else local.shape[d]
-            p = RaggedShard(d, chunk_sizes(length, mesh.size(i)))
-        tgt.append(p)
+    tgt = _ragged_targets(placements, local, src, mesh)
     src_box = _box(src, local.shape, src_mesh.get_coordinate())
     tgt_box = _box(tgt, local.shape, mesh.get_coordinate())
-    if not _agree(src_box is not None and src_box == tgt_box, src_mesh, local.device):
+    if not all_agree(src_box is not None and src_box == tgt_box, src_mesh, local.device):
         raise _relabel_error(src_mesh, mesh, src, src_box, tgt, tgt_box)
     if any(isinstance(p, RaggedShard) for p in placements):
         return RaggedTensor(local, mesh, tgt)

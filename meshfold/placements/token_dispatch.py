@@ -1,0 +1,147 @@
+"""The MoE token dispatch as a placement op: rows in, a RaggedTensor of expert-major rows out.
+
+Legend: E = experts, El = E / ep local experts, N = rows a rank sends (its permuted tokens),
+M = rows a rank's experts receive, H = hidden.
+
+Each rank of an ``ep x etp`` block of the MoE mesh holds its own tokens, permuted expert-major
+(:func:`meshfold.models.dispatcher.permute`). The experts of ep rank j are ``j*El .. (j+1)*El``,
+and every etp rank of an ep rank holds all their rows (each computes its slice of the ffn).
+:func:`dispatch` moves the rows there and returns :class:`Routed`, whose ``tokens`` is a
+:class:`~meshfold.placements.ragged.RaggedTensor` on the ``(ep, etp)`` mesh with placements
+``(RaggedShard(0, rows per ep rank), Replicate())``: its ``full_tensor()`` is the global
+expert-major token matrix of the block, the rows single-device ``permute`` gives for the block's
+tokens concatenated in the mesh's rank order (ep-major, etp fastest), in the same order. The
+experts compute on its local rows; their outputs are summands over etp, a RaggedTensor with
+``(RaggedShard(0, sizes), Partial())`` (:meth:`Routed.outputs`), which :func:`combine` sends
+back to the ranks the rows came from.
+
+It is not a :func:`~meshfold.placements.redistribute`: sending rank i's rows for expert e to
+expert e's rank reorders the global rows (a block transpose), so no layout of one global tensor
+describes the input and the output both.
+
+Per dispatch: one host sync, when the per-expert counts of every rank of the block are gathered
+(two small all-gathers, one ``.tolist()``); then all-to-all-v over ``ep``, all-gather-v over
+``etp``, and a local re-sort so each local expert's rows are contiguous. The combine runs the
+reverse: re-sort back, reduce-scatter-v over ``etp`` (summing the partial outputs), all-to-all-v
+back over ``ep``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Partial, Replicate
+
+from meshfold.placements.collectives import _group, all_gather_v, all_to_all_v, gather_equal, reduce_scatter_v
+from meshfold.placements.ragged import RaggedShard, RaggedTensor
+
+__all__ = ["Routed", "dispatch", "combine"]
+
+
+@dataclass
+class Routed:
+    """The result of :func:`dispatch`.
+
+    ``tokens``: RaggedTensor [M, H] on the ``(ep, etp)`` mesh, expert-major rows of this rank's
+    experts; ``offsets_E`` [El] int32: cumulative rows per local expert (grouped-GEMM offsets).
+    The rest says how the rows moved, for :func:`combine`.
+    """
+
+    tokens: RaggedTensor
+    offsets_E: torch.Tensor
+    send: list[int]  # rows this rank sent to each ep rank
+    recv: list[int]  # rows it received from each
+    gather_sizes: list[int] | None  # rows each etp rank contributed to the etp gather (None: etp = 1)
+    order_M: torch.Tensor  # received rows -> expert-major
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """This rank's rows [M, H], what its experts compute on."""
+        return self.tokens.local
+
+    def outputs(self, y_MH: torch.Tensor) -> RaggedTensor:
+        """The experts' outputs [M, H] for these rows, as summands over etp (each etp rank
+        computed its slice of the ffn): the RaggedTensor :func:`combine` takes."""
+        placements = [Partial() if isinstance(p, Replicate) else p for p in self.tokens.placements]
+        return RaggedTensor(y_MH, self.tokens.mesh, placements)
+
+
+def _expert_major_order(C, i_me: int, q_me: int, El: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order_M, offsets_El) for the M rows ep rank ``i_me`` receives, stored as chunks (q, i, e)
+    (etp rank q's all-gathered piece, holding the chunks (i, e) of its all-to-all), where chunk
+    (q, i, e) holds ``C[q][i][i_me*El + e]`` rows: ``rows[order_M]`` lists the same chunks
+    expert-major, then in source rank order (e, i, q); offsets_El are the cumulative row counts
+    per local expert (int32). Built with tensor arithmetic (no per-chunk loop); M is passed in so
+    that nothing syncs."""
+    size_QIE = torch.tensor(C, dtype=torch.int64, device=device)[:, :, i_me * El:(i_me + 1) * El]
+    start_QIE = (size_QIE.flatten().cumsum(0) - size_QIE.flatten()).view_as(size_QIE)
+    size_K = size_QIE.permute(2, 1, 0).flatten()  # chunks in output order (e, i, q)
+    start_K = start_QIE.permute(2, 1, 0).flatten()  # where each sits in the received rows
+    # row n of chunk k goes to output position out_start_K[k] + n and comes from start_K[k] + n
+    out_start_K = size_K.cumsum(0) - size_K
+    order_M = torch.arange(M, device=device) + torch.repeat_interleave(
+        start_K - out_start_K, size_K, output_size=M)
+    offsets_El = size_QIE.sum((0, 1)).cumsum(0).to(torch.int32)
+    return order_M, offsets_El
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[order]`` for a permutation ``order``: the backward puts each row's gradient back in
+    its place (an ``index_copy``, no accumulation needed)."""
+
+    @staticmethod
+    def forward(ctx, x, order):
+        ctx.save_for_backward(order)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return torch.empty_like(grad).index_copy_(0, order, grad), None
+
+
+def dispatch(x_NH: torch.Tensor, counts_E: torch.Tensor, mesh, ep: str = "ep", etp: str = "etp") -> Routed:
+    """Send this rank's expert-major rows ``x_NH`` [N, H] (``counts_E`` [E] rows per expert, in
+    order) to their experts' ranks over ``mesh``'s dims ``ep`` and ``etp``. Every rank of the
+    mesh calls it. Differentiable in x_NH."""
+    _, n_ep, i_me = _group(mesh, ep)
+    _, n_etp, q_me = _group(mesh, etp)
+    E = counts_E.numel()
+    El = E // n_ep
+    # counts of every rank in the block: C[q][i][e] host ints (the one sync)
+    C = gather_equal(gather_equal(counts_E.to(torch.int64), mesh, ep), mesh, etp).tolist()
+    mine = C[q_me]  # my etp slice of the block: mine[i] = ep rank i's counts
+    send = [sum(mine[i_me][d * El:(d + 1) * El]) for d in range(n_ep)]
+    recv = [sum(mine[i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)]
+    x = all_to_all_v(x_NH, send, recv, mesh, ep)  # rows ordered (source i, local e)
+    gather_sizes = None
+    if n_etp > 1:
+        gather_sizes = [sum(sum(C[q][i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)) for q in range(n_etp)]
+        x = all_gather_v(x, gather_sizes, mesh, etp)  # rows ordered (q, i, e)
+    order_M, offsets_El = _expert_major_order(C, i_me, q_me, El, x.shape[0], x.device)
+    rows_MH = _PermuteRows.apply(x, order_M)
+    per_ep_rank = [sum(sum(C[q][i][d * El:(d + 1) * El]) for q in range(n_etp) for i in range(n_ep))
+                   for d in range(n_ep)]
+    placements = [None, None]
+    placements[mesh.mesh_dim_names.index(ep)] = RaggedShard(0, per_ep_rank)
+    placements[mesh.mesh_dim_names.index(etp)] = Replicate()
+    tokens = RaggedTensor(rows_MH, mesh, placements)
+    return Routed(tokens, offsets_El, send, recv, gather_sizes, order_M)
+
+
+def combine(y: RaggedTensor, routed: Routed, ep: str = "ep", etp: str = "etp") -> torch.Tensor:
+    """The experts' outputs ``y`` (:meth:`Routed.outputs`: the rows of ``routed.tokens``,
+    summands over etp) back to the ranks and the order the rows were dispatched from: [N, H] in
+    the input order of :func:`dispatch`. Differentiable."""
+    expected = tuple(Partial() if isinstance(p, Replicate) else p for p in routed.tokens.placements)
+    same_rows = y.local.shape[0] == routed.rows.shape[0]
+    if y.mesh is not routed.tokens.mesh or tuple(y.placements) != expected or not same_rows:
+        raise ValueError(f"combine: {y} does not hold the expert outputs of this dispatch: expected "
+                         f"{tuple(routed.rows.shape)[:1]} rows with placements {expected} (Routed.outputs)")
+    y_MH = y.local
+    if y_MH.shape[0]:
+        y_MH = torch.empty_like(y_MH).index_copy(0, routed.order_M, y_MH)  # back to received order
+    if routed.gather_sizes is not None:
+        y_MH = reduce_scatter_v(y_MH, routed.gather_sizes, y.mesh, etp)  # sums the etp summands
+    return all_to_all_v(y_MH, routed.recv, routed.send, y.mesh, ep)
