@@ -26,7 +26,7 @@ STEPS = 8
 RUN = ["--steps", str(STEPS), *SMALL2, "--set", "train.ckpt_every=2"]
 
 
-def start(out_dir, *extra, faults="step_sleep=0.25"):
+def start(out_dir, *extra, faults="step_sleep=0.15"):
     """Start ``meshfold train`` in a session of its own (slowed by ``faults`` so it can be hit)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_FAULTS=faults)
     return subprocess.Popen([sys.executable, "-m", "meshfold", "train", *RUN, "--out-dir", str(out_dir),
@@ -112,7 +112,7 @@ def test_ranks_never_outlive_the_launcher(tmp_path, reference, sig, to_group):
     Ctrl-C (SIGINT to the whole terminal group) stop it with one line, not a traceback."""
     proc = start(tmp_path)
     try:
-        wait_until(lambda: newest_step(tmp_path) >= 4 or proc.poll() is not None, 120, "checkpoint 4")
+        wait_until(lambda: newest_step(tmp_path) >= 2 or proc.poll() is not None, 120, "checkpoint 2")
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         (os.killpg if to_group else os.kill)(proc.pid, sig)
         proc.wait(timeout=30)
@@ -217,8 +217,8 @@ def test_resume_false_starts_the_folder_over_and_never_mixes_runs(tmp_path):
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
     assert len(aside) == 1 and sorted(losses(aside[0])) == [1, 2, 3, 4, 5, 6]
     assert newest_step(aside[0]) == 6
-    proc = meshfold("train", "--steps", "6", *common, "--set", "train.lr=0.001")
-    assert proc.returncode == 0 and "step_000004 at step 4" in proc.stdout, proc.stderr[-2000:]
+    proc = meshfold("train", "--steps", "4", *common, "--set", "train.lr=0.001")  # the new run's settings
+    assert proc.returncode == 0 and "the newest checkpoint is at step 4" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path):
@@ -248,6 +248,8 @@ def test_a_damaged_checkpoint_names_the_shard_and_the_intact_one(tmp_path):
     assert f"{shard.name} is truncated" in proc.stderr and "newest intact checkpoint is step_000002" in proc.stderr
     assert len(message_lines(proc.stderr)) == 1, proc.stderr
     (tmp_path / "checkpoints" / "step_000002" / "trainer.json").write_text("{step: 2")
+    proc = meshfold("generate", str(tmp_path), "--tokens", "2")  # the newest: the truncated shard
+    assert proc.returncode == 2 and f"step_000004 could not be read: {shard.name} is truncated" in proc.stderr
     proc = meshfold("generate", str(tmp_path / "checkpoints" / "step_000002"), "--tokens", "2")
     assert proc.returncode == 2 and "step_000002 could not be read: trainer.json is damaged" in proc.stderr
 
