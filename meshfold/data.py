@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["ByteCorpus", "corpus_files", "default_corpus_paths", "load_corpus", "split_sizes"]
+__all__ = ["ByteCorpus", "corpus_files", "default_corpus_paths", "load_corpus", "split_point", "split_sizes"]
 
 
 def default_corpus_paths(limit_bytes: int = 8_000_000) -> list[Path]:
@@ -71,13 +71,18 @@ def corpus_files(paths: list[str | Path]) -> list[Path]:
     return files
 
 
+def split_point(total: int, val_fraction: float) -> int:
+    """Where a stream of ``total`` tokens splits: train ``[0, cut)``, validation ``[cut, total)``."""
+    return int(total * (1 - val_fraction))
+
+
 def split_sizes(files: list[Path], val_fraction: float) -> tuple[int, int]:
     """(train, validation) bytes :func:`load_corpus` will make of ``files``, from their sizes."""
     try:
         total = sum(f.stat().st_size for f in files) + max(0, len(files) - 1)  # joined by newlines
     except OSError as err:
         raise ValueError(f"--data: cannot read {err.filename}: {err.strerror}") from None
-    cut = int(total * (1 - val_fraction))
+    cut = split_point(total, val_fraction)
     return cut, total - cut
 
 
@@ -130,7 +135,7 @@ def load_corpus(paths: list[str | Path] | None = None, val_fraction: float = 0.0
 
     if paths and is_token_folder(paths):
         stream = TokenStream(paths[0])
-        cut = int(len(stream) * (1 - val_fraction))
+        cut = split_point(len(stream), val_fraction)
         return ByteCorpus(_Window(stream, 0, cut), _Window(stream, cut, len(stream)))
     files = default_corpus_paths() if not paths else corpus_files(paths)
     chunks = []
@@ -140,7 +145,7 @@ def load_corpus(paths: list[str | Path] | None = None, val_fraction: float = 0.0
         except OSError as err:
             raise OSError(f"cannot read {f}: {err}") from err
     data = np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
-    cut = int(len(data) * (1 - val_fraction))
+    cut = split_point(len(data), val_fraction)
     return ByteCorpus(data[:cut].copy(), data[cut:].copy())
 
 

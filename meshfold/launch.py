@@ -337,9 +337,9 @@ class _Procs:
         self.terminate()
         if stalled:
             r, quiet = stalled[0]
-            raise RankError(r, f"stopped responding: no heartbeat for {quiet:.0f} s "
-                               f"(limit {self.stall_after:.0f} s: max(timeout / 2, {STALL_FLOOR_S:.0f} s)); it was stopped "
-                               f"(SIGSTOP, a debugger) or is stuck in the kernel", errors) from None
+            raise RankError(r, f"stopped responding: no heartbeat for {quiet:.0f} s (limit "
+                               f"{self.stall_after:.0f} s: max(timeout / 2, {STALL_FLOOR_S:.0f} s)); it was "
+                               f"stopped (SIGSTOP, a debugger) or is stuck in the kernel", errors) from None
         crashed = [r for r in crashed if r not in {q for q, _ in stalled}]
         if crashed:
             r = crashed[0]

@@ -82,7 +82,7 @@ def train_tokenizer(files: list[Path], vocab: int, out: Path):
 
 
 def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_tokens: int = 1 << 27,
-                 stream=sys.stdout) -> dict:
+                 stream=sys.stdout, extra: dict | None = None) -> dict:
     """Tokenize ``files`` (one document each) into ``out``'s shards and index; returns the index.
 
     Shows a progress line per file; the index is written last, so an interrupted run leaves a
@@ -118,7 +118,8 @@ def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_t
         flush()
     stream.write("\n")
     index = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": vocab, "eos_id": eos,
-             "tokenizer": tokenizer_name, "tokens": total, "shards": shards, "sources": sources(files)}
+             "tokenizer": tokenizer_name, "tokens": total, "shards": shards, "sources": sources(files),
+             **(extra or {})}
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
 
@@ -145,10 +146,8 @@ def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdou
     except (OSError, ValueError):
         pass
     stream.write(f"  data: tokenizing {len(files)} files with {tokenizer} into {folder}/\n")
-    write_shards(load_tokenizer(tokenizer), files, folder, str(Path(tokenizer).resolve()), stream=stream)
-    index = json.loads((folder / INDEX).read_text())
-    index["tokenizer_file"] = sources([file])[0]
-    (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    write_shards(load_tokenizer(tokenizer), files, folder, str(Path(tokenizer).resolve()), stream=stream,
+                 extra={"tokenizer_file": sources([file])[0]})
     return folder
 
 

@@ -335,12 +335,17 @@ def shard_batch(tokens: torch.Tensor, spec, rank: int) -> tuple[torch.Tensor, to
     """This rank's slice of a global [B, S] batch (batch over dp, sequence over cp x tp) and the
     positions of its tokens."""
     B, S = tokens.shape
-    if B % spec.dp:
-        raise ValueError(f"batch of {B} sequences is not divisible by dp = {spec.dp}")
-    c = spec.coords(rank)["attn"]
-    b = B // spec.dp
+    rows = batch_rows(B, spec, rank)
     pos = local_positions(S, spec, rank)
-    return tokens[c["dp"] * b:(c["dp"] + 1) * b][:, pos], pos
+    return tokens[rows.start:rows.stop][:, pos], pos
+
+
+def batch_rows(batch: int, spec, rank: int) -> range:
+    """The rows of a global batch of ``batch`` sequences that ``rank``'s dp rank trains on."""
+    if batch % spec.dp:
+        raise ValueError(f"batch of {batch} sequences is not divisible by dp = {spec.dp}")
+    b, d = batch // spec.dp, spec.coords(rank)["attn"]["dp"]
+    return range(d * b, (d + 1) * b)
 
 
 # ---- gradients -------------------------------------------------------------------------------

@@ -44,6 +44,12 @@ class Stopped(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
 
 
+def _exit_code(err: KeyboardInterrupt) -> tuple[str, int]:
+    """(signal name, exit status) of a Ctrl-C or a SIGTERM (``Stopped``)."""
+    signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+    return signal.Signals(signum).name, 128 + signum
+
+
 def _raise_stopped(signum, frame):
     signal.signal(signum, signal.SIG_IGN)  # one stop is enough: a second signal must not interrupt it
     raise Stopped(signum)
@@ -59,9 +65,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _main(args, local)
     except KeyboardInterrupt as err:  # before or after the ranks ran (during them: _launch)
-        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
-        print(f"\nmeshfold train: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
+        name, code = _exit_code(err)
+        print(f"\nmeshfold train: stopped by {name}", file=sys.stderr)
+        return code
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -93,8 +99,7 @@ def _main(args: argparse.Namespace, local: bool) -> int:
             done = _steps_done(out) if cfg.train.resume and local else 0
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
             if done >= end:  # no rank needs to start to learn that
-                print(f"done: nothing to train: the newest checkpoint is at step {done} and train.steps = "
-                      f"{cfg.train.steps}; checkpoint {_latest_checkpoint(out)}")
+                print(_nothing_to_train(done, cfg, _latest_checkpoint(out)))
                 return 0
         if cfg.data.tokenizer:  # local only: the ranks start after the folder is filled
             from meshfold.tokens import tokenize_for_run
@@ -102,10 +107,15 @@ def _main(args: argparse.Namespace, local: bool) -> int:
             cfg.data.paths = [str(tokenize_for_run(cfg.data.paths, cfg.data.tokenizer, out / "tokens"))]
             cfg.data.tokenizer = None  # the ranks read the tokens (run.json keeps what made them)
             preflight.check_data(cfg)  # the size again, now in tokens
-        return _launch(cfg, spec, out, rank, local)
+        return _launch(cfg, spec, out, rank)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _nothing_to_train(done: int, cfg, last) -> str:
+    return (f"done: nothing to train: the newest checkpoint is at step {done} and train.steps = "
+            f"{cfg.train.steps}; checkpoint {last}")
 
 
 def _latest_checkpoint(out: Path):
@@ -134,7 +144,7 @@ def _print_header(cfg, spec, mcfg, out: Path, notes: list[str]) -> None:
         print(f"  {line}", flush=True)
 
 
-def _launch(cfg, spec, out: Path, rank: int, local: bool) -> int:
+def _launch(cfg, spec, out: Path, rank: int) -> int:
     """Run the ranks; every way the job can end becomes one or two lines and an exit code."""
     from meshfold.launch import RankError, spawn
     from meshfold.train.loop import train_rank
@@ -153,22 +163,18 @@ def _launch(cfg, spec, out: Path, rank: int, local: bool) -> int:
         print(f"meshfold train: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM as Stopped
-        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
-        from meshfold.train import checkpoint
-
-        last = checkpoint.latest(out / "checkpoints")
-        print(f"\nmeshfold train: stopped by {signal.Signals(signum).name}; every rank has ended. "
-              f"Newest checkpoint: {last or 'none yet'}; rerun the same command to resume", file=sys.stderr)
-        return 128 + signum
+        name, code = _exit_code(err)
+        print(f"\nmeshfold train: stopped by {name}; every rank has ended. Newest checkpoint: "
+              f"{_latest_checkpoint(out) or 'none yet'}; rerun the same command to resume", file=sys.stderr)
+        return code
     if rank == 0:
         plots = write_plots(out)
         r = results[0]
         if r["final_loss"] is not None:
             print(f"done: final loss {r['final_loss']:.4f}; metrics {out / 'metrics.jsonl'}; "
                   f"checkpoint {r['checkpoint']}")
-        else:
-            print(f"done: nothing to train: the newest checkpoint is at step {r['start']} and "
-                  f"train.steps = {cfg.train.steps}; checkpoint {r['checkpoint']}")
+        else:  # under torchrun, where the ranks decide
+            print(_nothing_to_train(r["start"], cfg, r["checkpoint"]))
         print(f"plots: {', '.join(map(str, plots))}" if isinstance(plots, list) else f"note: {plots}")
     return 0
 

@@ -21,7 +21,8 @@ from meshfold.malloc import retain_freed_memory
 from meshfold.mesh import fold
 from meshfold.models.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
-from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients, shard_batch
+from meshfold.models.transformer_parallel import (batch_rows, grad_norm, parallelize, reduce_gradients,
+                                                  shard_batch)
 from meshfold.plan.hardware import HARDWARE
 from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig
@@ -75,14 +76,6 @@ def _global_loss(model, tokens, targets, spec, rank, backward: bool, microbatche
     if backward:
         loss.backward()
     return loss.item()
-
-
-def dp_rows(spec, rank: int, batch: int) -> range:
-    """The rows of a global batch of ``batch`` sequences that ``rank``'s dp rank trains on (as
-    ``shard_batch`` cuts them)."""
-    b = batch // spec.dp
-    d = spec.coords(rank)["attn"]["dp"]
-    return range(d * b, (d + 1) * b)
 
 
 def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list[float]:
@@ -149,7 +142,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     from meshfold.data import load_corpus
 
     corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
-    own_rows = dp_rows(spec, rank, t.batch)  # the only rows of each global batch this rank reads
+    own_rows = batch_rows(t.batch, spec, rank)  # the only rows of each global batch this rank reads
     sp = mcfg.moe.expert_sparsity if mcfg.moe is not None else None
     pruner = FoldedPruner(model, sp, opt) if sp is not None else None
     start, skipped = 0, 0
@@ -296,7 +289,7 @@ def _step_of(line: str) -> float:
 def evaluate(model, corpus, cfg, spec, rank) -> float:
     """Mean held-out loss over ``eval_batches`` fixed validation batches."""
     t = cfg.train
-    rows = dp_rows(spec, rank, t.batch)
+    rows = batch_rows(t.batch, spec, rank)
     total = 0.0
     model.eval()
     try:

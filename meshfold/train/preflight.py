@@ -37,7 +37,7 @@ def check_launch(world_size: int) -> list[str]:
 
 def check_data(cfg) -> None:
     """The training text exists and gives one batch of ``train.seq + 1`` bytes in each split."""
-    from meshfold.data import corpus_files, default_corpus_paths, split_sizes
+    from meshfold.data import corpus_files, default_corpus_paths, split_point, split_sizes
     from meshfold.tokens import is_token_folder, read_index
 
     paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq
@@ -57,7 +57,7 @@ def check_data(cfg) -> None:
             raise ValueError(f"data {paths[0]}: its tokenizer has {index['vocab_size']:,} ids but model.vocab "
                              f"= {vocab:,} (ids >= {vocab:,} have no embedding); set --set "
                              f"model.vocab={index['vocab_size']}")
-        n_train = int(index["tokens"] * (1 - vf))
+        n_train = split_point(index["tokens"], vf)
         n_val, unit = index["tokens"] - n_train, "tokens"
     else:
         unit = "bytes"
