@@ -111,12 +111,15 @@ class Pipeline:
 
     ``model`` is the whole single-device model (identical weights on every rank, e.g. seeded
     alike); each rank keeps only its chunks' layers. ``schedule`` is one of :data:`SCHEDULES`,
-    ``virtual`` the number of chunks per rank (interleaved schedule), ``data_parallel`` as in
-    :func:`~meshfold.models.transformer_parallel.parallelize`.
+    ``virtual`` the number of chunks per rank (interleaved schedule), ``data_parallel`` and
+    ``compute_dtype`` as in :func:`~meshfold.models.transformer_parallel.parallelize`: with a
+    compute dtype narrower than the model's, the micro-batches' gradients accumulate in the
+    model's (master) dtype (FSDP2: in its fp32 reduce dtype, while the schedule turns gradient
+    sync off) and are summed in fp32.
     """
 
     def __init__(self, model: MoETransformer, folded, microbatches: int, schedule: str = "1f1b",
-                 virtual: int = 1, data_parallel: str = "fsdp"):
+                 virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
@@ -130,7 +133,7 @@ class Pipeline:
         self.stage_ids = [r + k * pp for k in range(virtual)]
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1) for s in self.stage_ids]
         for chunk in self.chunks:
-            parallelize(chunk, folded, data_parallel=data_parallel)
+            parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype)
         device = (torch.device(folded.device_type, torch.cuda.current_device())
                   if folded.device_type == "cuda" else torch.device(folded.device_type))
         group = folded.attn["pp"].get_group()
