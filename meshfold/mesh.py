@@ -275,6 +275,15 @@ class FoldedMesh:
     def device_type(self) -> str:
         return self.attn.device_type
 
+    @property
+    def device(self):
+        """This rank's ``torch.device``: its current GPU under CUDA, else the CPU."""
+        import torch
+
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
     def destroy(self) -> None:
         """Destroy the process groups this fold created (call on every rank, when done)."""
         import torch.distributed as dist

@@ -157,15 +157,22 @@ def _train(rank, world_size, out_dir, dtype, master):
     return train_rank(rank, world_size, load_config(None, sets))
 
 
+def _train_all(rank, world_size, runs):
+    for out_dir, dtype, master in runs:
+        _train(rank, world_size, out_dir, dtype, master)
+
+
 @pytest.fixture(scope="module")
-def runs(worlds, tmp_path_factory):
+def runs(tmp_path_factory):
     """The default fold (tp2 x dp2 | ep4) trained 30 steps in fp32, in bf16 over fp32 masters and
-    in pure bf16 (bf16 masters): {name: run folder}."""
-    out = {}
-    for name, dtype, master in [("fp32", "float32", None), ("mixed", "bfloat16", None),
-                                ("bf16", "bfloat16", "bfloat16")]:
-        out[name] = tmp_path_factory.mktemp(name)
-        worlds(4).run(_train, out[name], dtype, master)
+    in pure bf16 (bf16 masters): {name: run folder}. In ranks of their own, as meshfold train's
+    are: the session's shared world would keep the runs' process groups and freed heap (which
+    other tests' peak-RSS measurements would then see)."""
+    from meshfold.launch import spawn
+
+    settings = [("fp32", "float32", None), ("mixed", "bfloat16", None), ("bf16", "bfloat16", "bfloat16")]
+    out = {name: tmp_path_factory.mktemp(name) for name, _, _ in settings}
+    spawn(_train_all, 4, [(out[name], dtype, master) for name, dtype, master in settings], timeout=600)
     return out
 
 

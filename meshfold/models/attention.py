@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models import init
 from meshfold.models.layers import RMSNorm
 
 __all__ = ["Attention", "CausalMaskCache", "attend", "causal_mask", "rope_cos_sin", "apply_rope"]
@@ -165,11 +166,11 @@ class Attention(nn.Module):
         self.wv = nn.Parameter(torch.empty(hidden, kvd, dtype=dtype))  # [H, g*d]
         self.wo = nn.Parameter(torch.empty(qd, hidden, dtype=dtype))  # [h*d, H]
         for w in (self.wq, self.wk, self.wv, self.wo):
-            nn.init.normal_(w, std=w.shape[0] ** -0.5)
+            init.normal_(w, std=w.shape[0] ** -0.5)
         if qkv_bias:
-            self.bq = nn.Parameter(torch.zeros(qd, dtype=dtype))
-            self.bk = nn.Parameter(torch.zeros(kvd, dtype=dtype))
-            self.bv = nn.Parameter(torch.zeros(kvd, dtype=dtype))
+            self.bq = init.zeros_(nn.Parameter(torch.empty(qd, dtype=dtype)))
+            self.bk = init.zeros_(nn.Parameter(torch.empty(kvd, dtype=dtype)))
+            self.bv = init.zeros_(nn.Parameter(torch.empty(kvd, dtype=dtype)))
         else:
             self.bq = self.bk = self.bv = None
         if qk_norm:

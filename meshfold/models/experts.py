@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from meshfold.kernels import expert_ffn, swiglu
+from meshfold.models import init
 
 __all__ = ["Experts", "SharedExpert", "shared_expert_ffn"]
 
@@ -30,8 +31,8 @@ class Experts(nn.Module):
         two = 2 if kind == "swiglu" else 1
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, hidden, two, ffn, dtype=dtype))
         self.w_down = nn.Parameter(torch.empty(num_experts, ffn, hidden, dtype=dtype))
-        nn.init.normal_(self.w_gate_up, std=hidden ** -0.5)
-        nn.init.normal_(self.w_down, std=ffn ** -0.5)
+        init.normal_(self.w_gate_up, std=hidden ** -0.5)
+        init.normal_(self.w_down, std=ffn ** -0.5)
 
     def forward(self, x_MH, offsets_E, local=lambda name, p: p, local_mask=lambda name, m: m):
         """:func:`expert_ffn` on ``local(name, weight)``, this rank's shards (the layer's comm),
@@ -52,8 +53,8 @@ class Experts(nn.Module):
         down [E, F/bk, H/bn]; ``etp`` checks that the tiles divide every ETP shard of F."""
         E, H, two, Fn = self.w_gate_up.shape
         gate_up = sp.new_mask(E, H, Fn, etp=etp, etp_dim="N")  # checks tiles vs. F and its shards
-        self.register_buffer("mask_gate_up", gate_up.unsqueeze(2).expand(-1, -1, two, -1).contiguous())
-        self.register_buffer("mask_down", sp.new_mask(E, Fn, H, etp=etp, etp_dim="K"))
+        self.register_buffer("mask_gate_up", init.ones_(gate_up.unsqueeze(2).expand(-1, -1, two, -1).contiguous()))
+        self.register_buffer("mask_down", init.ones_(sp.new_mask(E, Fn, H, etp=etp, etp_dim="K")))
 
     def sparse_layers(self) -> dict:
         """``{name: (weight parameter, mask [E, Kt, Nt])}`` for ``meshfold.sparsity.TilePruner``:
@@ -76,11 +77,11 @@ class SharedExpert(nn.Module):
         self.kind = kind
         self.w_gate_up = nn.Parameter(torch.empty(hidden, 2, ffn, dtype=dtype))  # [H, 2, F]
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, dtype=dtype))  # [F, H]
-        nn.init.normal_(self.w_gate_up, std=hidden ** -0.5)
-        nn.init.normal_(self.w_down, std=ffn ** -0.5)
+        init.normal_(self.w_gate_up, std=hidden ** -0.5)
+        init.normal_(self.w_down, std=ffn ** -0.5)
         if kind == "qwen2":
             self.gate = nn.Parameter(torch.empty(1, hidden, dtype=dtype))
-            nn.init.normal_(self.gate, std=hidden ** -0.5)
+            init.normal_(self.gate, std=hidden ** -0.5)
         else:
             self.gate = None
 

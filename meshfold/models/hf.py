@@ -384,8 +384,9 @@ def from_pretrained(path, mesh=None, dtype: torch.dtype | None = None) -> MoETra
 
 
 def _from_pretrained_folded(path, hf, cfg, model, mesh) -> MoETransformer:
+    from meshfold.models.init import fill_, shard_indices
     from meshfold.models.moe_parallel import local_slices
-    from meshfold.models.transformer_parallel import param_layouts, parallelize
+    from meshfold.models.transformer_parallel import param_layouts, parallelize, single_device_name
 
     params = dict(model.named_parameters())
     layouts = param_layouts(model, mesh)
@@ -394,15 +395,17 @@ def _from_pretrained_folded(path, hf, cfg, model, mesh) -> MoETransformer:
         m, placements = layouts[name]
         return local_slices(params[name].shape, m, placements)
 
+    device = mesh.device
     state = load_state(path, cfg, select=select, arch=_architecture(hf))
-    state = {n: t.to(params[n].dtype).contiguous() for n, t in state.items()}
+    state = {n: t.to(device=device, dtype=params[n].dtype).contiguous() for n, t in state.items()}
     parallelize(model, mesh, local_state=state)
-    kind = mesh.device_type
-    device = torch.device(kind) if kind == "cpu" else torch.device(kind, torch.get_device_module(kind).current_device())
-    for module in model.modules():  # buffers (none in HF MoE checkpoints) start at their defaults,
-        for bname, buf in list(module.named_buffers(recurse=False)):  # on the mesh's device
-            if buf.is_meta:
-                module.register_buffer(bname, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
+    for name, buf in list(model.named_buffers()):  # none in HF MoE checkpoints: they start as
+        if buf.is_meta:                              # declared, on the mesh's device
+            key = single_device_name(name)
+            module_name, _, bname = name.rpartition(".")
+            fresh = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+            fill_(fresh, model.inits[key], model.init_seed, key, tuple(buf.shape), shard_indices(fresh))
+            model.get_submodule(module_name).register_buffer(bname, fresh)
     return model
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshfold.models import init
 from meshfold.models.experts import shared_expert_ffn
 
 __all__ = ["RMSNorm", "MLP"]
@@ -23,7 +24,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.weight = init.ones_(nn.Parameter(torch.empty(dim, dtype=dtype)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -43,8 +44,8 @@ class MLP(nn.Module):
         super().__init__()
         self.w_gate_up = nn.Parameter(torch.empty(hidden, 2, ffn, dtype=dtype))  # [H, 2, F]
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, dtype=dtype))  # [F, H]
-        nn.init.normal_(self.w_gate_up, std=hidden ** -0.5)
-        nn.init.normal_(self.w_down, std=ffn ** -0.5)
+        init.normal_(self.w_gate_up, std=hidden ** -0.5)
+        init.normal_(self.w_down, std=ffn ** -0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

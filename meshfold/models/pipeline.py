@@ -78,6 +78,7 @@ class ModelChunk(nn.Module):
         self.norm = model.norm if last else None
         self.head = model.head if last else None
         self.positions: torch.Tensor | None = None
+        self.inits, self.init_seed = getattr(model, "inits", None), getattr(model, "init_seed", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_layers(self, x, self.positions)
@@ -109,8 +110,10 @@ def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int)
 class Pipeline:
     """This rank's model chunks of ``model`` on ``folded`` and a pipeline schedule over them.
 
-    ``model`` is the whole single-device model (identical weights on every rank, e.g. seeded
-    alike); each rank keeps only its chunks' layers. ``schedule`` is one of :data:`SCHEDULES`,
+    ``model`` is the whole single-device model, either with identical weights on every rank
+    (e.g. seeded alike) or built on the meta device (``MoETransformer(cfg, device="meta")``),
+    in which case each rank materializes only the shards of its own chunks; each rank keeps only
+    its chunks' layers. ``schedule`` is one of :data:`SCHEDULES`,
     ``virtual`` the number of chunks per rank (interleaved schedule), ``data_parallel`` and
     ``compute_dtype`` as in :func:`~meshfold.models.transformer_parallel.parallelize`: with a
     compute dtype narrower than the model's, the micro-batches' gradients accumulate in the
@@ -134,10 +137,8 @@ class Pipeline:
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1) for s in self.stage_ids]
         for chunk in self.chunks:
             parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype)
-        device = (torch.device(folded.device_type, torch.cuda.current_device())
-                  if folded.device_type == "cuda" else torch.device(folded.device_type))
         group = folded.attn["pp"].get_group()
-        stages = [PipelineStage(c, s, n, device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
+        stages = [PipelineStage(c, s, n, folded.device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
         self.has_last = any(s == n - 1 for s in self.stage_ids)
         self._n_global = None
         if schedule == "interleaved-1f1b":

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models import init
 from meshfold.models.config import MoEConfig
 
 __all__ = ["Router", "topk_routing"]
@@ -81,9 +82,9 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden, dtype=cfg.router_dtype))
-        nn.init.normal_(self.weight, std=cfg.hidden ** -0.5)
+        init.normal_(self.weight, std=cfg.hidden ** -0.5)
         if cfg.expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+            self.register_buffer("expert_bias", init.zeros_(torch.empty(cfg.num_experts, dtype=torch.float32)))
         else:
             self.expert_bias = None
 

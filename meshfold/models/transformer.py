@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models import init
 from meshfold.models.attention import Attention, rope_cos_sin
 from meshfold.models.config import MoEConfig
 from meshfold.models.layers import MLP, RMSNorm
@@ -147,20 +148,35 @@ class MoETransformer(nn.Module):
     ``positions`` are absolute token positions (default ``0..S-1``); pass them when this call
     sees only part of each sequence (context parallelism). ``head`` is a bias-free H -> V
     linear, or None with ``tie_embeddings`` (the embedding matrix is reused).
+
+    Construction never holds more than the weights it is asked for: the modules are built on the
+    meta device and then, unless ``device`` is ``"meta"``, materialized there with
+    :func:`meshfold.models.init.materialize`, whose values depend only on ``seed`` (default:
+    drawn from the global generator, so ``torch.manual_seed`` fixes the model) and each tensor's
+    name. Built on meta and handed to ``parallelize`` or ``Pipeline``, each rank materializes
+    only its own shards, and the global weights are these same ones (``init_seed`` and
+    ``inits`` record what is needed).
     """
 
-    def __init__(self, cfg: TransformerConfig, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: TransformerConfig, dtype: torch.dtype | None = None, device=None,
+                 seed: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype)  # weight [V, H]
-        nn.init.normal_(self.embed.weight, std=0.02)
-        self.layers = nn.ModuleList(Block(cfg, i, dtype) for i in range(cfg.layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
-        if cfg.tie_embeddings:
-            self.head = None
-        else:
-            self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)  # weight [V, H]
-            nn.init.normal_(self.head.weight, std=cfg.hidden ** -0.5)
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        with torch.device("meta"):
+            self.embed = nn.Embedding(cfg.vocab, cfg.hidden, dtype=dtype)  # weight [V, H]
+            init.normal_(self.embed.weight, std=0.02)
+            self.layers = nn.ModuleList(Block(cfg, i, dtype) for i in range(cfg.layers))
+            self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
+            if cfg.tie_embeddings:
+                self.head = None
+            else:
+                self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)  # weight [V, H]
+                init.normal_(self.head.weight, std=cfg.hidden ** -0.5)
+        self.init_seed = init.draw_seed() if seed is None else seed
+        self.inits = init.declared_inits(self)
+        if device.type != "meta":
+            init.materialize(self, self.inits, self.init_seed, device)
 
     # Set by parallelize (single device: None): how local logits become the global DTensor, and
     # how a per-rank (sum of cross-entropy, token count) becomes the global mean loss.

@@ -56,6 +56,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshfold.models.attention import CausalMaskCache
+from meshfold.models.init import materialize
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
@@ -189,9 +190,12 @@ def check_fold(cfg, spec) -> None:
 
 def parallelize(model: nn.Module, folded, local_state: dict | None = None,
                 data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None) -> nn.Module:
-    """Lay ``model`` out on ``folded``, from identical full weights on every rank or, given
-    ``local_state`` (``{name: this rank's shard}``, see :func:`param_layouts`), from shards only
-    (the model may then live on the meta device).
+    """Lay ``model`` out on ``folded``, from identical full weights on every rank; from a model
+    built on the meta device (``MoETransformer(cfg, device="meta")``), each rank then
+    materializing only its own shards (TP / EP / ETP slices, then FSDP2 shards) on its device,
+    with the same global values as the model built whole (:mod:`meshfold.models.init`); or,
+    given ``local_state`` (``{name: this rank's shard}``, see :func:`param_layouts`), from shards
+    only (the model may then live on the meta device).
 
     ``data_parallel``: ``"fsdp"`` shards every parameter over its data-parallel dims with FSDP2
     (:func:`fully_shard`; dense weights over ``dp x cp``, expert weights over ``edp``), which also
@@ -215,6 +219,10 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     cfg = model.cfg
     blocks = dict(model.layers.named_children())  # ModuleList, or a pipeline chunk's ModuleDict
     check_fold(cfg, spec)
+    on_meta = local_state is None and any(p.is_meta for p in model.parameters())
+    if on_meta and getattr(model, "inits", None) is None:
+        raise ValueError("the model is on the meta device but records no initialization; build it "
+                         "with MoETransformer(cfg, device='meta') or pass local_state")
     attn_mesh = folded.stage("attn")
     for i, block in blocks.items():
         if isinstance(block.mlp, MoELayer):
@@ -245,6 +253,8 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     model.reduce_loss = _GlobalMeanLoss(attn_mesh)
     if data_parallel == "fsdp":
         _fully_shard(model, folded, compute_dtype)
+    if on_meta:  # after FSDP2 has sharded: each rank allocates and draws only what it keeps
+        materialize(model, model.inits, model.init_seed, folded.device, name_of=single_device_name)
     return model
 
 

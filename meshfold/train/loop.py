@@ -1,7 +1,7 @@
 """The per-rank training loop of ``meshfold train``.
 
-Every rank builds the same model (same seed), lays it out on the folded mesh, and trains on its
-slice of each global batch (batch over dp, sequence over cp x tp; with pp, through the pipeline
+Every rank describes the same model on the meta device (same seed), lays it out on the folded
+mesh and materializes only its own shards, then trains on its slice of each global batch (batch over dp, sequence over cp x tp; with pp, through the pipeline
 schedule). ``model.loss`` is the global mean loss on every rank, and each rank's backward is its
 share: the sum of its tokens' cross-entropy over the global token count, so the gradients add up
 to the single-device ones. Rank 0 shows progress and writes metrics.
@@ -132,7 +132,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     if device.type == "cpu" and t.retain_cpu_memory:
         retain_freed_memory()  # reuse large activation buffers across steps (meshfold.malloc)
     folded = fold(spec, device.type)
-    model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype]).to(device)  # master weights
+    # built on the meta device: parallelize / Pipeline lay it out, then each rank materializes
+    # only its own shards on its device (the same global weights on every fold, for this seed)
+    model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")  # master weights
     compute = DTYPES[t.dtype]
     if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
         model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual, compute_dtype=compute)
