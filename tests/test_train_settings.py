@@ -149,3 +149,45 @@ def test_mfu_is_over_the_hardware_peak_when_one_is_named():
     assert hardware_peak(TrainSettings(gpu="h100", peak_tflops=100.0), 2) == 2 * 100e12
     with pytest.raises(ValueError, match="train.gpu = 'h1000'; valid: h100"):
         load_config(None, ["train.gpu=h1000"]).check_types()
+
+
+@pytest.mark.parametrize("dtype, master, resolved", [
+    ("bfloat16", None, "float32"), ("float32", None, "float32"), ("float64", None, "float64"),
+    ("bfloat16", "bfloat16", "bfloat16"), ("bfloat16", "float64", "float64")])
+def test_master_dtype_defaults_to_fp32_or_the_wider_compute_dtype(dtype, master, resolved):
+    sets = [f"train.dtype={dtype}"] + ([f"train.master_dtype={master}"] if master else [])
+    cfg = load_config(None, sets)
+    _, mcfg = cfg.validate()
+    assert cfg.train.master_dtype == resolved
+    assert str(mcfg.moe.router_dtype) == ("torch.float64" if "float64" in (dtype, resolved) else "torch.float32")
+
+
+@pytest.mark.parametrize("dtype, master, valid", [("float32", "bfloat16", "float32, float64"),
+                                                  ("float64", "float32", "float64")])
+def test_a_master_dtype_narrower_than_the_compute_dtype_is_refused_naming_both(dtype, master, valid):
+    cfg = load_config(None, [f"train.dtype={dtype}", f"train.master_dtype={master}"])
+    with pytest.raises(ValueError) as err:
+        cfg.validate()
+    assert str(err.value) == (f"train.master_dtype = {master!r} is narrower than train.dtype = {dtype!r}; "
+                              f"valid master dtypes for {dtype} compute: {valid}")
+
+
+@pytest.mark.parametrize("old_dtype, refused", [("float32", False), ("bfloat16", True)])
+def test_a_run_recorded_before_master_dtype_resumes_only_if_its_weights_were_fp32(tmp_path, old_dtype, refused):
+    """run.json written before train.master_dtype existed: that run's weights were train.dtype."""
+    import json
+
+    from meshfold.train.rundir import RunLock, identity, prepare
+
+    old = load_config(None, [f"train.dtype={old_dtype}", f"train.out_dir={json.dumps(str(tmp_path))}"])
+    _, mcfg = old.validate()
+    recorded = {k: v for k, v in identity(old, mcfg).items() if k != "train.master_dtype"}
+    (tmp_path / "run.json").write_text(json.dumps({"identity": recorded, "steps": 200}))
+    now = load_config(None, [f"train.dtype={old_dtype}", f"train.out_dir={json.dumps(str(tmp_path))}"])
+    _, mcfg = now.validate()  # master_dtype: the default, float32
+    with RunLock(tmp_path) as lock:
+        if refused:
+            with pytest.raises(ValueError, match="train.master_dtype 'bfloat16' -> 'float32'"):
+                prepare(lock, now, mcfg)
+        else:
+            assert prepare(lock, now, mcfg) == []

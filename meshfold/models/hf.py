@@ -420,17 +420,19 @@ def _split(recipe, t: torch.Tensor, out: dict) -> None:
         out[recipe.key] = (t.T if recipe.transpose else t).contiguous()
 
 
-def save_pretrained(model: MoETransformer, path, arch: str | None = None) -> None:
+def save_pretrained(model: MoETransformer, path, arch: str | None = None, dtype: torch.dtype | None = None) -> None:
     """Write ``config.json`` + ``model.safetensors`` in the Hugging Face format of ``arch``
     (default: inferred from the config), loadable by transformers and :func:`from_pretrained`.
-    Tensors keep their dtypes (routers fp32). Single-device (plain tensor) models only."""
+    Tensors are written in ``dtype`` (None: the dtypes they have); routers keep theirs (fp32),
+    as :func:`from_pretrained` reads them. Single-device (plain tensor) models only."""
     cfg = model.cfg
     arch = arch or infer_architecture(cfg)
-    hf = config_to_hf(cfg, arch, model.embed.weight.dtype)
+    hf = config_to_hf(cfg, arch, dtype or model.embed.weight.dtype)
     recipes = checkpoint_map(cfg, arch)
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        _split(recipes[name], p.detach().cpu(), tensors)
+        t = p.detach().cpu()
+        _split(recipes[name], t if dtype is None or name.endswith("router.weight") else t.to(dtype), tensors)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

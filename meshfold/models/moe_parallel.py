@@ -111,7 +111,8 @@ class LocalComm:
 class FoldedComm:
     """The folded mesh: ``attn`` = (dp, cp, tp) and ``moe`` = (edp, ep, etp) of this pp stage."""
 
-    def __init__(self, folded):
+    def __init__(self, folded, compute_dtype: torch.dtype | None = None):
+        self.compute_dtype = compute_dtype  # None: the parameters' own
         self.attn = folded.stage("attn")
         self.moe = folded.stage("moe")
         spec = folded.spec
@@ -121,7 +122,10 @@ class FoldedComm:
 
     # ---- parameters ----
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        return local_view(p)
+        """This rank's shard of parameter ``name``, in the compute dtype (the router: in its
+        ``router_dtype``); the cast's backward returns the gradient in the parameter's dtype."""
+        v = local_view(p)
+        return v if self.compute_dtype is None or name == "router.weight" else v.to(self.compute_dtype)
 
     def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a tile mask: experts over ep, ffn tiles over etp (dim 3 of the
@@ -247,14 +251,16 @@ def check_moe_fold(cfg, ep: int, etp: int, tp: int) -> None:
         check_etp_alignment(cfg.ffn, cfg.hidden, cfg.expert_sparsity.tile, etp, "K")
 
 
-def parallelize_moe(layer, folded, local_state: dict | None = None, *, layout: dict | None = None) -> None:
+def parallelize_moe(layer, folded, local_state: dict | None = None, *, layout: dict | None = None,
+                    compute_dtype: torch.dtype | None = None) -> None:
     """Apply ``layout`` (default :data:`MOE_LAYOUT`): turn ``layer``'s parameters into DTensors
     on the folded mesh (from the full weights every rank holds, e.g. after seeding identically, or
     from this rank's shards in ``local_state``, keyed by parameter name within the layer) and give
     the layer a :class:`FoldedComm`. A layer with parameters of its own passes a layout that
     extends MOE_LAYOUT (``{**MOE_LAYOUT, name: (view, placements)}``) rather than editing the
-    library table. Raises if the layer's sizes do not divide over the mesh."""
-    comm = FoldedComm(folded)
+    library table. ``compute_dtype``: the dtype the layer computes in (None: its parameters'),
+    the router excepted. Raises if the layer's sizes do not divide over the mesh."""
+    comm = FoldedComm(folded, compute_dtype)
     check_moe_fold(layer.cfg, comm.ep, comm.etp, comm.tp)
     for name, param in list(layer.named_parameters()):
         mesh, placements = moe_param_layout(name, comm, layout)

@@ -114,12 +114,15 @@ class Pipeline:
     (e.g. seeded alike) or built on the meta device (``MoETransformer(cfg, device="meta")``),
     in which case each rank materializes only the shards of its own chunks; each rank keeps only
     its chunks' layers. ``schedule`` is one of :data:`SCHEDULES`,
-    ``virtual`` the number of chunks per rank (interleaved schedule), ``data_parallel`` as in
-    :func:`~meshfold.models.transformer_parallel.parallelize`.
+    ``virtual`` the number of chunks per rank (interleaved schedule), ``data_parallel`` and
+    ``compute_dtype`` as in :func:`~meshfold.models.transformer_parallel.parallelize`: with a
+    compute dtype narrower than the model's, the micro-batches' gradients accumulate in the
+    model's (master) dtype (FSDP2: in its fp32 reduce dtype, while the schedule turns gradient
+    sync off) and are summed in fp32.
     """
 
     def __init__(self, model: MoETransformer, folded, microbatches: int, schedule: str = "1f1b",
-                 virtual: int = 1, data_parallel: str = "fsdp"):
+                 virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
@@ -133,7 +136,7 @@ class Pipeline:
         self.stage_ids = [r + k * pp for k in range(virtual)]
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1) for s in self.stage_ids]
         for chunk in self.chunks:
-            parallelize(chunk, folded, data_parallel=data_parallel)
+            parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype)
         group = folded.attn["pp"].get_group()
         stages = [PipelineStage(c, s, n, folded.device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
         self.has_last = any(s == n - 1 for s in self.stage_ids)

@@ -27,6 +27,22 @@ from outside:
   "allreduce"`` keeps whole replicas and sums in :func:`reduce_gradients`.
 * **PP**: :mod:`meshfold.models.pipeline` cuts the model into chunks and parallelizes each with
   this function on the rank's pipeline stage (``folded.stage``).
+* **Mixed precision** (``compute_dtype``, e.g. bf16, over fp32 *master* parameters): the
+  parameters, their gradients and the optimizer state stay in the master dtype; the modules see
+  each parameter in the compute dtype; gradients are summed over ranks and micro-batches in at
+  least fp32. With FSDP2 that is its own ``MixedPrecisionPolicy(param_dtype=compute,
+  reduce_dtype=fp32)``: the all-gather runs in bf16, the reduce-scatter in fp32, and gradients
+  accumulate in fp32 while gradient sync is off. The router keeps its ``router_dtype`` (its own
+  FSDP group and policy). With ``"allreduce"`` PyTorch has no parameter-cast policy (DDP's is
+  private and DDP cannot hold these DTensor parameters), and autocast casts per op, not for
+  meshfold's own expert kernels, which take weights and inputs of one dtype: so the
+  parametrization that already hands a module its local shard casts it (:class:`_Local`), and
+  the cast's backward returns the gradient in the master dtype, where it accumulates and is
+  summed. Both paths round each weight once to the compute dtype and compute the same ops.
+  One difference: under FSDP2 without micro-batches, the ``tp`` sum of the gradients of
+  weights replicated over ``tp`` (norms, embeddings, head, shared-expert gate) is DTensor's
+  redistribute of FSDP2's unsharded gradient, which is in the compute dtype; with micro-batches
+  FSDP2 has upcast it first and that sum is fp32 too.
 
 The loss each rank returns is its share (sum of its tokens' cross-entropy over the global token
 count), so the shares add up to the single-device mean loss and so do the gradients.
@@ -46,8 +62,8 @@ from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
 from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_in_place, sum_statistic
 
-__all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "shard_batch", "local_positions",
-           "grad_norm", "full_state_dict", "single_device_name"]
+__all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "reduce_dtype", "shard_batch",
+           "local_positions", "grad_norm", "full_state_dict", "single_device_name"]
 
 R = Replicate()
 ATTN_DIMS = ("dp", "cp", "tp")
@@ -74,14 +90,19 @@ def _placements(name: str):
 
 
 class _Local(nn.Module):
-    """Parametrization: the module sees the local shard of its DTensor parameter."""
+    """Parametrization: the module sees the local shard of its DTensor parameter, in ``dtype``
+    (None: the parameter's own). The cast is autograd's ``to``, so the gradient flows back in the
+    parameter's (master) dtype; under FSDP2 the shard arrives in the compute dtype already and the
+    cast is a no-op."""
 
-    def __init__(self, grad_placements):
+    def __init__(self, grad_placements, dtype: torch.dtype | None = None):
         super().__init__()
         self.grad_placements = tuple(grad_placements)
+        self.dtype = dtype
 
     def forward(self, p):
-        return p.to_local(grad_placements=self.grad_placements)
+        local = p.to_local(grad_placements=self.grad_placements)
+        return local if self.dtype is None else local.to(self.dtype)
 
 
 class _TensorParallel(nn.Module):
@@ -168,7 +189,7 @@ def check_fold(cfg, spec) -> None:
 
 
 def parallelize(model: nn.Module, folded, local_state: dict | None = None,
-                data_parallel: str = "fsdp") -> nn.Module:
+                data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None) -> nn.Module:
     """Lay ``model`` out on ``folded``, from identical full weights on every rank; from a model
     built on the meta device (``MoETransformer(cfg, device="meta")``), each rank then
     materializing only its own shards (TP / EP / ETP slices, then FSDP2 shards) on its device,
@@ -180,6 +201,10 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     (:func:`fully_shard`; dense weights over ``dp x cp``, expert weights over ``edp``), which also
     reduces the gradients; ``"allreduce"`` keeps whole replicas and leaves the gradients Partial
     until :func:`reduce_gradients`. Either way the reduced gradients are the single-device ones.
+
+    ``compute_dtype`` (None: the parameters' dtype): the dtype the modules compute in, e.g. bf16
+    over an fp32 model, whose parameters stay the master weights (see *Mixed precision* above);
+    routers keep their ``router_dtype``.
 
     Raises ``ValueError`` naming the size that does not divide (heads, kv_heads, ffn over tp;
     experts over ep; expert ffn over etp). Returns the model (modified in place).
@@ -204,7 +229,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
             prefix = f"layers.{i}.mlp."
             sub = None if local_state is None else {
                 n[len(prefix):]: t for n, t in local_state.items() if n.startswith(prefix)}
-            parallelize_moe(block.mlp, folded, sub)
+            parallelize_moe(block.mlp, folded, sub, compute_dtype=compute_dtype)
     for name, param in list(model.named_parameters()):
         if _moe_prefix(model, name):
             continue
@@ -212,7 +237,8 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
-        parametrize.register_parametrization(module, attr, _Local(partial_grads(placements)), unsafe=True)
+        parametrize.register_parametrization(module, attr, _Local(partial_grads(placements), compute_dtype),
+                                             unsafe=True)
     masks = CausalMaskCache()  # one mask per forward for all layers (context parallelism)
     for block in blocks.values():
         if spec.cp > 1:
@@ -226,13 +252,18 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     model.gather_logits = _GlobalLogits(attn_mesh, spec)
     model.reduce_loss = _GlobalMeanLoss(attn_mesh)
     if data_parallel == "fsdp":
-        _fully_shard(model, folded)
+        _fully_shard(model, folded, compute_dtype)
     if on_meta:  # after FSDP2 has sharded: each rank allocates and draws only what it keeps
         materialize(model, model.inits, model.init_seed, folded.device, name_of=single_device_name)
     return model
 
 
-def _fully_shard(model: nn.Module, folded) -> None:
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients of ``dtype`` parameters are summed in: at least fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _fully_shard(model: nn.Module, folded, compute_dtype: torch.dtype | None = None) -> None:
     """FSDP2 over the folded mesh's data-parallel dims, bottom-up: each MoE layer's experts are
     one group on the moe mesh (sharded over ``edp``), each block one group on the attention mesh
     (sharded over ``dp x cp``), the root holds embeddings, final norm and head.
@@ -243,18 +274,32 @@ def _fully_shard(model: nn.Module, folded) -> None:
     gradient placements into sums (non-data dims such as ``tp`` for norms are all-reduced
     first). The loss is already a global mean split into per-rank shares, so gradients are summed,
     not averaged: divide factor 1.
+
+    Mixed precision is FSDP2's ``MixedPrecisionPolicy``: parameters all-gathered and computed in
+    ``compute_dtype``, gradients reduce-scattered (and, with gradient sync off, accumulated) in
+    :func:`reduce_dtype` of the master dtype, then kept in the master dtype. A router whose
+    ``router_dtype`` differs from the compute or the master dtype is a group of its own with a
+    policy of its dtype (FSDP2 groups hold one dtype, and the block's policy would cast it).
     """
-    from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import (DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
 
     attn, moe = folded.stage("attn"), folded.stage("moe")
     dense_dims, expert_dims = DataParallelMeshDims(shard=("dp", "cp")), DataParallelMeshDims(shard="edp")
+
+    def policy(master: torch.dtype, compute: torch.dtype | None) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=compute or master, reduce_dtype=reduce_dtype(master))
+
+    master = next(p.dtype for n, p in model.named_parameters() if ".router." not in n)
+    mp = policy(master, compute_dtype)
     for block in model.layers.children():
         if isinstance(block.mlp, MoELayer):
-            fully_shard(block.mlp.experts, mesh=moe, dp_mesh_dims=expert_dims)
-            if block.mlp.router.weight.dtype != block.mlp_norm.weight.dtype:  # fp32 gate in a bf16 model:
-                fully_shard(block.mlp.router, mesh=attn, dp_mesh_dims=dense_dims)  # FSDP2 groups one dtype
-        fully_shard(block, mesh=attn, dp_mesh_dims=dense_dims)
-    fully_shard(model, mesh=attn, dp_mesh_dims=dense_dims)
+            fully_shard(block.mlp.experts, mesh=moe, dp_mesh_dims=expert_dims, mp_policy=mp)
+            router = block.mlp.router.weight.dtype
+            if router != master or router != (compute_dtype or master):  # e.g. an fp32 gate under bf16
+                fully_shard(block.mlp.router, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=policy(router, router))
+        fully_shard(block, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=mp)
+    fully_shard(model, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=mp)
     for method in ("loss", "local_logits"):  # entry points besides forward: gather the root's weights too
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
@@ -375,7 +420,8 @@ def reduce_gradients(model: nn.Module) -> None:
     per bucket and dim instead of one per parameter, and the sums are copied back into the
     gradients' own storage, so the step holds at most one bucket beyond the gradients.
     (One flat buffer of all of them held every gradient twice for a moment: at cp = 4 that was
-    the training step's peak, benchmarks/RESULTS.md, bench_model (c).)
+    the training step's peak, benchmarks/RESULTS.md, bench_model (c).) Sums run in
+    :func:`reduce_dtype` (at least fp32): bf16 gradients are summed in an fp32 bucket.
     """
     buckets: dict = {}
     for p in _dtensor_params(model):
@@ -391,8 +437,9 @@ def reduce_gradients(model: nn.Module) -> None:
         locals_ = [p.grad.to_local() for p in params]
         for run in _by_size(locals_, REDUCE_BUCKET_BYTES) if names else []:
             bucket = locals_[run]
-            alone = len(bucket) == 1 and bucket[0].is_contiguous()  # summed in place
-            flat = bucket[0] if alone else torch.cat([t.reshape(-1) for t in bucket])
+            wide = reduce_dtype(bucket[0].dtype)
+            alone = len(bucket) == 1 and bucket[0].is_contiguous() and bucket[0].dtype == wide  # in place
+            flat = bucket[0] if alone else torch.cat([t.reshape(-1) for t in bucket]).to(wide)
             sum_in_place(flat, mesh, names)
             if not alone:
                 for t, part in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):

@@ -107,9 +107,23 @@ def newest_intact(ckpt_dir: str | os.PathLike) -> tuple[Path | None, CheckpointE
     return None, first_error
 
 
+def _reshard(model) -> None:
+    """Put every FSDP2 group of ``model`` (a parallelized model or a Pipeline) back in its sharded
+    state. After a forward without backward (evaluation) FSDP2 keeps the root's parameters
+    unsharded, and ``named_parameters`` then yields those copies, in the compute dtype: a
+    checkpoint must hold the sharded master weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for chunk in getattr(model, "chunks", [model]):
+        for m in chunk.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
 def _tensors(model, optimizer) -> dict[str, torch.Tensor]:
     """Flat {name: tensor} of model parameters, buffers and AdamW moments (state created if
     missing, so a fresh optimizer can be loaded into)."""
+    _reshard(model)
     out = {}
     for name, p in model.named_parameters():
         out["model." + single_device_name(name)] = p

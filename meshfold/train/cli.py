@@ -210,6 +210,7 @@ def load_trained(run_or_checkpoint: str):
     from meshfold.models.transformer import MoETransformer
     from meshfold.train import checkpoint
     from meshfold.train.config import TrainConfig
+    from meshfold.train.loop import DTYPES
 
     path = Path(run_or_checkpoint)
     if (path / "checkpoints").is_dir():
@@ -222,7 +223,9 @@ def load_trained(run_or_checkpoint: str):
     checkpoint.verify(path)  # names a damaged trainer.json or shard before torch reads it
     state = json.loads((path / "trainer.json").read_text())
     cfg = TrainConfig(model=state["model"], moe=state.get("moe", {}), sparsity=state.get("sparsity", {}))
-    model = MoETransformer(cfg.model_config())
+    cfg.train.dtype = state.get("dtype", "float32")  # checkpoints before train.master_dtype: float32, as then
+    cfg.train.master_dtype = state.get("master_dtype", "float32")
+    model = MoETransformer(cfg.model_config(), dtype=DTYPES[cfg.train.master_dtype])  # the master weights
     checkpoint.load(path, model, None, restore_rng=False)
     return model.eval(), state
 
@@ -264,6 +267,9 @@ def configure_export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default=None, help="Hugging Face architecture (default: Mixtral, "
                                                       "or Qwen2-MoE when the model has shared experts)")
     parser.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default=None,
+                        help="dtype of the written weights, routers excepted (default: the run's compute "
+                             "dtype, train.dtype; checkpoints hold the master weights)")
 
 
 def main_export(args: argparse.Namespace) -> int:
@@ -277,7 +283,10 @@ def main_export(args: argparse.Namespace) -> int:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.force:
         raise ValueError(f"export target {args.out} is not empty; choose an empty or new folder, or pass "
                          f"--force to overwrite its config.json and model.safetensors")
-    model, _ = load_trained(args.checkpoint)
-    save_pretrained(model, args.out, arch=args.arch)
-    print(f"wrote {args.out}/config.json and model.safetensors (Hugging Face format)")
+    model, state = load_trained(args.checkpoint)
+    from meshfold.train.loop import DTYPES
+
+    dtype = args.dtype or state.get("dtype", "float32")
+    save_pretrained(model, args.out, arch=args.arch, dtype=DTYPES[dtype])
+    print(f"wrote {args.out}/config.json and model.safetensors (Hugging Face format, {dtype})")
     return 0

@@ -39,7 +39,7 @@ from typing import Any
 from meshfold.mesh import FoldSpec
 from meshfold.plan.hardware import HARDWARE
 
-__all__ = ["TrainConfig", "load_config", "parse_override"]
+__all__ = ["TrainConfig", "load_config", "parse_override", "master_dtype"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,22 @@ def setting(default, kind, doc, **rule):
     return field(default=default, metadata={"rule": r})
 
 
+DTYPE_NAMES = ("float32", "float64", "bfloat16")
+DTYPE_BITS = {"bfloat16": 16, "float32": 32, "float64": 64}
+
+
+def master_dtype(compute: str, master: str | None) -> str:
+    """``train.master_dtype`` resolved: float32 by default, or the compute dtype where that is
+    wider; a master dtype narrower than the compute dtype raises, naming both."""
+    if master is None:
+        return compute if DTYPE_BITS[compute] > DTYPE_BITS["float32"] else "float32"
+    if DTYPE_BITS[master] < DTYPE_BITS[compute]:
+        valid = [d for d in DTYPE_NAMES if DTYPE_BITS[d] >= DTYPE_BITS[compute]]
+        raise ValueError(f"train.master_dtype = {master!r} is narrower than train.dtype = {compute!r}; "
+                         f"valid master dtypes for {compute} compute: {', '.join(valid)}")
+    return master
+
+
 @dataclass
 class TrainSettings:
     steps: int = setting(200, int, "optimizer steps of the whole run; the learning-rate schedule spans "
@@ -124,8 +140,12 @@ class TrainSettings:
     weight_decay: float = setting(0.01, float, "AdamW weight decay", low=0)
     grad_clip: float = setting(1.0, float, "clip the global gradient norm to this (0: no clipping)", low=0)
     seed: int = setting(0, int, "seed of the weights and of the batches drawn", low=0)
-    dtype: str = setting("float32", str, "parameter and compute dtype",
-                         choices=("float32", "float64", "bfloat16"))
+    dtype: str = setting("float32", str, "compute dtype: what the layers compute in (bfloat16: mixed "
+                         "precision over train.master_dtype weights)", choices=DTYPE_NAMES)
+    master_dtype: str | None = setting(None, str, "dtype of the parameters (master weights), their gradients, "
+                                       "the gradient sums and AdamW states, and of checkpoints (default: unset: "
+                                       "float32, or train.dtype where that is wider)", choices=DTYPE_NAMES,
+                                       optional=True)
     eval_every: int = setting(50, int, "steps between validation losses (and at the last step)", low=1)
     eval_batches: int = setting(4, int, "validation batches per evaluation", low=1)
     ckpt_every: int = setting(100, int, "steps between checkpoints (and at the last step)", low=1)
@@ -247,7 +267,7 @@ class TrainConfig:
             if bad:
                 raise ValueError(f"[sparsity] has no settings {bad}")
             moe = dataclasses.replace(moe, expert_sparsity=ExpertSparsity(**sp))
-        if moe is not None and self.train.dtype == "float64":
+        if moe is not None and "float64" in (self.train.dtype, self.train.master_dtype):
             import torch
 
             moe = dataclasses.replace(moe, router_dtype=torch.float64)  # no fp32 step in an fp64 run
@@ -262,6 +282,7 @@ class TrainConfig:
         """Everything about the settings themselves that can be checked before any process starts
         (files and folders: meshfold.train.preflight); returns (spec, model cfg)."""
         self.check_types()
+        self.train.master_dtype = master_dtype(self.train.dtype, self.train.master_dtype)
         spec = self.fold_spec()
         cfg = self.model_config()
         t = self.train

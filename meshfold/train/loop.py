@@ -134,11 +134,12 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     folded = fold(spec, device.type)
     # built on the meta device: parallelize / Pipeline lay it out, then each rank materializes
     # only its own shards on its device (the same global weights on every fold, for this seed)
-    model = MoETransformer(mcfg, dtype=DTYPES[t.dtype], device="meta")
+    model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")  # master weights
+    compute = DTYPES[t.dtype]
     if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
-        model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual)
+        model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual, compute_dtype=compute)
     else:
-        parallelize(model, folded)
+        parallelize(model, folded, compute_dtype=compute)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                             betas=(0.9, 0.95), foreach=False)
     from meshfold.data import load_corpus
@@ -200,6 +201,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         if n % t.ckpt_every == 0 or n == end:  # skipped steps too: the schedule stays on time
             state = {"step": n, "skipped": skipped, "fold": cfg.fold, "model": cfg.model,
                      "moe": cfg.moe, "sparsity": cfg.sparsity, "seed": t.seed,
+                     "dtype": t.dtype, "master_dtype": t.master_dtype,
                      "world_size": world_size, "train_steps": t.steps}
             crash = faults.crash_in_save(injected, n)
             last_good = str(checkpoint.save(ckpt_dir, n, model, opt, state, crash_before_rename=crash))

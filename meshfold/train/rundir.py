@@ -34,7 +34,8 @@ __all__ = ["RunLock", "identity", "prepare"]
 LOCK = ".lock"
 IDENTITY = "run.json"
 # train.* settings that change what is trained; the others change how the run is watched or kept
-IDENTITY_TRAIN = ("batch", "seq", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed", "dtype")
+IDENTITY_TRAIN = ("batch", "seq", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
+                  "master_dtype")
 
 
 class RunLock:
@@ -124,7 +125,10 @@ def _recorded(out: Path, cfg, now: dict) -> tuple[dict, int | None]:
     if path.exists():
         try:
             rec = json.loads(path.read_text())
-            return rec["identity"], rec.get("steps")
+            ident = rec["identity"]
+            if "train.dtype" in ident:  # recorded before train.master_dtype: weights were train.dtype
+                ident.setdefault("train.master_dtype", ident["train.dtype"])
+            return ident, rec.get("steps")
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path} is damaged ({err}); move it aside to continue the run "
                              f"unchecked, or start over with train.resume=false") from None
