@@ -1,6 +1,7 @@
 """Sharded construction: a model built on the meta device and materialized shard by shard on any
 fold equals, bitwise, the model built whole on one device, and no rank holds more than its shards."""
 
+import ctypes
 import dataclasses
 import gc
 
@@ -148,7 +149,10 @@ def _construction_peak(rank, world_size, spec, whole_first):
     is built first, so code loaded and caches filled on first use are not counted."""
     _build_big(dataclasses.replace(BIG, vocab=64, hidden=64, moe=dataclasses.replace(BIG.moe, hidden=64, ffn=64)),
                spec, whole_first)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD fixed at 1 MiB: big tensors map and unmap their own pages
     gc.collect()
+    libc.malloc_trim(0)  # heap freed by earlier checks in this world leaves the RSS
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
     before = _status_kib("VmRSS")
