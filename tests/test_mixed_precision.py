@@ -26,9 +26,9 @@ BF16, FP32 = torch.bfloat16, torch.float32
 def _model(spec, seed, data_parallel, pp_schedule=None, microbatches=1):
     """A tiny MoE transformer with fp32 master weights computing in bf16 (no balancing losses, so
     a micro-batch's gradient is exactly its token share of the whole batch's)."""
-    moe = MoEConfig(hidden=16, ffn=4 * spec.etp, num_experts=8, topk=2)
+    moe = MoEConfig(hidden=16, ffn=4 * spec.etp, num_experts=8, topk=2, shared_ffn=2 * spec.tp)
     cfg = TransformerConfig(vocab=32, hidden=16, layers=2, heads=8, kv_heads=4, ffn=4 * spec.tp, moe=moe,
-                            first_k_dense=1)
+                            first_k_dense=1, qk_norm=True)
     torch.manual_seed(seed)
     model = MoETransformer(cfg)  # fp32: the master weights
     if pp_schedule is not None:
@@ -86,16 +86,17 @@ def _reduced_in_fp32(rank, world_size, case):
 
 @pytest.mark.parametrize("spec, data_parallel, m, schedule", [
     (FoldSpec(4, tp=2, ep=4), "allreduce", 1, None),      # dp2 x tp2 | ep4
-    (FoldSpec(4, tp=2, ep=4), "fsdp", 2, None),           # FSDP2 with tp: micro-batches (see the docstring)
+    (FoldSpec(4, tp=2, ep=4), "fsdp", 1, None),           # FSDP2 with tp: tp-replicated weights' tp sums
+    (FoldSpec(4, tp=2, ep=4), "fsdp", 2, None),
     (FoldSpec(4, cp=2, ep=2), "fsdp", 1, None),           # dp2 x cp2 | edp2 x ep2
     (FoldSpec(4, cp=2, ep=2), "allreduce", 2, None),
     (FoldSpec(4, pp=2, ep=2), "fsdp", 2, "1f1b"),         # pp2 x dp2 | pp2 x ep2
     (FoldSpec(4, pp=2, ep=2), "allreduce", 2, "1f1b"),
 ])
 def test_gradients_are_summed_in_fp32_over_ranks_and_microbatches(worlds, spec, data_parallel, m, schedule):
-    """Every reduction and accumulation runs in fp32. Under FSDP2 with tp > 1 and one micro-batch,
-    FSDP2 sums the tp shares of tp-replicated weights (norms, embeddings, head) in bf16 before its
-    fp32 reduce-scatter (transformer_parallel's docstring), so that fold is checked with two."""
+    """Every reduction and accumulation runs in fp32, including, under FSDP2 with tp > 1, the tp sums
+    of tp-replicated weights (norms, q/k norms, embeddings, head, the shared expert's gate), which
+    FSDP2 would add in bf16 if they were all-gathered in bf16 (transformer_parallel's docstring)."""
     assert all(worlds(4).run(_reduced_in_fp32, (spec, data_parallel, m, schedule)))
 
 

@@ -13,6 +13,7 @@ per expert).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshfold.kernels import expert_ffn, swiglu
@@ -84,6 +85,17 @@ class SharedExpert(nn.Module):
             init.normal_(self.gate, std=hidden ** -0.5)
         else:
             self.gate = None
+
+    def forward(self, x_TH, comm):
+        """[T, H] -> [T, H] through ``comm`` (the MoE layer's: the TP entry / exit and this rank's
+        weight shards). The weights are read inside this module's call, so module hooks (FSDP2's
+        all-gather, when the shared expert is a group of its own) see it."""
+        x_full = comm.shared_in(x_TH)
+        y = comm.shared_out(shared_expert_ffn(x_full, comm.local("shared.w_gate_up", self.w_gate_up),
+                                              comm.local("shared.w_down", self.w_down)))
+        if self.gate is not None:
+            y = y * torch.sigmoid(F.linear(x_TH, comm.local("shared.gate", self.gate)))
+        return y
 
 
 def shared_expert_ffn(x_TH, w_gate_up, w_down):

@@ -20,13 +20,12 @@ imbalance.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.balancing import attach_loss, balancing_loss_shares
 from meshfold.models.config import MoEConfig
 from meshfold.models.dispatcher import drop_pairs, permute, unpermute
-from meshfold.models.experts import Experts, SharedExpert, shared_expert_ffn
+from meshfold.models.experts import Experts, SharedExpert
 from meshfold.models.moe_parallel import LocalComm, parallelize_moe
 from meshfold.models.router import Router
 from meshfold.models.token_stats import routing_metrics, token_stats
@@ -80,21 +79,12 @@ class MoELayer(nn.Module):
         y_TH = unpermute(y_NH, perm, T)
 
         if self.shared is not None:
-            y_TH = y_TH + self._shared(x_TH)
+            y_TH = y_TH + self.shared(x_TH, comm)
         self.last_metrics = routing_metrics(stats)
         if self.training:  # evaluation forwards do not steer the aux-loss-free bias
             seen = self._bias_counts
             self._bias_counts = stats.routed_all if seen is None else seen + stats.routed_all
         return y_TH.reshape(shape)
-
-    def _shared(self, x_TH):
-        comm, sh = self.comm, self.shared
-        x_full = comm.shared_in(x_TH)
-        y = comm.shared_out(shared_expert_ffn(x_full, comm.local("shared.w_gate_up", sh.w_gate_up),
-                                              comm.local("shared.w_down", sh.w_down)))
-        if sh.gate is not None:
-            y = y * torch.sigmoid(F.linear(x_TH, comm.local("shared.gate", sh.gate)))
-        return y
 
     def sparse_layers(self) -> dict:
         """The experts' ``{name: (weight, mask)}`` for ``meshfold.sparsity.TilePruner``

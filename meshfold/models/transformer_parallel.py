@@ -39,10 +39,9 @@ from outside:
   parametrization that already hands a module its local shard casts it (:class:`_Local`), and
   the cast's backward returns the gradient in the master dtype, where it accumulates and is
   summed. Both paths round each weight once to the compute dtype and compute the same ops.
-  One difference: under FSDP2 without micro-batches, the ``tp`` sum of the gradients of
-  weights replicated over ``tp`` (norms, embeddings, head, shared-expert gate) is DTensor's
-  redistribute of FSDP2's unsharded gradient, which is in the compute dtype; with micro-batches
-  FSDP2 has upcast it first and that sum is fp32 too.
+  Under FSDP2 with ``tp > 1``, weights replicated over ``tp`` (norms, embeddings, head, the
+  shared expert's gate) are all-gathered in the master dtype and cast by the parametrization,
+  because FSDP2 sums their ``tp`` shares in its param_dtype (see :func:`_fully_shard`).
 
 The loss each rank returns is its share (sum of its tokens' cross-entropy over the global token
 count), so the shares add up to the single-device mean loss and so do the gradients.
@@ -292,14 +291,30 @@ def _fully_shard(model: nn.Module, folded, compute_dtype: torch.dtype | None = N
 
     master = next(p.dtype for n, p in model.named_parameters() if ".router." not in n)
     mp = policy(master, compute_dtype)
+    # Weights replicated over tp get tp sums of gradients (norms, embeddings, head, the shared
+    # expert's gate). FSDP2 adds those shares in its param_dtype before the reduce-scatter, so
+    # under mixed precision with tp > 1 they are all-gathered in the master dtype instead (their
+    # own groups, and the root) and cast for compute by the parametrization (_Local), whose
+    # backward hands FSDP2 master-dtype gradients: the tp sum runs in fp32 too.
+    tp_summed = folded.spec.tp > 1 and compute_dtype not in (None, master)
+    wide = MixedPrecisionPolicy(param_dtype=master, reduce_dtype=reduce_dtype(master),
+                                cast_forward_inputs=False) if tp_summed else mp
     for block in model.layers.children():
         if isinstance(block.mlp, MoELayer):
             fully_shard(block.mlp.experts, mesh=moe, dp_mesh_dims=expert_dims, mp_policy=mp)
             router = block.mlp.router.weight.dtype
             if router != master or router != (compute_dtype or master):  # e.g. an fp32 gate under bf16
                 fully_shard(block.mlp.router, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=policy(router, router))
+            shared = block.mlp.shared
+            if tp_summed and shared is not None and shared.gate is not None:
+                fully_shard(shared, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
+        if tp_summed:
+            inner = getattr(block.attn, "inner", block.attn)
+            for norm in (block.attn_norm, block.mlp_norm, inner.q_norm, inner.k_norm):
+                if norm is not None:
+                    fully_shard(norm, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
         fully_shard(block, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=mp)
-    fully_shard(model, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=mp)
+    fully_shard(model, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)  # embeddings, final norm, head
     for method in ("loss", "local_logits"):  # entry points besides forward: gather the root's weights too
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
