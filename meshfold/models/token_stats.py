@@ -41,6 +41,12 @@ class TokenStats:
     B_all: torch.Tensor
 
 
+def _host_ints(values: list[int], device) -> torch.Tensor:
+    """int64 [len(values)] on ``device``, each filled by a kernel from a scalar argument: no
+    host-to-device copy (``torch.tensor(values, device=...)`` would copy, and wait on CUDA)."""
+    return torch.cat([torch.full((1,), v, dtype=torch.int64, device=device) for v in values])
+
+
 @torch.no_grad()
 def token_stats(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, B: int, S: int, num_experts: int,
                 per_sequence: bool, comm) -> TokenStats:
@@ -52,7 +58,7 @@ def token_stats(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, B: int, 
     routed_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
     kept_E = routed_E if keep_TK is None else torch.zeros_like(routed_E).scatter_add_(
         0, e, keep_TK.reshape(-1).to(torch.int64))
-    parts = [routed_E, kept_E, torch.tensor([T, S], device=dev)]
+    parts = [routed_E, kept_E, _host_ints([T, S], dev)]
     if per_sequence:
         seq_of = torch.arange(T, device=dev).div(S, rounding_mode="floor").repeat_interleave(k)
         seq_BE = torch.zeros(B, E, dtype=torch.int64, device=dev).index_put_(
@@ -60,8 +66,7 @@ def token_stats(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, B: int, 
         parts.append(seq_BE.reshape(-1))
     seq_part = comm.sum(torch.cat(parts), ("cp", "tp"))  # one sequence group's totals
     routed_seq, kept_seq, (T_seq, S_seq) = seq_part[:E], seq_part[E:2 * E], seq_part[2 * E:2 * E + 2]
-    every = comm.sum(torch.cat([routed_seq, kept_seq, T_seq.reshape(1),
-                                torch.tensor([B], device=dev)]), ("dp",))
+    every = comm.sum(torch.cat([routed_seq, kept_seq, T_seq.reshape(1), _host_ints([B], dev)]), ("dp",))
     return TokenStats(routed_seq=routed_seq, T_seq=T_seq.double(), S_seq=S_seq.double(),
                       seq_BE=seq_part[2 * E + 2:].reshape(B, E) if per_sequence else None,
                       routed_all=every[:E], kept_all=every[E:2 * E],
