@@ -20,7 +20,8 @@ expert e's rank reorders the global rows (a block transpose), so no layout of on
 describes the input and the output both.
 
 Per dispatch: one host sync, when the per-expert counts of every rank of the block are gathered
-(two small all-gathers, one ``.tolist()``); then all-to-all-v over ``ep``, all-gather-v over
+(:func:`block_counts`: two small all-gathers, one ``.tolist()``; the gathered tensor stays on the
+device for the re-sort, so nothing goes back up); then all-to-all-v over ``ep``, all-gather-v over
 ``etp``, and a local re-sort so each local expert's rows are contiguous. The combine runs the
 reverse: re-sort back, reduce-scatter-v over ``etp`` (summing the partial outputs), all-to-all-v
 back over ``ep``.
@@ -36,7 +37,7 @@ from torch.distributed.tensor import Partial, Replicate
 from meshfold.placements.collectives import _group, all_gather_v, all_to_all_v, gather_equal, reduce_scatter_v
 from meshfold.placements.ragged import RaggedShard, RaggedTensor
 
-__all__ = ["Routed", "dispatch", "combine"]
+__all__ = ["Routed", "block_counts", "dispatch", "combine"]
 
 
 @dataclass
@@ -67,14 +68,15 @@ class Routed:
         return RaggedTensor(y_MH, self.tokens.mesh, placements)
 
 
-def _expert_major_order(C, i_me: int, q_me: int, El: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_major_order(C_QIE: torch.Tensor, i_me: int, El: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order_M, offsets_El) for the M rows ep rank ``i_me`` receives, stored as chunks (q, i, e)
     (etp rank q's all-gathered piece, holding the chunks (i, e) of its all-to-all), where chunk
-    (q, i, e) holds ``C[q][i][i_me*El + e]`` rows: ``rows[order_M]`` lists the same chunks
-    expert-major, then in source rank order (e, i, q); offsets_El are the cumulative row counts
-    per local expert (int32). Built with tensor arithmetic (no per-chunk loop); M is passed in so
-    that nothing syncs."""
-    size_QIE = torch.tensor(C, dtype=torch.int64, device=device)[:, :, i_me * El:(i_me + 1) * El]
+    (q, i, e) holds ``C_QIE[q, i, i_me*El + e]`` rows (the block's counts, on the device):
+    ``rows[order_M]`` lists the same chunks expert-major, then in source rank order (e, i, q);
+    offsets_El are the cumulative row counts per local expert (int32). Built with tensor
+    arithmetic (no per-chunk loop); M is passed in so that nothing syncs."""
+    device = C_QIE.device
+    size_QIE = C_QIE[:, :, i_me * El:(i_me + 1) * El]
     start_QIE = (size_QIE.flatten().cumsum(0) - size_QIE.flatten()).view_as(size_QIE)
     size_K = size_QIE.permute(2, 1, 0).flatten()  # chunks in output order (e, i, q)
     start_K = start_QIE.permute(2, 1, 0).flatten()  # where each sits in the received rows
@@ -101,16 +103,31 @@ class _PermuteRows(torch.autograd.Function):
         return torch.empty_like(grad).index_copy_(0, order, grad), None
 
 
-def dispatch(x_NH: torch.Tensor, counts_E: torch.Tensor, mesh, ep: str = "ep", etp: str = "etp") -> Routed:
+def block_counts(counts_E: torch.Tensor, mesh, ep: str = "ep", etp: str = "etp") -> tuple[torch.Tensor, list]:
+    """The per-expert counts of every rank of the ``(ep, etp)`` block, as ``(C_QIE, C)``:
+    C_QIE [etp, ep, E] int64 on the counts' device and C the same as host ints (``C[q][i][e]``),
+    read with one ``.tolist()``: the dispatch's one host sync. Every rank of the mesh calls it."""
+    C_QIE = gather_equal(gather_equal(counts_E.to(torch.int64), mesh, ep), mesh, etp)
+    return C_QIE, C_QIE.tolist()
+
+
+def rows_sent(C: list, mesh, ep: str = "ep", etp: str = "etp") -> int:
+    """How many rows this rank sends, from the host counts C of :func:`block_counts`."""
+    return sum(C[_group(mesh, etp)[2]][_group(mesh, ep)[2]])
+
+
+def dispatch(x_NH: torch.Tensor, counts_E: torch.Tensor, mesh, ep: str = "ep", etp: str = "etp",
+             block: tuple[torch.Tensor, list] | None = None) -> Routed:
     """Send this rank's expert-major rows ``x_NH`` [N, H] (``counts_E`` [E] rows per expert, in
     order) to their experts' ranks over ``mesh``'s dims ``ep`` and ``etp``. Every rank of the
-    mesh calls it. Differentiable in x_NH."""
+    mesh calls it. ``block``: :func:`block_counts` of these counts when the caller already read
+    them (None: read here). Differentiable in x_NH."""
     _, n_ep, i_me = _group(mesh, ep)
     _, n_etp, q_me = _group(mesh, etp)
     E = counts_E.numel()
     El = E // n_ep
     # counts of every rank in the block: C[q][i][e] host ints (the one sync)
-    C = gather_equal(gather_equal(counts_E.to(torch.int64), mesh, ep), mesh, etp).tolist()
+    C_QIE, C = block_counts(counts_E, mesh, ep, etp) if block is None else block
     mine = C[q_me]  # my etp slice of the block: mine[i] = ep rank i's counts
     send = [sum(mine[i_me][d * El:(d + 1) * El]) for d in range(n_ep)]
     recv = [sum(mine[i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)]
@@ -119,7 +136,7 @@ def dispatch(x_NH: torch.Tensor, counts_E: torch.Tensor, mesh, ep: str = "ep", e
     if n_etp > 1:
         gather_sizes = [sum(sum(C[q][i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)) for q in range(n_etp)]
         x = all_gather_v(x, gather_sizes, mesh, etp)  # rows ordered (q, i, e)
-    order_M, offsets_El = _expert_major_order(C, i_me, q_me, El, x.shape[0], x.device)
+    order_M, offsets_El = _expert_major_order(C_QIE, i_me, El, x.shape[0])
     rows_MH = _PermuteRows.apply(x, order_M)
     per_ep_rank = [sum(sum(C[q][i][d * El:(d + 1) * El]) for q in range(n_etp) for i in range(n_ep))
                    for d in range(n_ep)]
