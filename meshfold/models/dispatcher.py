@@ -103,34 +103,41 @@ class Permuted:
     probs_TK: torch.Tensor | None = None
 
 
-def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None) -> Permuted:
+def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, rows=None) -> Permuted:
     """Group the kept (token, expert) pairs by expert, stable in token order.
 
-    With ``pad_to`` (pad-to-capacity) every expert gets exactly ``pad_to`` rows, zero-filled, so
-    split sizes are static and need no host sync.
+    Dropped pairs are sorted behind the kept ones (sort key E) rather than filtered out with a
+    boolean mask, whose data-dependent shape would cost a host sync. Without padding the kept
+    rows are then the first ``sum(counts_E)``: ``rows(counts_E)`` returns that number as a host
+    int (the layer's comm, which reads it with the dispatch's counts: its one host read; None:
+    ``int(counts_E.sum())``). With ``pad_to`` (pad-to-capacity) every expert gets exactly
+    ``pad_to`` rows, zero-filled, so the number of rows is static and nothing is read.
     """
     T, k = experts_TK.shape
     e = experts_TK.reshape(-1)
     token = torch.arange(T, device=x_TH.device).repeat_interleave(k)
     p = probs_TK.reshape(-1)
-    if keep_TK is not None:
-        kept = keep_TK.reshape(-1)
-        e, token, p = e[kept], token[kept], p[kept]
-    order = torch.argsort(e, stable=True)
+    key = e if keep_TK is None else torch.where(keep_TK.reshape(-1), e, num_experts)  # dropped: E
+    order = torch.argsort(key, stable=True)
     e, token, p = e[order], token[order], p[order]
-    counts_E = _counts(e, num_experts)
-    x_NH = gather_rows(x_TH, token)
+    counts_E = _counts(key, num_experts + 1)[:num_experts]
     if pad_to is None:
         if keep_TK is None:
-            return Permuted(x_NH, counts_E, token, p, pair_N=order, probs_TK=probs_TK)
-        return Permuted(x_NH, counts_E, token, p)
-    # row r of expert e goes to slot e * pad_to + (r - start_e)
+            return Permuted(gather_rows(x_TH, token), counts_E, token, p, pair_N=order, probs_TK=probs_TK)
+        n = int(counts_E.sum()) if rows is None else rows(counts_E)
+        token, p = token[:n], p[:n]
+        return Permuted(gather_rows(x_TH, token), counts_E, token, p)
+    # kept row r of expert e goes to slot e * pad_to + (r - start_e); dropped pairs to slot n,
+    # one past the end, which is cut off
+    n = num_experts * pad_to
     start_E = torch.cumsum(counts_E, 0) - counts_E
     slot = e * pad_to + torch.arange(e.numel(), device=e.device) - start_E[e]
-    n = num_experts * pad_to
-    token_N = torch.full((n,), -1, dtype=token.dtype, device=token.device).index_copy(0, slot, token)
-    probs_N = torch.zeros(n, dtype=p.dtype, device=p.device).index_copy(0, slot, p)
-    x_NH = x_TH.new_zeros(n, x_TH.shape[1]).index_copy(0, slot, x_NH)
+    slot = torch.where(key[order] < num_experts, slot, n)
+    token_N = torch.full((n + 1,), -1, dtype=token.dtype, device=token.device).index_copy(0, slot, token)[:n]
+    probs_N = torch.zeros(n + 1, dtype=p.dtype, device=p.device).index_copy(0, slot, p)[:n]
+    if T == 0:  # nothing to gather from (and n = 0 for any capacity of zero tokens)
+        return Permuted(x_TH.new_zeros(n, x_TH.shape[1]), torch.full_like(counts_E, pad_to), token_N, probs_N)
+    x_NH = gather_rows(x_TH, token_N.clamp(min=0)).masked_fill((token_N < 0).unsqueeze(1), 0)  # padding: 0
     return Permuted(x_NH, torch.full_like(counts_E, pad_to), token_N, probs_N)
 
 

@@ -72,7 +72,7 @@ class MoELayer(nn.Module):
             probs_TK = attach_loss(probs_TK, value)
         self._loss_shares, self._loss_totals = {name: v.detach() for name, v in losses.items()}, None
 
-        perm = permute(x_TH, experts_TK, probs_TK, cfg.num_experts, keep_TK, pad_to)
+        perm = permute(x_TH, experts_TK, probs_TK, cfg.num_experts, keep_TK, pad_to, rows=comm.rows_sent)
         routed = comm.dispatch(perm.x_NH, perm.counts_E)  # folded: routed.tokens, a RaggedTensor on moe (ep, etp)
         y_MH = self.experts(routed.rows, routed.offsets_E, comm.local, comm.local_mask)
         y_NH = comm.combine(routed, y_MH)

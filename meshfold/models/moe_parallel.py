@@ -32,10 +32,16 @@ on instead of exchanging sizes; ``MESHFOLD_DEBUG_SPLITS=1`` checks it.
 Dispatch (the paper's token dispatcher): :func:`meshfold.placements.dispatch` over the ``(ep, etp)``
 block of the MoE mesh, which returns the routed rows as a RaggedTensor there (one host sync for
 the counts, all-to-all-v over ``ep``, all-gather-v over ``etp``), and
-:func:`meshfold.placements.combine`, which takes the experts' outputs back. With pad-to-capacity
-every expert gets the same number of rows, but the counts are still exchanged this way (and, on
-CUDA, dropping selects the kept pairs with a boolean mask, a second sync): a static-split path
-is a possible optimisation.
+:func:`meshfold.placements.combine`, which takes the experts' outputs back.
+
+Host syncs: one device-to-host read per layer forward, dropless or dropping, folded or not (one
+device, dropless or pad-to-capacity: none). Folded, it is the block's counts; when dropping
+without padding they are read before the permute (:meth:`FoldedComm.rows_sent`), which needs the
+number of kept rows, and the dispatch reuses them. Dropping selects the kept pairs by sorting
+them first (no boolean mask), and token statistics build host-known sizes with fill kernels
+instead of uploading them. ``tests/test_host_syncs.py`` counts them. With pad-to-capacity every
+expert gets the same number of rows, but the counts are still exchanged (a rank's capacity
+depends on its own token count): a static-split path is a possible optimisation.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshfold.placements import (Routed, all_gather_v, combine, dispatch, gather_equal, local_view,
                                   reduce_scatter_v, sum_statistic)
 from meshfold.placements.collectives import debug_checks_enabled
+from meshfold.placements.token_dispatch import block_counts, rows_sent
 
 __all__ = ["MOE_LAYOUT", "LocalComm", "FoldedComm", "parallelize_moe"]
 
@@ -94,6 +101,10 @@ class LocalComm:
 
     def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
         return t, 0
+
+    def rows_sent(self, counts_E):
+        """The rows kept when dropping, read on the host (the forward's one host read)."""
+        return int(counts_E.sum())
 
     def dispatch(self, x_NH, counts_E):
         return LocalRoute(x_NH, torch.cumsum(counts_E, 0).to(torch.int32))
@@ -175,10 +186,20 @@ class FoldedComm:
         """The ``(ep, etp)`` block of the MoE mesh that one dispatch spans."""
         return self.moe["ep", "etp"]
 
+    def rows_sent(self, counts_E) -> int:
+        """The rows this rank sends (its kept pairs when dropping), read on the host with the
+        counts of the whole dispatch block: the forward's one host read, which the
+        :meth:`dispatch` of these same counts then reuses instead of reading again."""
+        block = block_counts(counts_E, self.experts_mesh)
+        self._read_counts = (counts_E, block)
+        return rows_sent(block[1], self.experts_mesh)
+
     def dispatch(self, x_NH, counts_E) -> Routed:
         """This rank's expert-major rows to their experts: ``routed.tokens`` is a RaggedTensor on
         the ``(ep, etp)`` mesh (:func:`meshfold.placements.dispatch`)."""
-        return dispatch(x_NH, counts_E, self.experts_mesh)
+        read, self._read_counts = getattr(self, "_read_counts", None), None
+        block = read[1] if read is not None and read[0] is counts_E else None
+        return dispatch(x_NH, counts_E, self.experts_mesh, block=block)
 
     def combine(self, routed: Routed, y_MH):
         """The experts' outputs (summands over etp) back to the rows' ranks, in permute order."""
