@@ -111,14 +111,14 @@ def test_named_layouts(worlds, spec):
 
 
 def _run_small_buckets(rank, world_size, case):
-    from meshfold.models import transformer_parallel
+    from meshfold.models import data_parallel
 
-    default = transformer_parallel.REDUCE_BUCKET_BYTES
-    transformer_parallel.REDUCE_BUCKET_BYTES = 200  # a few parameters per bucket, large ones alone
+    default = data_parallel.REDUCE_BUCKET_BYTES
+    data_parallel.REDUCE_BUCKET_BYTES = 200  # a few parameters per bucket, large ones alone
     try:
         return _run(rank, world_size, case, data_parallel="allreduce")
     finally:  # the world's processes serve later tests too
-        transformer_parallel.REDUCE_BUCKET_BYTES = default
+        data_parallel.REDUCE_BUCKET_BYTES = default
 
 
 def test_gradients_reduced_in_small_buckets_equal_single_device(worlds):
