@@ -1,8 +1,8 @@
 """The per-rank training loop of ``meshfold train``.
 
 Every rank describes the same model on the meta device (same seed), lays it out on the folded
-mesh and materializes only its own shards, then trains on its slice of each global batch (batch over dp, sequence over cp x tp; with pp, through the pipeline
-schedule). ``model.loss`` is the global mean loss on every rank, and each rank's backward is its
+mesh and materializes only its own shards, then trains on its slice of each global batch (batch
+over dp, sequence over cp x tp; with pp, through the pipeline schedule). ``model.loss`` is the global mean loss on every rank, and each rank's backward is its
 share: the sum of its tokens' cross-entropy over the global token count, so the gradients add up
 to the single-device ones. Rank 0 shows progress and writes metrics.
 """
