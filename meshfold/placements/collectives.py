@@ -18,8 +18,10 @@ forward                    meaning                                        backwa
 
 Non-differentiable helpers for metadata and statistics: :func:`sum_statistic` /
 :func:`sum_in_place` (a sum over named mesh dims), :func:`gather_equal` (an equal-size
-all-gather), :func:`all_agree` (is a flag set on every rank). The rest of meshfold.placements and the models reach ``torch.distributed``
-collectives only through this module, so every collective they run names its mesh dims.
+all-gather), :func:`all_agree` (is a flag set on every rank). The rest of meshfold.placements
+and the models reach ``torch.distributed`` collectives only through this module, so every
+collective they run names its mesh dims. :func:`all_to_all_v_start` is the asynchronous
+all-to-all (an :class:`InFlight` to wait on), forward and backward.
 
 Which primitive runs is decided on the host from the split list (every rank holds the same list,
 so every rank decides the same way, and the decision costs nothing):
@@ -69,7 +71,8 @@ import torch.distributed as dist
 
 __all__ = ["all_to_all_v", "all_gather_v", "all_gather_replicated", "reduce_scatter_v", "sum_partial",
            "exchange_splits", "sum_statistic", "sum_in_place", "gather_equal", "all_agree", "on_dim",
-           "set_debug_checks", "debug_checks_enabled", "set_collective_path", "collective_path"]
+           "set_debug_checks", "debug_checks_enabled", "set_collective_path", "collective_path",
+           "all_to_all_v_start", "InFlight"]
 
 _DEBUG = os.environ.get("MESHFOLD_DEBUG_SPLITS", "") not in ("", "0")
 _PATHS = ("auto", "native", "a2a")
@@ -238,9 +241,16 @@ def all_to_all_v(x: torch.Tensor, input_splits: Sequence[int], output_splits: Se
     """Variable-size all-to-all over mesh dim ``dim``: x [sum(input_splits), ...] ->
     [sum(output_splits), ...]; rows ``input_splits[j]`` go to the j-th rank of the dim, and the
     rows from rank j arrive in order at offset ``sum(output_splits[:j])``. Differentiable."""
+    group, ins, outs = _a2a_splits("all_to_all_v", x, input_splits, output_splits, mesh, dim)
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return _a2a(x, ins, outs, group)  # no graph to record: skip the autograd wrapper
+    return _AllToAllV.apply(x, ins, outs, group)
+
+
+def _a2a_splits(name, x, input_splits, output_splits, mesh, dim):
     group, G, me = _group(mesh, dim)
-    ins = _check_splits("all_to_all_v", input_splits, G, x.shape[0], "input_splits")
-    outs = _check_splits("all_to_all_v", output_splits, G, None, "output_splits")
+    ins = _check_splits(name, input_splits, G, x.shape[0], "input_splits")
+    outs = _check_splits(name, output_splits, G, None, "output_splits")
     if _DEBUG:
         # Every rank checks the whole send/receive matrix, so all ranks raise together (no rank
         # is left waiting in the all-to-all for a peer that raised).
@@ -249,11 +259,91 @@ def all_to_all_v(x: torch.Tensor, input_splits: Sequence[int], output_splits: Se
             for j in range(G):
                 if views[i][j] != views[j][G + i]:
                     raise ValueError(
-                        f"all_to_all_v over {dim!r}: rank {i} sends {views[i][j]} rows to rank {j}, "
+                        f"{name} over {dim!r}: rank {i} sends {views[i][j]} rows to rank {j}, "
                         f"but rank {j} expects {views[j][G + i]} from rank {i} (this is rank {me})")
-    if not (x.requires_grad and torch.is_grad_enabled()):
-        return _a2a(x, ins, outs, group)  # no graph to record: skip the autograd wrapper
-    return _AllToAllV.apply(x, ins, outs, group)
+    return group, ins, outs
+
+
+class InFlight:
+    """An all-to-all-v started by :func:`all_to_all_v_start`: ``wait()`` returns its output
+    (once; every rank must wait, in the same order as it started its collectives). Holds the
+    work handles and the buffers they use, forward and backward."""
+
+    def __init__(self, splits, group, graph: bool):
+        self.splits, self.group, self.graph = splits, group, graph
+        self.work = self.send = self.out = None
+        self.grad = None  # backward all-to-all: (work, output gradient sent, input gradient)
+
+    def wait(self) -> torch.Tensor:
+        if self.out is None:
+            raise RuntimeError("InFlight.wait: already waited")
+        out, self.out = self.out, None
+        if self.graph:
+            return _A2AWait.apply(out, self)
+        self.work.wait()
+        self.work = self.send = None
+        return out
+
+
+def _a2a_async(x, ins, outs, group):
+    x = x.contiguous()
+    out = x.new_empty((sum(outs), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, output_split_sizes=outs, input_split_sizes=ins, group=group,
+                                  async_op=True)
+    return work, x, out
+
+
+class _A2AStart(torch.autograd.Function):
+    """Starts the all-to-all and returns its (not yet filled) output; :class:`_A2AWait` waits.
+    Backward: waits for the reverse all-to-all that ``_A2AWait``'s backward started, so whatever
+    autograd runs between the two (the nodes recorded between start and wait in the forward,
+    e.g. the shared expert) overlaps it."""
+
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        ins, outs = flight.splits
+        flight.work, flight.send, out = _a2a_async(x, ins, outs, flight.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        flight = ctx.flight
+        work, _, grad_x = flight.grad
+        work.wait()
+        flight.grad = None
+        return grad_x, None
+
+
+class _A2AWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, flight):
+        ctx.flight = flight
+        flight.work.wait()
+        flight.work = flight.send = None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flight = ctx.flight
+        ins, outs = flight.splits
+        flight.grad = _a2a_async(grad, outs, ins, flight.group)  # travels while autograd goes on
+        return grad, None
+
+
+def all_to_all_v_start(x: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int],
+                       mesh, dim: str) -> InFlight:
+    """:func:`all_to_all_v`, asynchronous: starts it (``async_op=True``) and returns an
+    :class:`InFlight` whose ``wait()`` gives the output, so the caller can compute in between.
+    Differentiable: in backward the gradient's all-to-all is started where ``wait`` was and
+    waited where the start was, so it overlaps the backward of what ran in between."""
+    group, ins, outs = _a2a_splits("all_to_all_v_start", x, input_splits, output_splits, mesh, dim)
+    flight = InFlight((ins, outs), group, x.requires_grad and torch.is_grad_enabled())
+    if flight.graph:
+        flight.out = _A2AStart.apply(x, flight)
+    else:
+        flight.work, flight.send, flight.out = _a2a_async(x, ins, outs, group)
+    return flight
 
 
 def all_gather_v(x: torch.Tensor, sizes: Sequence[int], mesh, dim: str) -> torch.Tensor:
