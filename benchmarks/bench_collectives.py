@@ -10,8 +10,15 @@ Measures, on local gloo ranks (CPU):
   gloo's headers count too) against the minimum (rows that really leave their rank), and what a
   padded, equal-split all-to-all (capacity = max split) would send instead.
 
+With ``--even``: the even-split all-gather / reduce-scatter, meshfold's native path against its
+all-to-all path (``set_collective_path("native" | "a2a")``) on the same inputs, interleaved in
+the same processes, at several row counts: median time (slowest rank) and bytes written to
+sockets (all ranks); fp32 gather and scatter, and the bf16 reduce-scatter (native = upcast to
+fp32 first, which "auto" does not take).
+
 Usage: python benchmarks/bench_collectives.py [--world-size 4] [--tokens 4096] [--hidden 512]
-Writes benchmarks/results/collectives.json and prints a table.
+       python benchmarks/bench_collectives.py --even --world-size 4 --rows 256,2048,8192
+Writes benchmarks/results/collectives.json (--even: collectives_even_W.json) and prints a table.
 """
 
 from __future__ import annotations
@@ -79,6 +86,73 @@ def _bench(rank, world_size, tokens, hidden, reps, skew, seed):
                 sent_bytes=sent, min_bytes=minimum, padded_bytes=padded, send=send)
 
 
+def _bench_even(rank, world_size, rows_list, hidden, reps, seed):
+    import torch
+    import torch.distributed as dist
+
+    from meshfold import FoldSpec, fold
+    from meshfold.placements import all_gather_v, reduce_scatter_v
+    from meshfold.placements.collectives import set_collective_path
+
+    fm = fold(FoldSpec(world_size, tp=world_size))
+    group = fm.attn.get_group("tp")
+    g = torch.Generator().manual_seed(seed + rank)
+    out = []
+    for rows in rows_list:
+        sizes = [rows] * world_size
+        cases = {("gather", "fp32"): (all_gather_v, torch.randn(rows, hidden, generator=g)),
+                 ("scatter", "fp32"): (reduce_scatter_v, torch.randn(rows * world_size, hidden, generator=g)),
+                 ("scatter", "bf16"): (reduce_scatter_v,
+                                       torch.randn(rows * world_size, hidden, generator=g).bfloat16())}
+        for (kind, dtype), (fn, x) in cases.items():
+            times = {"native": [], "a2a": []}
+            sent = {}
+            for i in range(reps + 2):
+                for which in (list(times) if i % 2 else list(times)[::-1]):
+                    set_collective_path(which)
+                    dist.barrier(group)
+                    before = _written_bytes()
+                    t0 = time.perf_counter()
+                    fn(x, sizes, fm.attn, "tp")
+                    dt = time.perf_counter() - t0
+                    sent[which] = _written_bytes() - before
+                    if i >= 2:
+                        times[which].append(dt)
+            set_collective_path("auto")
+            out.append(dict(kind=kind, dtype=dtype, rows=rows, hidden=hidden,
+                            native_s=statistics.median(times["native"]),
+                            a2a_s=statistics.median(times["a2a"]),
+                            native_bytes=sent["native"], a2a_bytes=sent["a2a"]))
+    return out
+
+
+def _main_even(args) -> int:
+    from meshfold.launch import spawn
+
+    rows = [int(r) for r in args.rows.split(",")]
+    res = spawn(_bench_even, args.world_size, rows, args.hidden, args.reps, args.seed)
+    table = []
+    print(f"{'world':>5} {'kind':>7} {'dtype':>5} {'rows':>6} {'native ms':>9} {'a2a ms':>8} "
+          f"{'native/a2a':>10} {'native MB':>9} {'a2a MB':>7}")
+    for j, first in enumerate(res[0]):
+        per_rank = [r[j] for r in res]
+        row = dict(first, world_size=args.world_size,
+                   native_ms=1e3 * max(r["native_s"] for r in per_rank),
+                   a2a_ms=1e3 * max(r["a2a_s"] for r in per_rank),
+                   native_mb=sum(r["native_bytes"] for r in per_rank) / 2**20,
+                   a2a_mb=sum(r["a2a_bytes"] for r in per_rank) / 2**20)
+        row["ratio"] = row["native_ms"] / row["a2a_ms"]
+        table.append(row)
+        print(f"{args.world_size:>5} {row['kind']:>7} {row['dtype']:>5} {row['rows']:>6} "
+              f"{row['native_ms']:>9.2f} {row['a2a_ms']:>8.2f} {row['ratio']:>10.2f} "
+              f"{row['native_mb']:>9.1f} {row['a2a_mb']:>7.1f}")
+    out = args.out.replace("collectives.json", f"collectives_even_{args.world_size}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(table, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
@@ -89,7 +163,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "collectives.json"))
+    parser.add_argument("--even", action="store_true",
+                        help="even-split all-gather / reduce-scatter: native vs all-to-all path")
+    parser.add_argument("--rows", default="256,2048,8192", help="--even: rows per rank, comma-separated")
     args = parser.parse_args(argv)
+    if args.even:
+        return _main_even(args)
     from meshfold.launch import spawn
 
     res = spawn(_bench, args.world_size, args.tokens, args.hidden, args.reps, args.skew, args.seed)

@@ -73,13 +73,15 @@ class MoELayer(nn.Module):
         self._loss_shares, self._loss_totals = {name: v.detach() for name, v in losses.items()}, None
 
         perm = permute(x_TH, experts_TK, probs_TK, cfg.num_experts, keep_TK, pad_to, rows=comm.rows_sent)
-        routed = comm.dispatch(perm.x_NH, perm.counts_E)  # folded: routed.tokens, a RaggedTensor on moe (ep, etp)
+        in_flight = comm.dispatch_start(perm.x_NH, perm.counts_E)  # folded: the all-to-all travels...
+        shared_TH = None if self.shared is None else self.shared(x_TH, comm)  # ...while this computes
+        routed = in_flight.wait()  # folded: routed.tokens, a RaggedTensor on moe (ep, etp)
         y_MH = self.experts(routed.rows, routed.offsets_E, comm.local, comm.local_mask)
         y_NH = comm.combine(routed, y_MH)
         y_TH = unpermute(y_NH, perm, T)
 
-        if self.shared is not None:
-            y_TH = y_TH + self.shared(x_TH, comm)
+        if shared_TH is not None:
+            y_TH = y_TH + shared_TH
         self.last_metrics = routing_metrics(stats)
         if self.training:  # evaluation forwards do not steer the aux-loss-free bias
             seen = self._bias_counts

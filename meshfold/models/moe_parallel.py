@@ -32,7 +32,12 @@ on instead of exchanging sizes; ``MESHFOLD_DEBUG_SPLITS=1`` checks it.
 Dispatch (the paper's token dispatcher): :func:`meshfold.placements.dispatch` over the ``(ep, etp)``
 block of the MoE mesh, which returns the routed rows as a RaggedTensor there (one host sync for
 the counts, all-to-all-v over ``ep``, all-gather-v over ``etp``), and
-:func:`meshfold.placements.combine`, which takes the experts' outputs back.
+:func:`meshfold.placements.combine`, which takes the experts' outputs back. The layer calls
+:meth:`FoldedComm.dispatch_start`, which returns with the ``ep`` all-to-all in flight
+(``async_op=True``), computes its shared expert, then waits; in backward the gradient's
+all-to-all likewise travels during the shared expert's backward (``FoldedComm.overlap = False``
+dispatches synchronously instead, for A/B measurements). The shared expert's own ``tp``
+collectives run on another process group meanwhile, issued in the same order on every rank.
 
 Host syncs: one device-to-host read per layer forward, dropless or dropping, folded or not (one
 device, dropless or pad-to-capacity: none). Folded, it is the block's counts; when dropping
@@ -56,7 +61,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshfold.placements import (Routed, all_gather_v, combine, dispatch, gather_equal, local_view,
                                   reduce_scatter_v, sum_statistic)
 from meshfold.placements.collectives import debug_checks_enabled
-from meshfold.placements.token_dispatch import block_counts, rows_sent
+from meshfold.placements.token_dispatch import block_counts, dispatch_start, rows_sent
 
 __all__ = ["MOE_LAYOUT", "LocalComm", "FoldedComm", "parallelize_moe"]
 
@@ -85,6 +90,16 @@ class LocalRoute:
     offsets_E: torch.Tensor
 
 
+@dataclass
+class _Ready:
+    """A dispatch that has already arrived: ``wait()`` returns it."""
+
+    routed: object
+
+    def wait(self):
+        return self.routed
+
+
 class LocalComm:
     """One device: all collectives are identities."""
 
@@ -109,6 +124,9 @@ class LocalComm:
     def dispatch(self, x_NH, counts_E):
         return LocalRoute(x_NH, torch.cumsum(counts_E, 0).to(torch.int32))
 
+    def dispatch_start(self, x_NH, counts_E):
+        return _Ready(self.dispatch(x_NH, counts_E))
+
     def combine(self, routed, y_NH):
         return y_NH
 
@@ -130,6 +148,7 @@ class FoldedComm:
         self.dp, self.cp, self.tp = spec.dp, spec.cp, spec.tp
         self.ep, self.etp = spec.ep, spec.etp
         self.ep_rank = self.moe.get_local_rank("ep")
+        self.overlap = True  # dispatch_start leaves the all-to-all in flight (False: waits at once)
 
     # ---- parameters ----
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -200,6 +219,16 @@ class FoldedComm:
         read, self._read_counts = getattr(self, "_read_counts", None), None
         block = read[1] if read is not None and read[0] is counts_E else None
         return dispatch(x_NH, counts_E, self.experts_mesh, block=block)
+
+    def dispatch_start(self, x_NH, counts_E):
+        """:meth:`dispatch` with its all-to-all over ``ep`` left in flight: ``.wait()`` gives the
+        Routed rows (:func:`meshfold.placements.token_dispatch.dispatch_start`). With
+        ``overlap = False``: the synchronous :meth:`dispatch` (the same result; for A/B tests)."""
+        if not self.overlap:
+            return _Ready(self.dispatch(x_NH, counts_E))
+        read, self._read_counts = getattr(self, "_read_counts", None), None
+        block = read[1] if read is not None and read[0] is counts_E else None
+        return dispatch_start(x_NH, counts_E, self.experts_mesh, block=block)
 
     def combine(self, routed: Routed, y_MH):
         """The experts' outputs (summands over etp) back to the rows' ranks, in permute order."""

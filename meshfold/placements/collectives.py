@@ -17,16 +17,44 @@ forward                    meaning                                        backwa
 =========================  =============================================  ========================
 
 Non-differentiable helpers for metadata and statistics: :func:`sum_statistic` /
-:func:`sum_in_place` (a sum over named mesh dims), :func:`gather_equal` (an equal-size all-gather), :func:`all_agree` (is a flag set on
-every rank). The rest of meshfold.placements and the models reach ``torch.distributed``
-collectives only through this module, so every collective they run names its mesh dims.
+:func:`sum_in_place` (a sum over named mesh dims), :func:`gather_equal` (an equal-size
+all-gather), :func:`all_agree` (is a flag set on every rank). The rest of meshfold.placements
+and the models reach ``torch.distributed`` collectives only through this module, so every
+collective they run names its mesh dims. :func:`all_to_all_v_start` is the asynchronous
+all-to-all (an :class:`InFlight` to wait on), forward and backward.
 
-The variable-size ones are built on ``all_to_all_single``, which gloo and NCCL both support with unequal splits
-and every dtype (gloo has no uneven all-gather). ``reduce_scatter_v`` sums the received pieces
-locally in rank order (deterministic; half-precision inputs are summed in fp32 and rounded once).
-Byte counts equal the ring algorithms' (each rank receives ``(group - 1) * rows`` for the
-reduce-scatter, the other ranks' rows for the gather); NCCL's native ring collectives would
-overlap transfer and reduction better, which is left for a GPU-tuned path.
+Which primitive runs is decided on the host from the split list (every rank holds the same list,
+so every rank decides the same way, and the decision costs nothing):
+
+=====================  ==========================================  ================================
+collective             even sizes (every rank the same row count)  ragged sizes
+=====================  ==========================================  ================================
+all-gather             ``all_gather_single`` (NCCL and gloo)       ``all_to_all_single``, x sent
+                                                                   ``group`` times (its G copies)
+reduce-scatter, fp32+  NCCL: ``reduce_scatter_single``;            ``all_to_all_single``, then a
+                       gloo: the all-to-all (see below)            local sum in rank order
+reduce-scatter, half   the all-to-all, both backends (see below)   the same
+=====================  ==========================================  ================================
+
+Byte counts per rank equal the ring algorithms' on both paths: it receives ``(group - 1) * rows``
+for the reduce-scatter and the other ranks' rows for the gather. The native all-gather also avoids
+the G-fold send buffer, and NCCL's native reduce-scatter overlaps transfer and reduction and needs
+no receive buffer of the input's size. Two exceptions keep the all-to-all on even sizes:
+
+* gloo's ``reduce_scatter_single`` is an all-reduce of a clone of the whole input followed by a
+  slice (torch 2.13): twice the bytes of a ring reduce-scatter, plus a copy of the input.
+* half-precision reduce-scatters (bf16 / fp16) must sum in fp32 and round once (a native half
+  reduce-scatter rounds at every hop). Upcasting to fp32 before a native reduce-scatter would keep
+  that, but sends fp32: twice the bytes of the all-to-all, which moves the half-precision pieces
+  and sums them in fp32 locally. ``benchmarks/bench_collectives.py`` measures both.
+
+Determinism: the all-to-all path sums in rank order (bitwise reproducible); gathers do no
+arithmetic. NCCL's native reduce-scatter sums in its own ring order: reproducible run to run for
+the same group size and NCCL algorithm, but not bitwise the rank-order sum (fp32 and fp64 only;
+half precision never takes it under ``"auto"``).
+:func:`set_collective_path` forces one path for tests and A/B benchmarks: ``"native"`` takes the
+native collective for every even split (half precision upcast to fp32 first), ``"a2a"`` never;
+``"auto"`` (the default, or ``MESHFOLD_COLLECTIVES``) is the table above.
 
 Set ``MESHFOLD_DEBUG_SPLITS=1`` (or call :func:`set_debug_checks`) to compare split metadata across
 ranks before every collective: a rank whose view of the splits disagrees with its peers then gets a
@@ -43,9 +71,15 @@ import torch.distributed as dist
 
 __all__ = ["all_to_all_v", "all_gather_v", "all_gather_replicated", "reduce_scatter_v", "sum_partial",
            "exchange_splits", "sum_statistic", "sum_in_place", "gather_equal", "all_agree", "on_dim",
-           "set_debug_checks", "debug_checks_enabled"]
+           "set_debug_checks", "debug_checks_enabled", "set_collective_path", "collective_path",
+           "all_to_all_v_start", "InFlight"]
 
 _DEBUG = os.environ.get("MESHFOLD_DEBUG_SPLITS", "") not in ("", "0")
+_PATHS = ("auto", "native", "a2a")
+_PATH = os.environ.get("MESHFOLD_COLLECTIVES", "auto")
+if _PATH not in _PATHS:
+    raise ValueError(f"MESHFOLD_COLLECTIVES = {_PATH!r}; valid: {list(_PATHS)}")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def set_debug_checks(enabled: bool) -> None:
@@ -56,6 +90,22 @@ def set_debug_checks(enabled: bool) -> None:
 
 def debug_checks_enabled() -> bool:
     return _DEBUG
+
+
+def set_collective_path(path: str) -> str:
+    """Choose how even-split all-gathers / reduce-scatters run: ``"auto"`` (native where it moves
+    no more bytes, see the module docstring), ``"native"`` (always, half precision summed in
+    fp32) or ``"a2a"`` (never: the all-to-all path everywhere). Every rank must choose the same.
+    Returns the previous choice."""
+    global _PATH
+    if path not in _PATHS:
+        raise ValueError(f"collective path {path!r}; valid: {list(_PATHS)}")
+    previous, _PATH = _PATH, path
+    return previous
+
+
+def collective_path() -> str:
+    return _PATH
 
 
 def _group(mesh, dim: str):
@@ -116,20 +166,48 @@ class _AllToAllV(torch.autograd.Function):
         return _a2a(grad, output_splits, input_splits, ctx.group), None, None, None
 
 
+def _even(sizes: list[int]) -> bool:
+    return all(s == sizes[0] for s in sizes)
+
+
+def _native_gather(sizes: list[int]) -> bool:
+    return _PATH != "a2a" and _even(sizes)
+
+
+def _native_scatter(sizes: list[int], dtype: torch.dtype, group) -> bool:
+    if _PATH == "a2a" or not _even(sizes):
+        return False
+    return _PATH == "native" or (dtype not in _HALF and dist.get_backend(group) == "nccl")
+
+
 def _gather_v(x, sizes, rank, group):
-    # Send my rows to every rank: input_splits = [n_me] * G, output_splits = sizes.
     G = len(sizes)
     x = x.contiguous()
+    out = x.new_empty((sum(sizes), *x.shape[1:]))
+    if not out.numel():
+        return out  # every rank sees the same sizes, so every rank skips together
+    if _native_gather(sizes):
+        dist.all_gather_single(out, x, group=group)
+        return out
+    # Send my rows to every rank: input_splits = [n_me] * G, output_splits = sizes.
     send = x.unsqueeze(0).expand(G, *x.shape).reshape(G * x.shape[0], *x.shape[1:])
     return _a2a(send, [sizes[rank]] * G, sizes, group)
 
 
 def _scatter_v(x, sizes, rank, group):
-    # Send rows sizes[j] to rank j, receive G copies of my slice, sum them in rank order.
     G = len(sizes)
+    half = x.dtype in _HALF
+    if not x.numel():
+        return x.new_zeros((sizes[rank], *x.shape[1:]))
+    if _native_scatter(sizes, x.dtype, group):
+        src = x.float() if half else x.contiguous()  # half precision: sum in fp32, round once
+        out = src.new_empty((sizes[rank], *x.shape[1:]))
+        dist.reduce_scatter_single(out, src, group=group)
+        return out.to(x.dtype) if half else out
+    # Send rows sizes[j] to rank j, receive G copies of my slice, sum them in rank order.
     pieces = _a2a(x, sizes, [sizes[rank]] * G, group)
     pieces = pieces.reshape(G, sizes[rank], *x.shape[1:])
-    if x.dtype in (torch.float16, torch.bfloat16):
+    if half:
         return pieces.float().sum(0).to(x.dtype)
     return pieces.sum(0)
 
@@ -163,9 +241,16 @@ def all_to_all_v(x: torch.Tensor, input_splits: Sequence[int], output_splits: Se
     """Variable-size all-to-all over mesh dim ``dim``: x [sum(input_splits), ...] ->
     [sum(output_splits), ...]; rows ``input_splits[j]`` go to the j-th rank of the dim, and the
     rows from rank j arrive in order at offset ``sum(output_splits[:j])``. Differentiable."""
+    group, ins, outs = _a2a_splits("all_to_all_v", x, input_splits, output_splits, mesh, dim)
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return _a2a(x, ins, outs, group)  # no graph to record: skip the autograd wrapper
+    return _AllToAllV.apply(x, ins, outs, group)
+
+
+def _a2a_splits(name, x, input_splits, output_splits, mesh, dim):
     group, G, me = _group(mesh, dim)
-    ins = _check_splits("all_to_all_v", input_splits, G, x.shape[0], "input_splits")
-    outs = _check_splits("all_to_all_v", output_splits, G, None, "output_splits")
+    ins = _check_splits(name, input_splits, G, x.shape[0], "input_splits")
+    outs = _check_splits(name, output_splits, G, None, "output_splits")
     if _DEBUG:
         # Every rank checks the whole send/receive matrix, so all ranks raise together (no rank
         # is left waiting in the all-to-all for a peer that raised).
@@ -174,11 +259,91 @@ def all_to_all_v(x: torch.Tensor, input_splits: Sequence[int], output_splits: Se
             for j in range(G):
                 if views[i][j] != views[j][G + i]:
                     raise ValueError(
-                        f"all_to_all_v over {dim!r}: rank {i} sends {views[i][j]} rows to rank {j}, "
+                        f"{name} over {dim!r}: rank {i} sends {views[i][j]} rows to rank {j}, "
                         f"but rank {j} expects {views[j][G + i]} from rank {i} (this is rank {me})")
-    if not (x.requires_grad and torch.is_grad_enabled()):
-        return _a2a(x, ins, outs, group)  # no graph to record: skip the autograd wrapper
-    return _AllToAllV.apply(x, ins, outs, group)
+    return group, ins, outs
+
+
+class InFlight:
+    """An all-to-all-v started by :func:`all_to_all_v_start`: ``wait()`` returns its output
+    (once; every rank must wait, in the same order as it started its collectives). Holds the
+    work handles and the buffers they use, forward and backward."""
+
+    def __init__(self, splits, group, graph: bool):
+        self.splits, self.group, self.graph = splits, group, graph
+        self.work = self.send = self.out = None
+        self.grad = None  # backward all-to-all: (work, output gradient sent, input gradient)
+
+    def wait(self) -> torch.Tensor:
+        if self.out is None:
+            raise RuntimeError("InFlight.wait: already waited")
+        out, self.out = self.out, None
+        if self.graph:
+            return _A2AWait.apply(out, self)
+        self.work.wait()
+        self.work = self.send = None
+        return out
+
+
+def _a2a_async(x, ins, outs, group):
+    x = x.contiguous()
+    out = x.new_empty((sum(outs), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, output_split_sizes=outs, input_split_sizes=ins, group=group,
+                                  async_op=True)
+    return work, x, out
+
+
+class _A2AStart(torch.autograd.Function):
+    """Starts the all-to-all and returns its (not yet filled) output; :class:`_A2AWait` waits.
+    Backward: waits for the reverse all-to-all that ``_A2AWait``'s backward started, so whatever
+    autograd runs between the two (the nodes recorded between start and wait in the forward,
+    e.g. the shared expert) overlaps it."""
+
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        ins, outs = flight.splits
+        flight.work, flight.send, out = _a2a_async(x, ins, outs, flight.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        flight = ctx.flight
+        work, _, grad_x = flight.grad
+        work.wait()
+        flight.grad = None
+        return grad_x, None
+
+
+class _A2AWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, flight):
+        ctx.flight = flight
+        flight.work.wait()
+        flight.work = flight.send = None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flight = ctx.flight
+        ins, outs = flight.splits
+        flight.grad = _a2a_async(grad, outs, ins, flight.group)  # travels while autograd goes on
+        return grad, None
+
+
+def all_to_all_v_start(x: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int],
+                       mesh, dim: str) -> InFlight:
+    """:func:`all_to_all_v`, asynchronous: starts it (``async_op=True``) and returns an
+    :class:`InFlight` whose ``wait()`` gives the output, so the caller can compute in between.
+    Differentiable: in backward the gradient's all-to-all is started where ``wait`` was and
+    waited where the start was, so it overlaps the backward of what ran in between."""
+    group, ins, outs = _a2a_splits("all_to_all_v_start", x, input_splits, output_splits, mesh, dim)
+    flight = InFlight((ins, outs), group, x.requires_grad and torch.is_grad_enabled())
+    if flight.graph:
+        flight.out = _A2AStart.apply(x, flight)
+    else:
+        flight.work, flight.send, flight.out = _a2a_async(x, ins, outs, group)
+    return flight
 
 
 def all_gather_v(x: torch.Tensor, sizes: Sequence[int], mesh, dim: str) -> torch.Tensor:

@@ -24,7 +24,9 @@ Per dispatch: one host sync, when the per-expert counts of every rank of the blo
 device for the re-sort, so nothing goes back up); then all-to-all-v over ``ep``, all-gather-v over
 ``etp``, and a local re-sort so each local expert's rows are contiguous. The combine runs the
 reverse: re-sort back, reduce-scatter-v over ``etp`` (summing the partial outputs), all-to-all-v
-back over ``ep``.
+back over ``ep``. :func:`dispatch_start` returns with the ``ep`` all-to-all still in flight
+(``async_op``), so the MoE layer computes its shared expert meanwhile; its ``wait()`` finishes the
+dispatch. In backward the gradient's all-to-all likewise overlaps the shared expert's backward.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
-from meshfold.placements.collectives import _group, all_gather_v, all_to_all_v, gather_equal, reduce_scatter_v
+from meshfold.placements.collectives import (_group, all_gather_v, all_to_all_v, all_to_all_v_start, gather_equal,
+                                             reduce_scatter_v)
 from meshfold.placements.ragged import RaggedShard, RaggedTensor
 
-__all__ = ["Routed", "block_counts", "dispatch", "combine"]
+__all__ = ["Routed", "DispatchInFlight", "block_counts", "dispatch", "dispatch_start", "combine"]
 
 
 @dataclass
@@ -122,29 +125,66 @@ def dispatch(x_NH: torch.Tensor, counts_E: torch.Tensor, mesh, ep: str = "ep", e
     order) to their experts' ranks over ``mesh``'s dims ``ep`` and ``etp``. Every rank of the
     mesh calls it. ``block``: :func:`block_counts` of these counts when the caller already read
     them (None: read here). Differentiable in x_NH."""
+    return dispatch_start(x_NH, counts_E, mesh, ep, etp, block, asynchronous=False).wait()
+
+
+@dataclass
+class _Arrived:
+    rows: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.rows
+
+
+class DispatchInFlight:
+    """A :func:`dispatch` whose all-to-all over ``ep`` is still travelling: ``wait()`` waits for
+    it, then runs the rest (the etp all-gather, the re-sort) and returns the :class:`Routed`."""
+
+    def __init__(self, flight, mesh, ep, etp, C_QIE, C, send, recv):
+        self.flight, self.mesh, self.dims = flight, mesh, (ep, etp)
+        self.C_QIE, self.C, self.send, self.recv = C_QIE, C, send, recv
+
+    def wait(self) -> Routed:
+        mesh, (ep, etp), C = self.mesh, self.dims, self.C
+        x = self.flight.wait()  # rows ordered (source i, local e)
+        _, n_ep, i_me = _group(mesh, ep)
+        _, n_etp, _ = _group(mesh, etp)
+        El = self.C_QIE.shape[2] // n_ep
+        gather_sizes = None
+        if n_etp > 1:
+            gather_sizes = [sum(sum(C[q][i][i_me * El:(i_me + 1) * El]) for i in range(n_ep))
+                            for q in range(n_etp)]
+            x = all_gather_v(x, gather_sizes, mesh, etp)  # rows ordered (q, i, e)
+        order_M, offsets_El = _expert_major_order(self.C_QIE, i_me, El, x.shape[0])
+        rows_MH = _PermuteRows.apply(x, order_M)
+        per_ep_rank = [sum(sum(C[q][i][d * El:(d + 1) * El]) for q in range(n_etp) for i in range(n_ep))
+                       for d in range(n_ep)]
+        placements = [None, None]
+        placements[mesh.mesh_dim_names.index(ep)] = RaggedShard(0, per_ep_rank)
+        placements[mesh.mesh_dim_names.index(etp)] = Replicate()
+        tokens = RaggedTensor(rows_MH, mesh, placements)
+        return Routed(tokens, offsets_El, self.send, self.recv, gather_sizes, order_M)
+
+
+def dispatch_start(x_NH: torch.Tensor, counts_E: torch.Tensor, mesh, ep: str = "ep", etp: str = "etp",
+                   block: tuple[torch.Tensor, list] | None = None, asynchronous: bool = True) -> DispatchInFlight:
+    """:func:`dispatch` up to its all-to-all over ``ep``, which it starts and does not wait for
+    (the counts are read first, as in dispatch: the one host sync). The caller computes
+    something else (the shared expert), then ``.wait()`` gives the Routed rows.
+    ``asynchronous=False``: the all-to-all runs synchronously here (what :func:`dispatch` does)."""
     _, n_ep, i_me = _group(mesh, ep)
     _, n_etp, q_me = _group(mesh, etp)
-    E = counts_E.numel()
-    El = E // n_ep
+    El = counts_E.numel() // n_ep
     # counts of every rank in the block: C[q][i][e] host ints (the one sync)
     C_QIE, C = block_counts(counts_E, mesh, ep, etp) if block is None else block
     mine = C[q_me]  # my etp slice of the block: mine[i] = ep rank i's counts
     send = [sum(mine[i_me][d * El:(d + 1) * El]) for d in range(n_ep)]
     recv = [sum(mine[i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)]
-    x = all_to_all_v(x_NH, send, recv, mesh, ep)  # rows ordered (source i, local e)
-    gather_sizes = None
-    if n_etp > 1:
-        gather_sizes = [sum(sum(C[q][i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)) for q in range(n_etp)]
-        x = all_gather_v(x, gather_sizes, mesh, etp)  # rows ordered (q, i, e)
-    order_M, offsets_El = _expert_major_order(C_QIE, i_me, El, x.shape[0])
-    rows_MH = _PermuteRows.apply(x, order_M)
-    per_ep_rank = [sum(sum(C[q][i][d * El:(d + 1) * El]) for q in range(n_etp) for i in range(n_ep))
-                   for d in range(n_ep)]
-    placements = [None, None]
-    placements[mesh.mesh_dim_names.index(ep)] = RaggedShard(0, per_ep_rank)
-    placements[mesh.mesh_dim_names.index(etp)] = Replicate()
-    tokens = RaggedTensor(rows_MH, mesh, placements)
-    return Routed(tokens, offsets_El, send, recv, gather_sizes, order_M)
+    if asynchronous:
+        flight = all_to_all_v_start(x_NH, send, recv, mesh, ep)
+    else:
+        flight = _Arrived(all_to_all_v(x_NH, send, recv, mesh, ep))
+    return DispatchInFlight(flight, mesh, ep, etp, C_QIE, C, send, recv)
 
 
 def combine(y: RaggedTensor, routed: Routed, ep: str = "ep", etp: str = "etp") -> torch.Tensor:
