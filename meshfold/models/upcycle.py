@@ -271,6 +271,7 @@ def _write_tensors(ckpt, cfg, arch, E, G, seed, writer, expected, stream) -> Non
     total = len(others) + cfg.layers * (1 + 3 * E * G)
     generator = torch.Generator().manual_seed(seed)
     done, written = 0, set()
+    tty, every = stream.isatty(), -(-total // 20)  # in a log: at most 21 lines, not thousands
 
     def put(key, t):
         nonlocal done
@@ -280,8 +281,11 @@ def _write_tensors(ckpt, cfg, arch, E, G, seed, writer, expected, stream) -> Non
         written.add(key)
         done += 1
         bar = int(24 * done / total)
-        stream.write(f"\rupcycle [{'#' * bar}{'.' * (24 - bar)}] {done}/{total} tensors  "
-                     f"{writer.total / 2**20:,.0f} MiB\033[K")
+        line = f"upcycle [{'#' * bar}{'.' * (24 - bar)}] {done}/{total} tensors  {writer.total / 2**20:,.0f} MiB"
+        if tty:
+            stream.write(f"\r{line}\033[K")
+        elif done % every == 0 or done == total:
+            stream.write(line + "\n")
         stream.flush()
 
     def get(key):
@@ -297,7 +301,8 @@ def _write_tensors(ckpt, cfg, arch, E, G, seed, writer, expected, stream) -> Non
             for g, parts in enumerate(slices):
                 for key, t in zip(_moe_keys(arch, i, e * G + g), parts):
                     put(key, t.clone())  # each expert owns its storage (safetensors refuses shared views)
-    stream.write("\n")
+    if tty:
+        stream.write("\n")
     if written != expected:
         raise ValueError(f"SRC {ckpt.path} lacks {sorted(expected - written)[:3]} for the {arch} checkpoint")
     writer.close()
