@@ -201,6 +201,7 @@ def train_until_spawn(*args):
 ])
 def test_train_init_from_that_does_not_fit_fails_before_spawning(dense, tmp_path, capsys, setting, message):
     _, out = upcycled(dense("llama"), tmp_path, E=2, k=1, G=2)
+    capsys.readouterr()
     rc = train_until_spawn("--set", f"train.init_from={json.dumps(str(out))}", "--set", setting, "--set",
                            "fold.world_size=8", "--out-dir", str(tmp_path / "run"))
     err = capsys.readouterr().err
@@ -211,6 +212,7 @@ def test_train_init_from_names_a_tensor_that_does_not_fit(dense, tmp_path, capsy
     _, out = upcycled(dense("llama"), tmp_path, E=2, k=1, G=2)
     hf = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**hf, "moe_intermediate_size": 24, "intermediate_size": 24}))
+    capsys.readouterr()
     rc = train_until_spawn("--set", f"train.init_from={json.dumps(str(out))}", "--out-dir", str(tmp_path / "run"))
     err = capsys.readouterr().err
     assert rc == 2 and "w1.weight' has shape [48, 64] but the config expects [24, 64]" in err, err
@@ -246,6 +248,7 @@ def test_bad_arguments_give_one_line_errors_and_write_nothing(dense, tmp_path, c
     if kind == "exists":
         out.mkdir()
     before = sorted(tmp_path.iterdir())
+    capsys.readouterr()  # what building the dense checkpoint printed (transformers' progress bar)
     rc = cli.main(["upcycle", str(src), str(out), *args])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
