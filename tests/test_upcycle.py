@@ -184,6 +184,11 @@ def test_training_from_an_upcycled_checkpoint_starts_at_the_dense_loss_and_lower
         dense_loss = F.cross_entropy(model(tok).logits.reshape(-1, V), targets.reshape(-1)).item()
     assert abs(rows[0]["loss"] - dense_loss) <= 1e-4, (rows[0]["loss"], dense_loss)
     assert rows[-1]["step"] == 6 and rows[-1]["loss"] < rows[0]["loss"] - 0.05, [r["loss"] for r in rows]
+    # generate / export rebuild the model from the checkpoint's recorded init_from config
+    from meshfold.train.cli import load_trained
+
+    trained, _ = load_trained(str(run))
+    assert trained.cfg.moe.num_experts == 4 and trained.cfg.moe.ffn == 48
 
 
 def train_until_spawn(*args):
