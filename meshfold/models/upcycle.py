@@ -30,6 +30,11 @@ arXiv 2410.07524), restated for these targets:
 
 Nothing else changes: attention, norms, embeddings and the head are copied as they are, so the
 upcycled model's logits equal the dense model's (fp32: rounding of the sum over experts only).
+A Qwen2-MoE target has no shared expert (``shared_expert_intermediate_size = 0``); transformers
+lists its zero-element tensors and their gate as missing when it loads the checkpoint, which is
+harmless (the shared branch adds ``sigmoid(gate x) * 0``), and meshfold reads no such tensors.
+Input jitter or capacity dropping in training breaks whole-group routing, as it should: the
+equality is a statement about the initial model, not about every routing configuration.
 Training breaks the symmetry: tokens reach different copies, and each slice's router row gets its
 own gradient.
 """
