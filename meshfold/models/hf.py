@@ -359,31 +359,34 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "float64": torch.float64}
 
 
-def from_pretrained(path, mesh=None, dtype: torch.dtype | None = None) -> MoETransformer:
+def from_pretrained(path, mesh=None, dtype: torch.dtype | None = None, cfg: TransformerConfig | None = None,
+                    compute_dtype: torch.dtype | None = None) -> MoETransformer:
     """Load a Hugging Face checkpoint directory into a :class:`MoETransformer`.
 
     ``mesh=None``: a single-device model. ``mesh=folded`` (a FoldedMesh, every rank calling):
     the model laid out as :func:`meshfold.models.transformer_parallel.parallelize` lays it out,
     each rank reading only the slices of its own shards (safetensors lazy slices), never a whole
     tensor it does not hold. ``dtype``: parameter dtype (None: the checkpoint's ``dtype`` /
-    ``torch_dtype``, else fp32); routers stay in ``MoEConfig.router_dtype`` (fp32).
+    ``torch_dtype``, else fp32); routers stay in ``MoEConfig.router_dtype`` (fp32). ``cfg``: the
+    config to build instead of the checkpoint's own, e.g. with routing or loss settings changed
+    (its shapes must fit the checkpoint); ``compute_dtype``: as :func:`parallelize`'s (folded only).
     """
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
-    cfg = config_from_hf(hf)
+    cfg = cfg or config_from_hf(hf)
     if dtype is None:
         dtype = _DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"), torch.float32)
     with torch.device("meta"):  # no random init of weights about to be overwritten
         model = MoETransformer(cfg, dtype=dtype)
     params = dict(model.named_parameters())
     if mesh is not None:
-        return _from_pretrained_folded(path, hf, cfg, model, mesh)
+        return _from_pretrained_folded(path, hf, cfg, model, mesh, compute_dtype)
     state = load_state(path, cfg, arch=_architecture(hf))
     model.load_state_dict({n: t.to(params[n].dtype) for n, t in state.items()}, strict=True, assign=True)
     return model
 
 
-def _from_pretrained_folded(path, hf, cfg, model, mesh) -> MoETransformer:
+def _from_pretrained_folded(path, hf, cfg, model, mesh, compute_dtype=None) -> MoETransformer:
     from meshfold.models.init import fill_, shard_indices
     from meshfold.models.moe_parallel import local_slices
     from meshfold.models.transformer_parallel import param_layouts, parallelize, single_device_name
@@ -398,7 +401,7 @@ def _from_pretrained_folded(path, hf, cfg, model, mesh) -> MoETransformer:
     device = mesh.device
     state = load_state(path, cfg, select=select, arch=_architecture(hf))
     state = {n: t.to(device=device, dtype=params[n].dtype).contiguous() for n, t in state.items()}
-    parallelize(model, mesh, local_state=state)
+    parallelize(model, mesh, local_state=state, compute_dtype=compute_dtype)
     for name, buf in list(model.named_buffers()):  # none in HF MoE checkpoints: they start as
         if buf.is_meta:                              # declared, on the mesh's device
             key = single_device_name(name)

@@ -83,6 +83,8 @@ def _main(args: argparse.Namespace, local: bool) -> int:
                          "--tokenizer T --out DIR FILES, then train with --data DIR")
     warnings = preflight.check_launch(spec.world_size)
     preflight.check_data(cfg)
+    if cfg.train.init_from is not None:
+        preflight.check_init_from(cfg.train.init_from, mcfg)
     out = Path(cfg.train.out_dir)
     rank = 0 if local else int(os.environ["RANK"])
     lock = None
@@ -134,7 +136,8 @@ def _print_header(cfg, spec, mcfg, out: Path, notes: list[str]) -> None:
     from meshfold.data import corpus_description
 
     n_params = _count_params(mcfg)
-    print(f"meshfold train: {cfg.model.get('name', 'model')} ({n_params / 1e6:.2f}M parameters, "
+    name = cfg.train.init_from or cfg.model.get("name", "model")
+    print(f"meshfold train: {name} ({n_params / 1e6:.2f}M parameters, "
           f"{len(mcfg.moe_layer_ids)} MoE layers) on {spec.world_size} ranks", flush=True)
     print(f"  attn  pp{spec.pp} x dp{spec.dp} x cp{spec.cp} x tp{spec.tp}   "
           f"moe  pp{spec.pp} x edp{spec.edp} x ep{spec.ep} x etp{spec.etp}", flush=True)
@@ -223,6 +226,7 @@ def load_trained(run_or_checkpoint: str):
     checkpoint.verify(path)  # names a damaged trainer.json or shard before torch reads it
     state = json.loads((path / "trainer.json").read_text())
     cfg = TrainConfig(model=state["model"], moe=state.get("moe", {}), sparsity=state.get("sparsity", {}))
+    cfg.train.init_from = state.get("init_from")  # the model's shape is that checkpoint's config.json
     cfg.train.dtype = state.get("dtype", "float32")  # checkpoints before train.master_dtype: float32, as then
     cfg.train.master_dtype = state.get("master_dtype", "float32")
     model = MoETransformer(cfg.model_config(), dtype=DTYPES[cfg.train.master_dtype])  # the master weights

@@ -152,6 +152,10 @@ class TrainSettings:
     out_dir: str = setting("runs/default", str, "run folder: checkpoints, metrics, plots, logs")
     resume: bool = setting(True, bool, "continue from the run folder's newest checkpoint; false starts "
                            "the folder over, moving the earlier run aside")
+    init_from: str | None = setting(None, str, "a Hugging Face MoE checkpoint folder (config.json + safetensors, "
+                                    "e.g. from meshfold upcycle) to start from instead of a random init: the "
+                                    "model's shape comes from its config.json ([model] settings are refused), "
+                                    "each rank reads only its own slices (default: unset)", optional=True)
     stop_at: int | None = setting(None, int, "end this invocation after this step; the schedule still "
                                   "spans train.steps (default: unset)", low=1, optional=True)
     skip_nonfinite: bool = setting(False, bool, "skip steps whose loss is not finite instead of stopping")
@@ -184,6 +188,8 @@ class DataSettings:
                                     "start (default: unset, byte-level)", optional=True)
 
 
+# MoEConfig fields that change parameter shapes: a train.init_from checkpoint fixes them
+SHAPE_FIELDS = ("hidden", "ffn", "num_experts", "shared_ffn", "shared_kind", "expert_kind")
 FOLD_KEYS = ("world_size", "tp", "cp", "dp", "pp", "etp", "ep", "edp")
 FOLD_RULE = Rule(int, "ranks, and the size of one fold dimension (dp and edp are derived when unset)", low=1)
 
@@ -245,7 +251,8 @@ class TrainConfig:
         from meshfold.models.configs import get_config
 
         m = dict(self.model)
-        base = get_config(m.pop("name", "tiny-mixtral"))
+        name = m.pop("name", "tiny-mixtral")
+        base = get_config(name) if self.train.init_from is None else self._checkpoint_config(m)
         moe = base.moe
         if self.moe:
             if moe is None:
@@ -278,6 +285,29 @@ class TrainConfig:
             raise ValueError(f"[model] has no settings {bad}")
         return dataclasses.replace(base, moe=moe, **m)
 
+    def _checkpoint_config(self, model_overrides: dict):
+        """The TransformerConfig of ``train.init_from``'s config.json; [model] settings and [moe]
+        settings that change shapes are refused, since the checkpoint's tensors fix them."""
+        import json
+        from pathlib import Path
+
+        from meshfold.models.hf import config_from_hf
+
+        path = Path(self.train.init_from) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"train.init_from = {self.train.init_from!r} is not a Hugging Face checkpoint "
+                             f"folder (no config.json)")
+        fixed = sorted(k for k in model_overrides if k != "max_seq")
+        fixed += sorted(f"moe.{k}" for k in self.moe if k in SHAPE_FIELDS)
+        if fixed:
+            first = fixed[0] if fixed[0].startswith("moe.") else f"model.{fixed[0]}"
+            raise ValueError(f"{first} with train.init_from: the checkpoint's config.json fixes the model's "
+                             f"shape; drop that setting")
+        try:
+            return config_from_hf(json.loads(path.read_text()))
+        except ValueError as err:
+            raise ValueError(f"train.init_from {self.train.init_from}: {err}") from None
+
     def validate(self):
         """Everything about the settings themselves that can be checked before any process starts
         (files and folders: meshfold.train.preflight); returns (spec, model cfg)."""
@@ -298,6 +328,9 @@ class TrainConfig:
         if spec.pp == 1 and t.microbatches and (t.batch // spec.dp) % t.microbatches:
             raise ValueError(f"train.batch / dp = {t.batch // spec.dp} sequences per rank is not "
                              f"divisible by train.microbatches = {t.microbatches}")
+        if spec.pp > 1 and t.init_from is not None:
+            raise ValueError(f"train.init_from with fold.pp = {spec.pp}: pipeline stages do not load Hugging "
+                             f"Face checkpoints yet; use pp = 1")
         if spec.pp > 1:
             from meshfold.models.pipeline import check_pipeline
 

@@ -132,14 +132,23 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     if device.type == "cpu" and t.retain_cpu_memory:
         retain_freed_memory()  # reuse large activation buffers across steps (meshfold.malloc)
     folded = fold(spec, device.type)
-    # built on the meta device: parallelize / Pipeline lay it out, then each rank materializes
-    # only its own shards on its device (the same global weights on every fold, for this seed)
-    model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")  # master weights
     compute = DTYPES[t.dtype]
-    if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
-        model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual, compute_dtype=compute)
+    last = checkpoint.latest(ckpt_dir) if t.resume else None
+    if t.init_from is not None and last is None:  # (a resume reads its own checkpoint instead)
+        from meshfold.models.hf import from_pretrained
+
+        # laid out as parallelize lays it out, each rank reading only its own slices (pp = 1)
+        model = from_pretrained(t.init_from, mesh=folded, dtype=DTYPES[t.master_dtype], cfg=mcfg,
+                                compute_dtype=compute)
     else:
-        parallelize(model, folded, compute_dtype=compute)
+        # built on the meta device: parallelize / Pipeline lay it out, then each rank materializes
+        # only its own shards on its device (the same global weights on every fold, for this seed)
+        model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")  # master weights
+        if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
+            model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual,
+                             compute_dtype=compute)
+        else:
+            parallelize(model, folded, compute_dtype=compute)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                             betas=(0.9, 0.95), foreach=False)
     from meshfold.data import load_corpus
@@ -150,7 +159,6 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     pruner = FoldedPruner(model, sp, opt) if sp is not None else None
     start, skipped = 0, 0
     resumed_from = None
-    last = checkpoint.latest(ckpt_dir) if t.resume else None
     if last is not None:
         state = checkpoint.load(last, model, opt)
         start, skipped = state["step"], state.get("skipped", 0)
@@ -202,7 +210,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             state = {"step": n, "skipped": skipped, "fold": cfg.fold, "model": cfg.model,
                      "moe": cfg.moe, "sparsity": cfg.sparsity, "seed": t.seed,
                      "dtype": t.dtype, "master_dtype": t.master_dtype,
-                     "world_size": world_size, "train_steps": t.steps}
+                     "world_size": world_size, "train_steps": t.steps, "init_from": t.init_from}
             crash = faults.crash_in_save(injected, n)
             last_good = str(checkpoint.save(ckpt_dir, n, model, opt, state, crash_before_rename=crash))
     if rank == 0:

@@ -3,7 +3,8 @@
 The settings themselves are checked by :meth:`TrainConfig.validate` (one rule table). Here: the
 launch (torchrun's world size against ``fold.world_size``; ranks per core), the data (the files
 exist, hold text, and give one training and one validation batch at ``train.seq``), the run
-folder (writable), and the checkpoint a resume would read (whole). Each failure is one
+folder (writable), the checkpoint a resume would read (whole), and the Hugging Face checkpoint
+``train.init_from`` starts from (every tensor the model needs, in its shape). Each failure is one
 ValueError naming the value and what to do, so it prints as one line and no rank starts to meet
 it minutes later.
 """
@@ -14,7 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["check_launch", "check_data", "check_writable", "check_resume"]
+__all__ = ["check_launch", "check_data", "check_writable", "check_resume", "check_init_from"]
 
 RANKS_PER_CORE_WARNING = 2
 
@@ -101,3 +102,20 @@ def check_resume(out: Path, resume: bool) -> None:
                          f"train.resume=false (the damaged run is moved aside)")
     raise ValueError(f"{damaged}; the newest intact checkpoint is {intact.name}: move the checkpoints "
                      f"after it out of {out / 'checkpoints'} to resume from it")
+
+
+def check_init_from(path, mcfg) -> None:
+    """Every tensor the model needs is in ``train.init_from``'s safetensors with the shape the
+    model config asks for (headers only: an empty slice of each is read), else one ValueError
+    naming the tensor and both shapes."""
+    import torch
+
+    from meshfold.models.hf import load_state
+    from meshfold.models.transformer import MoETransformer
+
+    with torch.device("meta"):
+        ndim = {n: p.dim() for n, p in MoETransformer(mcfg).named_parameters()}
+    try:  # an empty slice of each parameter's last dim: shapes and names checked, nothing read
+        load_state(path, mcfg, select=lambda name: (slice(None),) * (ndim[name] - 1) + (slice(0, 0),))
+    except ValueError as err:
+        raise ValueError(f"train.init_from {path}: {err}") from None

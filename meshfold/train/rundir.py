@@ -35,7 +35,7 @@ LOCK = ".lock"
 IDENTITY = "run.json"
 # train.* settings that change what is trained; the others change how the run is watched or kept
 IDENTITY_TRAIN = ("batch", "seq", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
-                  "master_dtype")
+                  "master_dtype", "init_from")
 
 
 class RunLock:
