@@ -145,9 +145,10 @@ from meshfold.testing import cached_fold, checkpoint_reads, fold_specs  # noqa: 
 TOL64 = dict(rtol=1e-9, atol=1e-11)
 
 
-def _folded_config(layers=2, aux=0.0):
+def _folded_config(layers=2, aux=0.0, q_latent=True):
     """Every DeepSeek-V3 feature at sizes that divide tp, etp <= 4, ep <= 8: 4 heads, latents of
-    12 / 10, YaRN with mscale, 8 experts in 4 groups (top-3 of 2 groups), a shared expert."""
+    12 (or a plain q projection) / 10, YaRN with mscale, 8 experts in 4 groups (top-3 of 2
+    groups), a shared expert."""
     from meshfold.models.config import MoEConfig
     from meshfold.models.mla import MLAConfig, YaRN
     from meshfold.models.transformer import TransformerConfig
@@ -155,7 +156,7 @@ def _folded_config(layers=2, aux=0.0):
     moe = MoEConfig(hidden=16, ffn=4, num_experts=8, topk=3, score_function="sigmoid", renormalize=True,
                     topk_scaling_factor=2.5, num_groups=4, group_topk=2, group_score_topk=2, expert_bias=True,
                     shared_ffn=8, shared_kind="deepseek", router_dtype=torch.float64, seq_aux_loss_coeff=aux)
-    mla = MLAConfig(q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+    mla = MLAConfig(q_lora_rank=12 if q_latent else None, kv_lora_rank=10, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
                     yarn=YaRN(factor=4.0, original_max_seq=8, beta_fast=8.0, mscale=0.9, mscale_all_dim=0.7))
     return TransformerConfig(vocab=32, hidden=16, layers=layers, heads=4, ffn=8, moe=moe, first_k_dense=1,
                              mla=mla, max_seq=64)
@@ -180,8 +181,8 @@ def _run_folded(rank, world_size, case):
     from meshfold.models.transformer import MoETransformer
     from meshfold.models.transformer_parallel import parallelize, reduce_gradients, shard_batch, single_device_name
 
-    spec, B, S, seed, data_parallel, aux = case
-    cfg = _folded_config(aux=aux)
+    spec, B, S, seed, data_parallel, aux, q_latent = case
+    cfg = _folded_config(aux=aux, q_latent=q_latent)
     ref = _reference(cfg, seed)
     g = torch.Generator().manual_seed(seed + 1)
     tokens_, targets = (torch.randint(0, cfg.vocab, (B, S), generator=g) for _ in range(2))
@@ -213,7 +214,7 @@ def folded_cases(draw, world_size):
     split = 2 * spec.cp * spec.tp if spec.cp > 1 else spec.tp
     S = split * draw(st.integers(1, 2))
     return (spec, B, S, draw(st.integers(0, 10**6)), draw(st.sampled_from(["fsdp", "allreduce"])),
-            draw(st.sampled_from([0.0, 0.01])))
+            draw(st.sampled_from([0.0, 0.01])), draw(st.booleans()))
 
 
 @pytest.mark.multirank
@@ -236,7 +237,7 @@ def test_folded_loss_and_grads_equal_single_device(worlds, world_size):
 ])
 def test_named_folds_every_dim(worlds, spec):
     B, S = 2 * spec.dp, 4 * spec.cp * spec.tp
-    assert all(worlds(spec.world_size).run(_run_folded, (spec, B, S, 3, "fsdp", 0.01)))
+    assert all(worlds(spec.world_size).run(_run_folded, (spec, B, S, 3, "fsdp", 0.01, True)))
 
 
 def _run_pipeline(rank, world_size, spec, seed):
@@ -379,3 +380,10 @@ def test_plan_counts_mla_parameters_flops_and_kv_size():
     assert shape.step_flops(B, S) == pytest.approx(3 * L * counter.get_total_flops() + mlp_and_head, rel=1e-12)
     v3 = MODELS["deepseek-v3-671b"]
     assert v3.kv_per_token == 512 + 64  # against 2 * 128 * (128 + 64) expanded
+
+
+@pytest.mark.multirank
+def test_plain_q_projection_folds_over_tp_and_cp(worlds):
+    """DeepSeek-V2-Lite's q (no latent): wq column-parallel by head, as GQA's."""
+    spec = FoldSpec(4, cp=2, tp=2, ep=4)
+    assert all(worlds(4).run(_run_folded, (spec, 2, 8, 4, "allreduce", 0.0, False)))
