@@ -387,3 +387,29 @@ def test_plain_q_projection_folds_over_tp_and_cp(worlds):
     """DeepSeek-V2-Lite's q (no latent): wq column-parallel by head, as GQA's."""
     spec = FoldSpec(4, cp=2, tp=2, ep=4)
     assert all(worlds(4).run(_run_folded, (spec, 2, 8, 4, "allreduce", 0.0, False)))
+
+
+def test_multi_token_prediction_layers_are_skipped_but_unknown_tensors_are_not(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from meshfold.models.hf import config_from_hf
+
+    hf_checkpoint(tmp_path)
+    cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    tensors = load_file(tmp_path / "model.safetensors")
+    mtp = {f"model.layers.{cfg.layers}.eh_proj.weight": torch.zeros(cfg.hidden, 2 * cfg.hidden)}
+    save_file({**tensors, **mtp}, tmp_path / "model.safetensors")
+    load_state(tmp_path, cfg)  # the MTP module (layer num_hidden_layers) is not built: skipped
+    save_file({**tensors, "model.layers.0.self_attn.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"not used by the config .*self_attn\.extra\.weight"):
+        load_state(tmp_path, cfg)
+
+
+def test_mla_config_saved_as_another_architecture_is_refused():
+    from meshfold.models.configs import get_config
+    from meshfold.models.hf import config_to_hf
+
+    with pytest.raises(ValueError, match="MixtralForCausalLM cannot express this config: mla"):
+        config_to_hf(get_config("tiny-deepseek-v3"), "MixtralForCausalLM")
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM cannot express this config: mla=None"):
+        config_to_hf(get_config("tiny-qwen3-moe"), "DeepseekV3ForCausalLM")
