@@ -413,3 +413,23 @@ def test_mla_config_saved_as_another_architecture_is_refused():
         config_to_hf(get_config("tiny-deepseek-v3"), "MixtralForCausalLM")
     with pytest.raises(ValueError, match="DeepseekV3ForCausalLM cannot express this config: mla=None"):
         config_to_hf(get_config("tiny-qwen3-moe"), "DeepseekV3ForCausalLM")
+
+
+def test_deepseek_v3_hub_config_maps_to_the_named_config():
+    """deepseek-ai/DeepSeek-V3's config.json (its legacy ``rope_scaling`` spelling, the fields
+    meshfold reads) gives exactly ``deepseek-v3-671b``."""
+    from meshfold.models.configs import get_config
+    from meshfold.models.hf import config_from_hf
+
+    hub = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+           "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+           "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+           "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+           "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+           "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+           "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+           "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"},
+           "tie_word_embeddings": False, "attention_bias": False}
+    assert config_from_hf(hub) == get_config("deepseek-v3-671b")
