@@ -17,13 +17,14 @@ Example::
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Sequence
 
 from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec
 
-__all__ = ["cached_fold", "divisors", "fold_specs", "invalid_fold_kwargs", "placements", "ragged_shards",
+__all__ = ["cached_fold", "checkpoint_reads", "divisors", "fold_specs", "invalid_fold_kwargs", "placements", "ragged_shards",
            "split_sizes"]
 
 
@@ -41,6 +42,35 @@ def cached_fold(spec: FoldSpec, device_type: str = "cpu"):
     if key not in _FOLDS:
         _FOLDS[key] = fold(spec, device_type)
     return _FOLDS[key]
+
+
+@contextmanager
+def checkpoint_reads():
+    """Inside the block, every slice read from a Hugging Face checkpoint by
+    :mod:`meshfold.models.hf` appends its element count to the yielded list (to check that a
+    folded load reads only a rank's own shards)."""
+    from meshfold.models import hf
+
+    read: list[int] = []
+    original = hf._Checkpoint.slice
+
+    class Counting:
+        def __init__(self, sl):
+            self.sl = sl
+
+        def get_shape(self):
+            return self.sl.get_shape()
+
+        def __getitem__(self, idx):
+            t = self.sl[idx]
+            read.append(t.numel())
+            return t
+
+    hf._Checkpoint.slice = lambda self, key, param: Counting(original(self, key, param))
+    try:
+        yield read
+    finally:
+        hf._Checkpoint.slice = original
 
 
 def divisors(n: int) -> list[int]:

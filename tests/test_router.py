@@ -33,7 +33,7 @@ def ref_routing(logits_TE, *, score="softmax", pre_softmax=True, renormalize=Fal
     softmax + pre_softmax: softmax over all E, pick the k best (scores + bias), weights are the
     unbiased scores, optionally renormalised over the k. softmax without pre_softmax: pick on
     logits (+ bias), softmax over the k picked logits. sigmoid: pick on sigmoid (+ bias), weights
-    normalised over the k when k > 1. Group-limited: a group scores the sum of its best
+    normalised over the k when k > 1 and renormalize. Group-limited: a group scores the sum of its best
     k / group_topk selection scores; only experts of the group_topk best groups may be picked.
     """
     logits_TE = logits_TE.detach()
@@ -64,7 +64,7 @@ def ref_routing(logits_TE, *, score="softmax", pre_softmax=True, renormalize=Fal
             w = {e: ex[e] / sum(ex.values()) for e in chosen}
         else:
             w = {e: s[e] for e in chosen}
-            if (score == "softmax" and renormalize) or (score == "sigmoid" and k > 1):
+            if renormalize and (score == "softmax" or k > 1):
                 total = sum(w.values())
                 w = {e: v / total for e, v in w.items()}
         if scaling is not None:

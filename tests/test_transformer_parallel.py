@@ -13,7 +13,7 @@ from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.models.moe_parallel import local_slices
 from meshfold.models.transformer_parallel import (full_state_dict, single_device_name, grad_norm, local_positions,
                                                   param_layouts, parallelize, reduce_gradients, shard_batch)
-from meshfold.testing import cached_fold, fold_specs
+from meshfold.testing import cached_fold, checkpoint_reads, fold_specs
 
 pytestmark = pytest.mark.multirank
 
@@ -167,29 +167,10 @@ def test_cp_positions_are_load_balanced_mirrored_chunks():
 
 
 def _load_folded(rank, world_size, path, spec):
-    from meshfold.models import hf
     from meshfold.models.hf import from_pretrained
 
-    read = []
-    original = hf._Checkpoint.slice
-
-    class Counting:
-        def __init__(self, sl):
-            self.sl = sl
-
-        def get_shape(self):
-            return self.sl.get_shape()
-
-        def __getitem__(self, idx):
-            t = self.sl[idx]
-            read.append(t.numel())
-            return t
-
-    hf._Checkpoint.slice = lambda self, key, param: Counting(original(self, key, param))
-    try:
+    with checkpoint_reads() as read:
         folded = from_pretrained(path, mesh=cached_fold(spec), dtype=torch.float64)
-    finally:
-        hf._Checkpoint.slice = original
     single = from_pretrained(path, dtype=torch.float64)
     # this rank read exactly the elements of its own TP/EP shards, nothing more (FSDP2 then keeps
     # its dp part of them)

@@ -25,7 +25,9 @@ class MoEConfig:
     Router: ``score_function`` softmax | sigmoid; ``pre_softmax`` (softmax over all E, then top-k;
     otherwise top-k on logits, then softmax over k); ``renormalize`` the top-k weights to sum to 1
     (HF Mixtral, Qwen2-MoE ``norm_topk_prob``; Megatron does this for sigmoid with k > 1);
-    ``topk_scaling_factor``; group-limited routing ``num_groups`` / ``group_topk``; ``input_jitter``
+    ``topk_scaling_factor``; group-limited routing ``num_groups`` / ``group_topk``, a group scoring
+    the sum of its best ``group_score_topk`` experts (None: ``topk // group_topk``, Megatron-Core;
+    Hugging Face DeepSeek-V3 always sums the best 2); ``input_jitter``
     (multiplicative uniform noise in training); ``router_dtype`` float32 | float64; aux-loss-free
     ``expert_bias`` with ``expert_bias_rate``.
 
@@ -53,6 +55,7 @@ class MoEConfig:
     topk_scaling_factor: float | None = None
     num_groups: int | None = None
     group_topk: int | None = None
+    group_score_topk: int | None = None
     input_jitter: float = 0.0
     router_dtype: torch.dtype = torch.float32
     expert_bias: bool = False
@@ -95,7 +98,10 @@ class MoEConfig:
                 raise ValueError(f"num_groups = {G} must divide num_experts = {E}")
             if not (isinstance(g, int) and 1 <= g <= G):
                 raise ValueError(f"group_topk = {g} must be in 1..num_groups = {G}")
-            if k % g:
+            n = self.group_score_topk
+            if n is not None and not (isinstance(n, int) and 1 <= n <= E // G):
+                raise ValueError(f"group_score_topk = {n} must be in 1..{E // G} (the experts per group)")
+            if n is None and k % g:
                 raise ValueError(f"topk = {k} must be divisible by group_topk = {g} (each chosen "
                                  f"group contributes topk / group_topk scores to its group score)")
             if k > g * (E // G):

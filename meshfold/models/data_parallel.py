@@ -71,7 +71,8 @@ def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | No
                 fully_shard(shared, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
         if tp_summed:
             inner = getattr(block.attn, "inner", block.attn)
-            for norm in (block.attn_norm, block.mlp_norm, inner.q_norm, inner.k_norm):
+            for norm in (block.attn_norm, block.mlp_norm, inner.q_norm, inner.k_norm,
+                         getattr(inner, "kv_norm", None)):  # MLA's kv latent norm
                 if norm is not None:
                     fully_shard(norm, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
         fully_shard(block, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=mp)

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""Hugging Face checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (whose names
+and config mapping live in :mod:`meshfold.models.hf_deepseek`).
 
 A checkpoint directory is ``config.json`` plus ``*.safetensors`` (one file, or shards listed in
 ``model.safetensors.index.json``) with the per-expert key names that transformers'
@@ -35,15 +36,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from meshfold.models import hf_deepseek
 from meshfold.models.config import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 
 __all__ = ["SUPPORTED", "config_from_hf", "config_to_hf", "infer_architecture", "checkpoint_map", "load_state",
            "from_pretrained", "save_pretrained", "Leaf", "Stack"]
 
-SUPPORTED = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", hf_deepseek.ARCH)
 _MODEL_TYPE = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-               "Qwen3MoeForCausalLM": "qwen3_moe"}
+               "Qwen3MoeForCausalLM": "qwen3_moe", hf_deepseek.ARCH: "deepseek_v3"}
 # transformers 5.24 config defaults for the fields read here (config.json may omit defaults)
 _DEFAULTS = {
     "MixtralForCausalLM": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
@@ -97,6 +99,8 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     concatenated, not a per-layer loss: set ``MoEConfig.aux_loss_coeff`` yourself).
     """
     arch = _architecture(hf)
+    if arch == hf_deepseek.ARCH:
+        return hf_deepseek.config_from_hf(hf)
     c = {**_DEFAULTS[arch], **{k: v for k, v in hf.items() if v is not None}}
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act = {c['hidden_act']!r}; meshfold's experts are SwiGLU (valid: 'silu')")
@@ -142,7 +146,9 @@ def config_from_hf(hf: dict) -> TransformerConfig:
 
 def infer_architecture(cfg: TransformerConfig) -> str:
     """The HF architecture a config most naturally saves as (q/k norm: Qwen3-MoE; qkv bias, a
-    shared expert or dense layers: Qwen2-MoE; otherwise Mixtral)."""
+    shared expert or dense layers: Qwen2-MoE; otherwise Mixtral; MLA: DeepSeek-V3)."""
+    if cfg.mla is not None:
+        return hf_deepseek.ARCH
     if cfg.qk_norm:
         return "Qwen3MoeForCausalLM"
     if cfg.qkv_bias or (cfg.moe is not None and cfg.moe.shared_ffn) or len(cfg.moe_layer_ids) != cfg.layers:
@@ -156,6 +162,11 @@ def config_to_hf(cfg: TransformerConfig, arch: str | None = None, dtype: torch.d
     arch = arch or infer_architecture(cfg)
     if arch not in SUPPORTED:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {list(SUPPORTED)}")
+    if arch == hf_deepseek.ARCH:
+        return hf_deepseek.config_to_hf(cfg, None if dtype is None else str(dtype).removeprefix("torch."))
+    if cfg.mla is not None:
+        raise ValueError(f"{arch} cannot express this config: mla (multi-head latent attention; "
+                         f"valid architecture: {hf_deepseek.ARCH})")
     m = cfg.moe
     if m is None:
         raise ValueError("a dense model (moe = None) has no Hugging Face MoE architecture")
@@ -229,7 +240,10 @@ def _gate_up(prefix: str, gate: str, up: str) -> Stack:
 
 
 def checkpoint_map(cfg: TransformerConfig, arch: str) -> dict[str, Leaf | Stack]:
-    """meshfold parameter name -> recipe over checkpoint tensors of ``arch``."""
+    """meshfold parameter name (and buffer name, for checkpointed buffers such as DeepSeek-V3's
+    expert bias) -> recipe over checkpoint tensors of ``arch``."""
+    if arch == hf_deepseek.ARCH:
+        return hf_deepseek.checkpoint_map(cfg, Leaf, _linear, _gate_up, Stack)
     mixtral = arch == "MixtralForCausalLM"
     r: dict[str, Leaf | Stack] = {"embed.weight": Leaf("model.embed_tokens.weight"),
                                   "norm.weight": Leaf("model.norm.weight")}
@@ -333,7 +347,9 @@ def load_state(path, cfg: TransformerConfig, select: Select | None = None,
     arch = arch or _architecture(json.loads((path / "config.json").read_text()))
     recipes = checkpoint_map(cfg, arch)
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in MoETransformer(cfg).named_parameters()}
+        meta = MoETransformer(cfg)
+        shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+        shapes.update({n: tuple(b.shape) for n, b in meta.named_buffers() if n in recipes})
     if set(shapes) != set(recipes):  # the recipes must cover the model exactly
         raise AssertionError(f"no checkpoint recipe for {sorted(set(shapes) - set(recipes))}, "
                              f"recipe without parameter {sorted(set(recipes) - set(shapes))}")
@@ -347,7 +363,9 @@ def load_state(path, cfg: TransformerConfig, select: Select | None = None,
         if select is None:
             used = {leaf.key for r in recipes.values() for leaf in _leaves(r)}
             ignorable = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if cfg.tie_embeddings else ())
-            extra = sorted(k for k in ckpt.where if k not in used and not k.endswith(ignorable))
+            mtp = f"model.layers.{cfg.layers}." if arch == hf_deepseek.ARCH else None  # multi-token prediction
+            extra = sorted(k for k in ckpt.where if k not in used and not k.endswith(ignorable)
+                           and not (mtp and k.startswith(mtp)))
             if extra:
                 more = f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""
                 raise ValueError(f"checkpoint tensors not used by the config (does it fit the checkpoint?): "
@@ -378,11 +396,11 @@ def from_pretrained(path, mesh=None, dtype: torch.dtype | None = None, cfg: Tran
         dtype = _DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"), torch.float32)
     with torch.device("meta"):  # no random init of weights about to be overwritten
         model = MoETransformer(cfg, dtype=dtype)
-    params = dict(model.named_parameters())
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     if mesh is not None:
         return _from_pretrained_folded(path, hf, cfg, model, mesh, compute_dtype)
     state = load_state(path, cfg, arch=_architecture(hf))
-    model.load_state_dict({n: t.to(params[n].dtype) for n, t in state.items()}, strict=True, assign=True)
+    model.load_state_dict({n: t.to(tensors[n].dtype) for n, t in state.items()}, strict=True, assign=True)
     return model
 
 
@@ -395,19 +413,26 @@ def _from_pretrained_folded(path, hf, cfg, model, mesh, compute_dtype=None) -> M
     layouts = param_layouts(model, mesh)
 
     def select(name):
+        if name not in layouts:  # a checkpointed buffer (the expert bias): every rank holds it whole
+            return None
         m, placements = layouts[name]
         return local_slices(params[name].shape, m, placements)
 
     device = mesh.device
     state = load_state(path, cfg, select=select, arch=_architecture(hf))
-    state = {n: t.to(device=device, dtype=params[n].dtype).contiguous() for n, t in state.items()}
-    parallelize(model, mesh, local_state=state, compute_dtype=compute_dtype)
-    for name, buf in list(model.named_buffers()):  # none in HF MoE checkpoints: they start as
-        if buf.is_meta:                              # declared, on the mesh's device
+    buffers = dict(model.named_buffers())
+    state = {n: t.to(device=device, dtype=(params[n] if n in params else buffers[n]).dtype).contiguous()
+             for n, t in state.items()}
+    parallelize(model, mesh, local_state={n: t for n, t in state.items() if n in params},
+                compute_dtype=compute_dtype)
+    for name, buf in list(model.named_buffers()):  # checkpointed ones (DeepSeek-V3's expert bias)
+        if buf.is_meta:                              # from the checkpoint; others start as declared
             key = single_device_name(name)
             module_name, _, bname = name.rpartition(".")
-            fresh = torch.empty(buf.shape, dtype=buf.dtype, device=device)
-            fill_(fresh, model.inits[key], model.init_seed, key, tuple(buf.shape), shard_indices(fresh))
+            fresh = state.get(key)
+            if fresh is None:
+                fresh = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+                fill_(fresh, model.inits[key], model.init_seed, key, tuple(buf.shape), shard_indices(fresh))
             model.get_submodule(module_name).register_buffer(bname, fresh)
     return model
 
@@ -433,9 +458,10 @@ def save_pretrained(model: MoETransformer, path, arch: str | None = None, dtype:
     hf = config_to_hf(cfg, arch, dtype or model.embed.weight.dtype)
     recipes = checkpoint_map(cfg, arch)
     tensors: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
+    for name, p in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in recipes]:
         t = p.detach().cpu()
-        _split(recipes[name], t if dtype is None or name.endswith("router.weight") else t.to(dtype), tensors)
+        keep = dtype is None or name.endswith(("router.weight", "router.expert_bias"))  # fp32, as HF keeps them
+        _split(recipes[name], t if keep else t.to(dtype), tensors)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

@@ -6,7 +6,7 @@ Definitions follow Megatron-Core (``megatron/core/transformer/moe/moe_utils.py``
 
 * :func:`topk_routing` is ``topk_routing_with_score_function``: softmax with ``pre_softmax``
   (softmax over all E, then top-k) or without (top-k on logits, softmax over the k), sigmoid
-  (normalised over the k when k > 1), group-limited top-k, a scaling factor, and an expert bias
+  (normalised over the k when k > 1 and ``renormalize``), group-limited top-k, a scaling factor, and an expert bias
   used for selection only. ``renormalize`` adds the Hugging Face behaviour: Mixtral always
   renormalises the pre-softmax top-k weights, Qwen2-MoE when ``norm_topk_prob`` is set.
 
@@ -25,12 +25,14 @@ from meshfold.models.config import MoEConfig
 __all__ = ["Router", "topk_routing"]
 
 
-def _group_limited_topk(scores_TE, k, num_groups, group_topk):
+def _group_limited_topk(scores_TE, k, num_groups, group_topk, group_score_topk=None):
     """Top-k inside the ``group_topk`` best groups; a group scores the sum of its best
-    ``k // group_topk`` experts (DeepSeek-V3 / Megatron ``group_limited_topk``)."""
+    ``group_score_topk`` experts (None: ``k // group_topk``, Megatron ``group_limited_topk``;
+    DeepSeek-V3's reference and Hugging Face code use 2, equal for its k = 8, group_topk = 4)."""
     T, E = scores_TE.shape
     per_group = scores_TE.view(T, num_groups, E // num_groups)
-    group_score_TG = per_group.topk(k // group_topk, dim=-1).values.sum(-1)
+    n = k // group_topk if group_score_topk is None else group_score_topk
+    group_score_TG = per_group.topk(n, dim=-1).values.sum(-1)
     best_groups = group_score_TG.topk(group_topk, dim=-1).indices
     group_mask = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, best_groups, True)
     expert_mask_TE = group_mask.unsqueeze(-1).expand_as(per_group).reshape(T, E)
@@ -47,7 +49,8 @@ def topk_routing(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.T
         bias is given, but the scores returned are the unbiased ones at those experts."""
         biased_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E
         if cfg.num_groups is not None:
-            top_TK, experts_TK = _group_limited_topk(biased_TE, k, cfg.num_groups, cfg.group_topk)
+            top_TK, experts_TK = _group_limited_topk(biased_TE, k, cfg.num_groups, cfg.group_topk,
+                                                         cfg.group_score_topk)
         else:
             top_TK, experts_TK = biased_TE.topk(k, dim=-1)
         if expert_bias_E is not None:
@@ -64,7 +67,7 @@ def topk_routing(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.T
             probs_TK = torch.softmax(top_logits_TK, dim=-1)
     else:
         probs_TK, experts_TK = topk(torch.sigmoid(logits_TE))
-        if k > 1:
+        if cfg.renormalize and k > 1:  # HF DeepSeek-V3's norm_topk_prob; Megatron always (k > 1)
             probs_TK = probs_TK / (probs_TK.sum(-1, keepdim=True) + 1e-20)
     if cfg.topk_scaling_factor is not None:
         probs_TK = probs_TK * cfg.topk_scaling_factor

@@ -20,6 +20,7 @@ from meshfold.models import init
 from meshfold.models.attention import Attention, rope_cos_sin
 from meshfold.models.config import MoEConfig
 from meshfold.models.layers import MLP, RMSNorm
+from meshfold.models.mla import MLA, MLAConfig, mla_rope_cos_sin
 from meshfold.models.moe import MoELayer
 
 __all__ = ["TransformerConfig", "Block", "MoETransformer", "run_blocks", "run_layers", "cross_entropy_sum"]
@@ -33,6 +34,8 @@ class TransformerConfig:
     ``i >= first_k_dense and (i - first_k_dense) % moe_every == 0``; other layers use the dense
     SwiGLU MLP of size ``ffn``. ``kv_heads`` defaults to ``heads`` (no GQA), ``head_dim`` to
     ``hidden // heads``. ``max_seq`` is informational (RoPE tables are computed per call).
+    ``mla`` (None: grouped-query attention) makes every layer's attention multi-head latent
+    attention (:class:`~meshfold.models.mla.MLA`, DeepSeek-V2/V3), with its own head dims.
     """
 
     vocab: int
@@ -51,6 +54,7 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     max_seq: int = 4096
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
@@ -76,6 +80,9 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig.norm_eps must be > 0, got {self.norm_eps}")
         if self.moe is not None and self.moe.hidden != self.hidden:
             raise ValueError(f"TransformerConfig.moe.hidden = {self.moe.hidden} differs from hidden = {self.hidden}")
+        if self.mla is not None and (self.qkv_bias or self.qk_norm):
+            raise ValueError(f"TransformerConfig.mla has no q/k/v biases or per-head q/k norms (got "
+                             f"qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm}; valid: False, False)")
         dense = [i for i in range(self.layers) if not self.is_moe_layer(i)]
         if dense and not (isinstance(self.ffn, int) and self.ffn >= 1):
             raise ValueError(f"TransformerConfig.ffn = {self.ffn!r} but layers {dense} are dense and need "
@@ -96,8 +103,11 @@ class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig, layer: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
-        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.rope_theta,
-                              cfg.qkv_bias, cfg.qk_norm, cfg.norm_eps, dtype)
+        if cfg.mla is not None:
+            self.attn = MLA(cfg.hidden, cfg.heads, cfg.mla, cfg.rope_theta, dtype)
+        else:
+            self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.rope_theta,
+                                  cfg.qkv_bias, cfg.qk_norm, cfg.norm_eps, dtype)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype)
         self.mlp = MoELayer(cfg.moe, dtype=dtype) if cfg.is_moe_layer(layer) else MLP(cfg.hidden, cfg.ffn, dtype)
 
@@ -121,7 +131,10 @@ def run_blocks(blocks, x: torch.Tensor, positions: torch.Tensor | None, cfg: Tra
     if pos.shape[-1] != S or pos.dim() not in (1, 2) or (pos.dim() == 2 and pos.shape[0] != B):
         raise ValueError(f"positions has shape {tuple(pos.shape)}; valid: [{S}] or [{B}, {S}] "
                          f"for tokens [{B}, {S}]")
-    rope = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+    if cfg.mla is not None:
+        rope = mla_rope_cos_sin(pos, cfg.mla, cfg.rope_theta, x.dtype)
+    else:
+        rope = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
     for block in blocks:
         x = block(x, positions, rope)
     return x

@@ -57,6 +57,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshfold.models.attention import CausalMaskCache
 from meshfold.models.data_parallel import fully_shard_folded, grad_norm, reduce_dtype, reduce_gradients  # noqa: F401
 from meshfold.models.init import materialize
+from meshfold.models.mla import MLA
+from meshfold.models.mla_parallel import MLA_LAYOUT, LatentGather, check_mla_fold
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
@@ -83,7 +85,7 @@ TRANSFORMER_LAYOUT = {
 
 
 def _placements(name: str):
-    for suffix, placements in TRANSFORMER_LAYOUT.items():
+    for suffix, placements in (MLA_LAYOUT | TRANSFORMER_LAYOUT).items():
         if name.endswith(suffix):
             return placements
     return (R, R, R)  # embeddings, norms, q/k norms, head
@@ -179,6 +181,8 @@ def check_fold(cfg, spec) -> None:
     :class:`~meshfold.mesh.FoldSpec`): heads, kv_heads and the dense ffn over ``tp``, and the MoE
     sizes (:func:`~meshfold.models.moe_parallel.check_moe_fold`). Needs no mesh, so a config can
     be checked before any process starts; :func:`parallelize` runs the same checks."""
+    if getattr(cfg, "mla", None) is not None:
+        check_mla_fold(cfg.heads, spec.tp)
     for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
         if n % spec.tp:
             raise ValueError(f"{what} = {n} is not divisible by tp = {spec.tp}")
@@ -242,7 +246,8 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     masks = CausalMaskCache()  # one mask per forward for all layers (context parallelism)
     for block in blocks.values():
         if spec.cp > 1:
-            block.attn.kv_gather = _KVGather(attn_mesh, spec.cp)
+            gather = LatentGather if isinstance(block.attn, MLA) else _KVGather  # MLA gathers its latent
+            block.attn.kv_gather = gather(attn_mesh, spec.cp)
             block.attn.masks = masks
         if spec.tp > 1:
             block.attn = _TensorParallel(block.attn, attn_mesh, spec.tp, positional=True)

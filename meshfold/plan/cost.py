@@ -181,7 +181,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
         raise ValueError(f"layout {layout.describe()} cannot run {model.name}: {why}")
     sp = layout.spec
     tp, cp, dp, pp, ep, etp, edp = sp.tp, sp.cp, sp.dp, sp.pp, sp.ep, sp.etp, sp.edp
-    h, n, g, d, E, k = model.hidden, model.heads, model.kv_groups, model.head_dim, model.experts, model.topk
+    h, n, g, E, k = model.hidden, model.heads, model.kv_groups, model.experts, model.topk
     f_e, f_sh, V = model.expert_ffn, model.shared_ffn, model.vocab
     b, s, vpp, a = layout.mbs, seq, layout.vpp, BF16
     m = global_batch // (dp * b)           # micro-batches per step
@@ -197,7 +197,9 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # and value FLOPs that the MFU formula counts. Memory-bound kernels move bytes at HBM speed:
     # norms, residual adds and rotary on the attention side; router, permute, chunk sort, SwiGLU,
     # probs and unpermute on the MoE side (the token dispatcher, counted below kernel by kernel).
-    c_attn = hw.gemm_time(2 * T * model.attn_params / tp, 2) + hw.gemm_time(2 * T * s * n * d / tp, 1)
+    # (MLA: scores over dn + dr, values of dv, so T s n (d_qk + d_v) executed; = 2 T s n d for GQA)
+    c_attn = (hw.gemm_time(2 * T * model.attn_params / tp, 2)
+              + hw.gemm_time(T * s * n * (model.qk_dim + model.value_dim) / tp, 1))
     c_shared = hw.gemm_time(6 * T * h * f_sh / tp, 2) if f_sh else 0.0
     c_experts = hw.gemm_time(6 * Tr * k * h * f_e, 2 * E / ep)
     # Token dispatcher, bytes each memory-bound kernel reads + writes (elements x a unless said):
@@ -209,7 +211,8 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     #   router: fp32 logits through softmax and top-k          12 Tr E bytes
     sort_rows = Tr * k * etp if (E // ep > 1 and ep * etp > 1) else 0.0
     moe_bytes = a * (5 * Tr * k * h + 4 * sort_rows * h + Tr * h + 3 * Tr * k * f_e) + 12 * Tr * E
-    hbm_bytes = (a * (10 * Tr * h + 2 * T * (n * d + g * d) / tp)                 # attention side
+    dq, dv = model.qk_dim, model.value_dim  # d and d for GQA; dn + dr and dv for MLA
+    hbm_bytes = (a * (10 * Tr * h + 2 * T * (n * dq + g * (dq + dv) / 2) / tp)    # attention side
                  + moe_bytes                                                     # MoE side
                  + a * 3 * T * f_sh / tp)                                         # shared SwiGLU
     c_fwd = c_attn + c_shared + c_experts + hw.hbm_time(hbm_bytes)
@@ -218,7 +221,9 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # ---- communication, one layer forward -------------------------------------------------------
     tp_colls = 2 + (2 if f_sh else 0)     # all-gather + reduce-scatter around attention (and shared expert)
     x_tp = tp_colls * links.ring("attn", ("tp",), (tp - 1) / tp * T * h * a)
-    x_cp = links.ring("attn", ("cp",), (cp - 1) * T * 2 * g * d / tp * a)   # ring attention: K,V chunks
+    # ring attention: K,V chunks (2 g d a token, split over tp); MLA gathers the latent and rope key
+    # (rkv + dr a token, replicated over tp: meshfold.models.mla_parallel)
+    x_cp = links.ring("attn", ("cp",), (cp - 1) * T * model.kv_per_token / (1 if model.mla else tp) * a)
     x_ep = 2 * links.all_to_all("moe", ("ep",), (ep - 1) / ep * Tr * k * h * a)  # dispatch + combine
     x_etp = 2 * links.ring("moe", ("etp",), (etp - 1) * Tr * k * h * a)     # all-gather-v + reduce-scatter-v
     # backward: each collective's transpose once; ring attention sends K,V and dK,dV
@@ -267,7 +272,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     mfu = flops / (step * sp.world_size * hw.peak_tflops * 1e12)
 
     # ---- memory per GPU -------------------------------------------------------------------------
-    attn_act = a * (2 * Tr * h + T * (n * d + 2 * g * d) / tp + T * n * d / tp) + 4 * T * n / tp
+    attn_act = a * (2 * Tr * h + T * (n * dq + g * (dq + dv)) / tp + T * n * dv / tp) + 4 * T * n / tp
     moe_act = a * (2 * Tr * h + Tr * k * etp * h + 3 * Tr * k * f_e + Tr * k * h) + 4 * Tr * E
     shared_act = a * (Tr * h + 3 * T * f_sh / tp) if f_sh else 0.0
     full_layer = attn_act + moe_act + shared_act

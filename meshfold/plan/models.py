@@ -7,6 +7,8 @@ configs, a Hugging Face config, a Megatron args namespace), so full model config
 
 Legend: h = hidden size, L = layers, n = attention heads, g = KV groups, d = head dim (kv_channels),
 E = experts, k = top-k, f_e = expert FFN size, f_sh = shared-expert FFN size, V = vocabulary.
+MLA (multi-head latent attention, DeepSeek-V2/V3; ``kv_lora_rank`` > 0): rq = q_lora_rank (0: a
+plain q projection), rkv = kv_lora_rank, dn / dr / dv = qk_nope / qk_rope / v head dims.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ class ModelShape:
     vocab: int              # V
     shared_ffn: int = 0     # f_sh (0: no shared expert)
     head_dim: int | None = None  # d; hidden // heads when None
+    kv_lora_rank: int = 0   # rkv; 0: GQA attention, > 0: MLA with the fields below
+    q_lora_rank: int = 0    # rq (0: q projected directly)
+    qk_nope_head_dim: int = 0   # dn
+    qk_rope_head_dim: int = 0   # dr
+    v_head_dim: int = 0     # dv
 
     def __post_init__(self) -> None:
         for f in ("hidden", "layers", "heads", "kv_groups", "experts", "topk", "expert_ffn", "vocab"):
@@ -46,9 +53,36 @@ class ModelShape:
 
     # ---- parameters -----------------------------------------------------------------------------
     @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_dim(self) -> int:
+        """Per-head query/key width: d, or dn + dr with MLA."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Per-head value width: d, or dv with MLA."""
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_per_token(self) -> int:
+        """Numbers a token keeps for later queries (its KV-cache entry, what context parallelism
+        gathers): 2 g d for GQA; the latent plus the shared rope key, rkv + dr, for MLA."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.mla else 2 * self.kv_groups * self.head_dim
+
+    @property
     def attn_params(self) -> int:
-        """Attention weights of one layer: Q and O are h x n*d, K and V are h x g*d each."""
+        """Attention weights of one layer: Q and O are h x n*d, K and V are h x g*d each. MLA:
+        q (h rq + rq n (dn+dr), or h n (dn+dr)), kv down h (rkv + dr), kv up rkv n (dn + dv),
+        o n dv h (latent norms not counted)."""
         h, n, g, d = self.hidden, self.heads, self.kv_groups, self.head_dim
+        if self.mla:
+            rq, rkv, dn, dr, dv = (self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
+                                   self.qk_rope_head_dim, self.v_head_dim)
+            q = h * rq + rq * n * (dn + dr) if rq else h * n * (dn + dr)
+            return q + h * (rkv + dr) + rkv * n * (dn + dv) + n * dv * h
         return 2 * h * n * d + 2 * h * g * d
 
     @property
@@ -85,6 +119,8 @@ class ModelShape:
         B, s, L, h = global_batch, seq, self.layers, self.hidden
         n, g, d, k = self.heads, self.kv_groups, self.head_dim, self.topk
         attn = (1 + g / n + s / h) * (d * n / h)
+        if self.mla:  # the same count: projections 6 * params, scores and values 6 s n (d_qk + d_v)
+            attn = (self.attn_params + s * n * (self.qk_dim + self.value_dim)) / (2 * h * h)
         mlp = 1.5 * k * self.expert_ffn / h + 1.5 * self.shared_ffn / h
         return 12 * B * s * L * h * h * (attn + mlp + self.vocab / (2 * L * h))
 
@@ -101,7 +137,9 @@ class ModelShape:
         ``moe_intermediate_size`` | ``moe_ffn_hidden_size`` | ``intermediate_size`` |
         ``ffn_hidden_size``; shared FFN ``shared_ffn`` | ``shared_expert_intermediate_size`` |
         ``moe_shared_expert_intermediate_size`` (default 0); vocab ``vocab_size``; head dim
-        ``head_dim`` | ``kv_channels`` (optional).
+        ``head_dim`` | ``kv_channels`` (optional); MLA ``kv_lora_rank``, ``q_lora_rank``,
+        ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim`` (optional, Hugging Face names;
+        DeepSeek-V3's ``n_routed_experts`` and ``n_shared_experts`` too).
         """
         def pick(*names: str, default: object = ...) -> object:
             for a in names:
@@ -113,20 +151,27 @@ class ModelShape:
             return default
 
         heads = pick("num_attention_heads", "num_heads")
+        expert_ffn = pick("expert_ffn", "moe_intermediate_size", "moe_ffn_hidden_size",
+                          "intermediate_size", "ffn_hidden_size")
+        mla = {f: int(pick(f, default=0) or 0) for f in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                                          "qk_rope_head_dim", "v_head_dim")}
+        shared = pick("shared_ffn", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
+                      default=None)
+        if shared is None:
+            shared = int(pick("n_shared_experts", default=0) or 0) * expert_ffn
         return cls(
             name=name or str(pick("name", "model_name", default=type(cfg).__name__)),
             hidden=pick("hidden_size", "hidden"),
             layers=pick("num_layers", "num_hidden_layers", "layers"),
             heads=heads,
             kv_groups=pick("num_key_value_heads", "num_query_groups", "num_kv_heads", "kv_groups", default=heads),
-            experts=pick("num_experts", "num_local_experts", "num_moe_experts", "experts"),
+            experts=pick("num_experts", "num_local_experts", "num_moe_experts", "n_routed_experts", "experts"),
             topk=pick("top_k", "num_experts_per_tok", "moe_router_topk", "topk"),
-            expert_ffn=pick("expert_ffn", "moe_intermediate_size", "moe_ffn_hidden_size",
-                            "intermediate_size", "ffn_hidden_size"),
+            expert_ffn=expert_ffn,
             vocab=pick("vocab_size", "vocab"),
-            shared_ffn=pick("shared_ffn", "shared_expert_intermediate_size",
-                            "moe_shared_expert_intermediate_size", default=0),
+            shared_ffn=shared,
             head_dim=pick("head_dim", "kv_channels", default=None),
+            **mla,
         )
 
 
@@ -160,15 +205,30 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
                expert_ffn=32, shared_ffn=48, vocab=256),
     ModelShape("tiny-qwen3-moe", hidden=64, layers=3, heads=4, kv_groups=2, experts=8, topk=2,
                expert_ffn=32, vocab=256, head_dim=32),
+    # DeepSeek-V3 / V2-Lite (deepseek-ai config.json files; see meshfold.models.configs). Counted as
+    # every layer MoE: DeepSeek-V3's 3 dense layers (ffn 18432) count as MoE layers (703.8B params, +4.9%).
+    ModelShape("deepseek-v3-671b", hidden=7168, layers=61, heads=128, kv_groups=128, experts=256, topk=8,
+               expert_ffn=2048, shared_ffn=2048, vocab=129280, head_dim=56, kv_lora_rank=512,
+               q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    ModelShape("deepseek-v2-lite", hidden=2048, layers=27, heads=16, kv_groups=16, experts=64, topk=6,
+               expert_ffn=1408, shared_ffn=2816, vocab=102400, head_dim=128, kv_lora_rank=512,
+               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    ModelShape("tiny-deepseek-v3", hidden=64, layers=3, heads=4, kv_groups=4, experts=8, topk=4,
+               expert_ffn=32, shared_ffn=32, vocab=256, head_dim=16, kv_lora_rank=16, q_lora_rank=24,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 )}
 
 
 def shape_of_config(name: str, cfg) -> ModelShape:
     """The shape of a meshfold :class:`~meshfold.models.transformer.TransformerConfig` (MoE)."""
-    moe = cfg.moe
+    moe, a = cfg.moe, getattr(cfg, "mla", None)
+    mla = {} if a is None else dict(kv_lora_rank=a.kv_lora_rank, q_lora_rank=a.q_lora_rank or 0,
+                                    qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
+                                    v_head_dim=a.v_head_dim)
     return ModelShape(name, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
                       kv_groups=cfg.kv_heads or cfg.heads, experts=moe.num_experts, topk=moe.topk,
-                      expert_ffn=moe.ffn, vocab=cfg.vocab, shared_ffn=moe.shared_ffn, head_dim=cfg.head_dim)
+                      expert_ffn=moe.ffn, vocab=cfg.vocab, shared_ffn=moe.shared_ffn, head_dim=cfg.head_dim,
+                      **mla)
 
 
 def model_shape(model: str | ModelShape | object) -> ModelShape:
