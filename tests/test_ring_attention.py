@@ -160,6 +160,14 @@ def test_model_with_ring_attention_equals_one_device(worlds, world_size):
     check()
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("spec", [FoldSpec(4, cp=4, ep=4), FoldSpec(8, cp=4, tp=2, ep=4, etp=2)])
+def test_named_cp4_layouts_with_tp_gqa_and_qk_norm_equal_one_device(worlds, spec):
+    """cp = 4 with and without tp, GQA, qk-norm and biases on, whatever hypothesis draws above."""
+    case = (spec, 2 * spec.dp, 2 * spec.cp * spec.tp, 11, True, True, False, 0.01)
+    assert worlds(spec.world_size).run(_model_counting_rings, case, "fsdp") == [4] * spec.world_size
+
+
 # ---- memory ----------------------------------------------------------------------------------
 class _LargestOutput(TorchDispatchMode):
     """Records the largest number of elements of any op's output (forward and backward)."""
