@@ -25,14 +25,16 @@ fp64, GQA without repeating K/V, log-sum-exp returned); ``"plain"``, the same ma
 the reference the fused kernel is tested against and the path on other devices. A fused CUDA path
 (``_scaled_dot_product_flash_attention`` / ``_efficient_attention`` and their backwards) is not
 wired: no GPU was available to test it, so CUDA runs the plain kernels (correct, but one n x n
-score block per block in the compute dtype).
+score block per block, in at least fp32).
 
 Why not ``torch.distributed.tensor.experimental.context_parallel`` (read in torch 2.13,
 ``_context_parallel/_attention.py``): (1) its SDPA handler maps only the CUDA ops
 (``_scaled_dot_product_flash_attention`` / ``_efficient_attention`` / ``_cudnn_attention`` and
 backwards) to ring versions; on CPU SDPA dispatches to ``_scaled_dot_product_flash_attention_for_cpu``
 (or the math path for masks / fp64 tests), which it does not handle, so it cannot run on CPU /
-gloo at all; (2) it works by monkey-patching ``F.scaled_dot_product_attention`` process-wide inside
+gloo at all (tried on 2 gloo ranks, with and without GQA: ``NotImplementedError: Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered``); (2) it works by monkey-patching ``F.scaled_dot_product_attention`` process-wide inside
 a context manager and wrapping SDPA's arguments as DTensors sharded over a 1-D cp mesh, whereas
 meshfold's attention sees plain local tensors (parameters are unwrapped by parametrizations) and
 runs inside a folded ``dp x cp x tp`` mesh with sequence-parallel tp gathered first; (3) it
