@@ -129,6 +129,22 @@ def test_context_hook_rings_the_layout_and_masks_other_positions(worlds, spec):
     assert worlds(4).run(_context_hook, spec, 3, 0, True) == [0] * 4  # arbitrary positions: generic path
 
 
+def test_attention_with_a_context_hook_accepts_positions_in_any_order():
+    """Under cp a rank's positions need not increase (the generic path takes any); the module
+    hands them to its ``context`` hook instead of rejecting them."""
+    from meshfold.models.attention import Attention
+
+    attn = Attention(16, 4, 2, 4, 10000.0, dtype=torch.float64)
+    seen = []
+    attn.context = lambda q, k, v, pos: seen.append(pos) or q
+    x, pos = torch.randn(1, 4, 16, dtype=torch.float64), torch.tensor([5, 1, 7, 0])
+    attn(x, pos)
+    assert seen and seen[0] is pos
+    attn.context = None
+    with pytest.raises(ValueError, match="do not increase"):
+        attn(x, pos)
+
+
 # ---- the whole model -------------------------------------------------------------------------
 def _model_counting_rings(rank, world_size, case, data_parallel):
     from tests.test_transformer_parallel import _run

@@ -208,12 +208,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         """x [B, S, H] at ``positions`` ([S] or [B, S], default 0..S-1) -> [B, S, H]. Without
-        ``kv_gather`` the positions must increase along S (the tokens are in sequence order),
+        ``kv_gather`` or ``context`` the positions must increase along S (the tokens are in sequence order),
         checked on the CPU (on an accelerator the check would cost a host sync)."""
         B, S, _ = x.shape
         if positions is None:
             positions = torch.arange(S, device=x.device)
-        elif self.kv_gather is None and positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        elif (self.kv_gather is None and self.context is None and positions.device.type == "cpu"
+              and not torch.compiler.is_compiling()):
             _check_increasing(positions)
         q, k, v = self.project(x, positions, rope)
         if self.context is not None:  # context parallelism: attention over every cp rank's keys
