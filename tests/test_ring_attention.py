@@ -184,6 +184,42 @@ def test_named_cp4_layouts_with_tp_gqa_and_qk_norm_equal_one_device(worlds, spec
     assert worlds(spec.world_size).run(_model_counting_rings, case, "fsdp") == [4] * spec.world_size
 
 
+def _model_any_positions(rank, world_size, spec):
+    from meshfold.models.transformer import MoETransformer
+    from meshfold.models.transformer_parallel import parallelize
+    from tests.test_transformer_parallel import _config
+
+    cfg = _config(spec, True, True, False, 0.0)
+    torch.manual_seed(0)
+    ref = MoETransformer(cfg, dtype=torch.float64)
+    model = MoETransformer(cfg, dtype=torch.float64)
+    model.load_state_dict(ref.state_dict())
+    parallelize(model, cached_fold(spec))
+    S = 4 * spec.cp * spec.tp
+    tokens = torch.randint(0, cfg.vocab, (2, S), generator=torch.Generator().manual_seed(1))
+    c = spec.coords(rank)["attn"]
+    part = S // (spec.cp * spec.tp)  # a fixed permutation, cut over cp, then tp
+    start = (c["cp"] * spec.tp + c["tp"]) * part
+    pos = torch.randperm(S, generator=torch.Generator().manual_seed(2))[start:start + part]
+    calls, real = [], ring.ring_attention
+    ring.ring_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        with torch.no_grad():
+            got = model.local_logits(tokens[:, pos], pos)
+    finally:
+        ring.ring_attention = real
+    torch.testing.assert_close(got, ref(tokens)[:, pos], **TOL)
+    return len(calls)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("spec", [FoldSpec(4, cp=2, tp=2, ep=4), FoldSpec(4, cp=4, ep=2, etp=2)])
+def test_model_with_positions_outside_the_layout_equals_one_device(worlds, spec):
+    """Tokens at arbitrary positions (a permutation of the sequence cut over cp x tp): the model
+    takes the generic all-gather + mask path, never the ring, and its logits equal one device."""
+    assert worlds(4).run(_model_any_positions, spec) == [0] * 4
+
+
 # ---- memory ----------------------------------------------------------------------------------
 class _LargestOutput(TorchDispatchMode):
     """Records the largest number of elements of any op's output (forward and backward)."""
