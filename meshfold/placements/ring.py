@@ -6,8 +6,10 @@ asynchronous, so the caller computes on the block it holds while the next one tr
 not differentiable: the ring attention's own backward sends the gradients back around the ring.
 
 Point-to-point sends, because every rank's message has the same shape (no metadata, no host
-sync) and a ring step moves one block instead of a gather's ``group - 1``; gloo and NCCL both
-support ``isend`` / ``irecv``. Each tensor gets its own tag, so several may be in flight between
+sync) and a ring step moves one block instead of a gather's ``group - 1``. The sends and
+receives go out as one ``batch_isend_irecv``: NCCL then launches them as one group (separate
+``isend`` / ``irecv`` calls can queue a rank's send behind its receive on one stream, a deadlock; untested here, no GPU), gloo runs
+them as individual operations. Each tensor gets its own tag, so several may be in flight between
 the same pair of ranks (with two ranks the next and the previous rank are the same one).
 """
 
@@ -29,10 +31,11 @@ def ring_shift(tensors: Sequence[torch.Tensor], mesh, dim: str) -> Callable[[], 
     nxt, prev = (me + 1) % n, (me - 1) % n
     sends = [t.contiguous() for t in tensors]
     received = [torch.empty_like(t) for t in sends]
-    works = []
+    ops = []
     for tag, (s, r) in enumerate(zip(sends, received)):
-        works.append(dist.irecv(r, group=group, group_src=prev, tag=tag))
-        works.append(dist.isend(s, group=group, group_dst=nxt, tag=tag))
+        ops.append(dist.P2POp(dist.irecv, r, group=group, group_peer=prev, tag=tag))
+        ops.append(dist.P2POp(dist.isend, s, group=group, group_peer=nxt, tag=tag))
+    works = dist.batch_isend_irecv(ops)
 
     def wait() -> list[torch.Tensor]:
         for w in works:
