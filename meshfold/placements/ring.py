@@ -8,9 +8,10 @@ not differentiable: the ring attention's own backward sends the gradients back a
 Point-to-point sends, because every rank's message has the same shape (no metadata, no host
 sync) and a ring step moves one block instead of a gather's ``group - 1``. The sends and
 receives go out as one ``batch_isend_irecv``: NCCL then launches them as one group (separate
-``isend`` / ``irecv`` calls can queue a rank's send behind its receive on one stream, a deadlock; untested here, no GPU), gloo runs
-them as individual operations. Each tensor gets its own tag, so several may be in flight between
-the same pair of ranks (with two ranks the next and the previous rank are the same one).
+``isend`` / ``irecv`` calls can queue a rank's send behind its receive on one stream, a
+deadlock; untested here, no GPU), gloo runs them as individual operations. Each tensor gets its
+own tag, so several may be in flight between the same pair of ranks (with two ranks the next and
+the previous rank are the same one).
 """
 
 from __future__ import annotations
