@@ -133,6 +133,8 @@ def _saved_masks(rank, world_size, spec, S):
     cfg = _config(spec, False, False, False, 0.0)
     torch.manual_seed(0)
     model = parallelize(MoETransformer(cfg, dtype=torch.float64), cached_fold(spec))
+    for block in model.layers:  # the generic path (positions outside the load-balanced layout)
+        getattr(block.attn, "inner", block.attn).context.method = "gather"
     tokens = torch.randint(0, cfg.vocab, (2, S), generator=torch.Generator().manual_seed(1))
     local_tokens, pos = shard_batch(tokens, spec, rank)
     ptrs = []
@@ -150,9 +152,10 @@ def _saved_masks(rank, world_size, spec, S):
 
 @pytest.mark.parametrize("spec", [FoldSpec(2, cp=2, ep=2), FoldSpec(4, cp=2, tp=2, ep=4)])
 def test_context_parallel_layers_share_one_mask(worlds, spec):
-    """Every layer's SDPA saves the [S/cp, S] causal mask for backward; the layers of a forward
-    share one (16 MiB a layer at S = 2048, cp = 2, fp32 before). Under tp each layer gathers its
-    positions anew, so the mask is shared by value, not by tensor identity."""
+    """On the generic cp path (K/V all-gathered, masked by position; the ring needs no mask) every
+    layer's SDPA saves the [S/cp, S] causal mask for backward; the layers of a forward share one
+    (16 MiB a layer at S = 2048, cp = 2, fp32 before). Under tp each layer gathers its positions
+    anew, so the mask is shared by value, not by tensor identity."""
     results = worlds(spec.world_size).run(_saved_masks, spec, 24)
     assert all(saved == 2 and distinct == 1 for saved, distinct in results), results
 

@@ -11,8 +11,11 @@ instead of assuming queries and keys are one contiguous range. Without context p
 rank's tokens are in sequence order (positions increasing), so :class:`Attention` then masks by
 index with SDPA's ``is_causal`` and positions only set RoPE: a mask from positions would cost
 an [Sq, Sk] fp32 tensor saved for backward in every layer (16 MiB per layer at S = 2048).
-With context parallelism the mask is needed; a :class:`CausalMaskCache` shared by all layers
-(``parallelize`` sets one) builds it once per forward instead of once per layer.
+With context parallelism ``parallelize`` sets the ``context`` hook: ring attention
+(:mod:`meshfold.models.ring_attention`), which classifies blocks from the load-balanced chunk
+indices and needs no mask; only positions outside that layout take the generic path here, keys
+all-gathered and masked by position, with a :class:`CausalMaskCache` shared by all layers so the
+mask is built once per forward instead of once per layer.
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ def _check_increasing(positions: torch.Tensor) -> None:
 
 
 KVGather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
+ContextAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -152,7 +156,10 @@ class Attention(nn.Module):
     ``(k [B, g, S, d], v, k_pos) -> (k_all, v_all, k_pos_all)`` returning the keys and values of
     every token this rank's queries may need (RoPE already applied), with their positions.
     ``masks`` (None: a mask per call) is the :class:`CausalMaskCache` the layers of one model
-    share for those keys, also set from outside.
+    share for those keys, also set from outside. ``context`` (None on one device) replaces both:
+    a function ``(q [B, h, S, d], k [B, g, S, d], v, positions) -> o [B, h, S, d]`` computing this
+    rank's causal attention over every context-parallel rank's keys (``parallelize`` sets a ring,
+    :mod:`meshfold.models.ring_attention`).
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
@@ -180,6 +187,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.kv_gather: KVGather | None = None
         self.masks: CausalMaskCache | None = None
+        self.context: ContextAttention | None = None
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope=None):
         """q [B, h, S, d], k/v [B, g, S, d] of tokens ``x`` [B, S, H] at ``positions``, with
@@ -200,14 +208,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         """x [B, S, H] at ``positions`` ([S] or [B, S], default 0..S-1) -> [B, S, H]. Without
-        ``kv_gather`` the positions must increase along S (the tokens are in sequence order),
+        ``kv_gather`` or ``context`` the positions must increase along S (the tokens are in sequence order),
         checked on the CPU (on an accelerator the check would cost a host sync)."""
         B, S, _ = x.shape
         if positions is None:
             positions = torch.arange(S, device=x.device)
-        elif self.kv_gather is None and positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        elif (self.kv_gather is None and self.context is None and positions.device.type == "cpu"
+              and not torch.compiler.is_compiling()):
             _check_increasing(positions)
         q, k, v = self.project(x, positions, rope)
+        if self.context is not None:  # context parallelism: attention over every cp rank's keys
+            o = self.context(q, k, v, positions)
+            return o.transpose(1, 2).reshape(B, S, -1) @ self.wo
         q_pos = k_pos = None  # in sequence order: causal by index
         if self.kv_gather is not None:
             q_pos = positions

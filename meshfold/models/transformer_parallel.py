@@ -14,12 +14,13 @@ from outside:
   ``tp``); heads (``wq``/``wk``/``wv`` columns, ``wo`` rows) and the ffn are split over ``tp``; the
   outputs are reduce-scattered back. Layer norms and MoE layers run on the local tokens.
 * **CP with causal load balancing**: the sequence is cut into ``2 * cp`` chunks and cp rank ``c``
-  holds chunks ``c`` and ``2cp - 1 - c``, so every rank has the same amount of causal work. Keys
-  and values are all-gathered over ``cp`` (all-gather-v, whose backward reduce-scatters their
-  gradients) and attention masks by absolute position. All-gather rather than a ring: at the
-  sequence lengths meshfold targets on CPU the whole K/V fits, it needs one collective instead of
-  ``cp - 1`` overlapped steps, and it is exact by construction; a ring would cut peak K/V memory
-  for very long sequences and is the natural next step.
+  holds chunks ``c`` and ``2cp - 1 - c``, so every rank has the same amount of causal work.
+  Attention is a ring (:mod:`meshfold.models.ring_attention`): each rank keeps its queries, K/V
+  blocks travel around ``cp`` (the next in flight while this one computes), blocks are classified
+  full / diagonal / future from the chunk indices on the host, and their outputs are merged by
+  log-sum-exp; no [S/cp, S] mask or score tensor exists, so per-rank attention memory falls as
+  1/cp. Positions outside that layout (checked on the CPU) take the generic path: K/V all-gathered
+  over ``cp`` (all-gather-v, whose backward reduce-scatters their gradients), masked by position.
 * **DP**: batch over ``dp``; gradients of dense weights are summed over ``dp x cp`` (and over
   ``tp`` for weights applied to local tokens), expert weights over ``edp``. By default with FSDP2
   (``fully_shard`` in its SPMD mode): dense weights are sharded over ``dp x cp``, expert weights
@@ -54,7 +55,8 @@ import torch.nn.utils.parametrize as parametrize
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshfold.models.attention import CausalMaskCache
+from meshfold.models import ring_attention as ring
+from meshfold.models.attention import CausalMaskCache, attend
 from meshfold.models.data_parallel import fully_shard_folded, grad_norm, reduce_dtype, reduce_gradients  # noqa: F401
 from meshfold.models.init import materialize
 from meshfold.models.mla import MLA
@@ -150,6 +152,38 @@ class _KVGather:
         return gather(k), gather(v), _gather_positions(k_pos, sizes, self.mesh, "cp")
 
 
+class _ContextAttention:
+    """Context-parallel attention core for Attention (its ``context`` hook): ring attention over
+    ``cp`` (:func:`~meshfold.models.ring_attention.ring_attention`) when the queries are in the
+    load-balanced layout of :func:`local_positions`, else the generic path (K/V all-gathered,
+    masked by position, one mask per forward from the shared ``masks``).
+
+    Which path is decided on the host. Positions on the CPU are checked (each sequence: this cp
+    rank's two chunks, up to one offset per sequence). On an accelerator that check would be a
+    device sync per layer, so there the layout is trusted; ``method = "gather"`` forces the
+    generic path for positions in another layout."""
+
+    def __init__(self, mesh, cp: int, masks: CausalMaskCache, method: str = "ring"):
+        self.mesh, self.cp, self.masks, self.method = mesh, cp, masks, method
+        self.gather = _KVGather(mesh, cp)
+
+    def __call__(self, q, k, v, positions):
+        if self.method == "ring" and self._load_balanced(positions):
+            return ring.ring_attention(q, k, v, self.mesh, "cp")
+        k_all, v_all, k_pos = self.gather(k, v, positions)
+        return attend(q, k_all, v_all, positions, k_pos, self.masks)
+
+    def _load_balanced(self, pos) -> bool:
+        if pos.shape[-1] % 2:
+            return False
+        if pos.device.type != "cpu" or torch.compiler.is_compiling():
+            return True
+        n = pos.shape[-1] // 2
+        first, second = ring.rank_chunks(self.mesh.get_local_rank("cp"), self.cp)
+        expected = torch.cat([torch.arange(first * n, (first + 1) * n), torch.arange(second * n, (second + 1) * n)])
+        return bool(((pos - pos[..., :1]) == expected - first * n).all())
+
+
 def _moe_prefix(model, name: str) -> str | None:
     """``layers.N.mlp`` if parameter ``name`` belongs to a MoE layer, else None."""
     if ".mlp." not in name:
@@ -243,12 +277,14 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
         setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
         parametrize.register_parametrization(module, attr, _Local(partial_grads(placements), compute_dtype),
                                              unsafe=True)
-    masks = CausalMaskCache()  # one mask per forward for all layers (context parallelism)
+    masks = CausalMaskCache()  # generic cp path: one mask per forward for all layers
     for block in blocks.values():
         if spec.cp > 1:
-            gather = LatentGather if isinstance(block.attn, MLA) else _KVGather  # MLA gathers its latent
-            block.attn.kv_gather = gather(attn_mesh, spec.cp)
-            block.attn.masks = masks
+            if isinstance(block.attn, MLA):  # MLA gathers its latent, masked by position (no ring yet)
+                block.attn.kv_gather = LatentGather(attn_mesh, spec.cp)
+                block.attn.masks = masks
+            else:
+                block.attn.context = _ContextAttention(attn_mesh, spec.cp, masks)
         if spec.tp > 1:
             block.attn = _TensorParallel(block.attn, attn_mesh, spec.tp, positional=True)
             if not isinstance(block.mlp, MoELayer):

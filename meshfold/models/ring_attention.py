@@ -1,0 +1,198 @@
+"""Ring attention over the ``cp`` ranks, in the causal load-balanced chunk order.
+
+Legend: B = sequences, h = query heads, g = key/value heads, r = h / g, d = head dim, n = tokens
+per chunk, m = query rows of a block; cp rank ``c`` holds chunks ``c`` and ``2cp - 1 - c`` of
+``2cp`` equal chunks (``local_positions`` in :mod:`meshfold.models.transformer_parallel`), so a
+rank's q / k / v are [B, heads, 2n, d].
+
+Why a ring: all-gathering K/V and masking by position costs an [S/cp, S] mask that SDPA keeps for
+backward, and on CUDA a float mask with GQA falls back to the math kernel and its fp32
+[B, h, S/cp, S] scores: per-rank memory cannot fall as 1/cp. Here each rank keeps its queries and
+passes its K/V block around the ``cp`` ring (:func:`meshfold.placements.ring.ring_shift`, the next
+block in flight while this one computes). A block is a (query chunk, key chunk) pair, classified
+on the host from the chunk indices alone: key chunk before the query chunk = *full* (no mask),
+the same chunk = *diagonal* (``is_causal``), after it = *future* (skipped). Each block returns
+its output and log-sum-exp; outputs are merged online by log-sum-exp. The backward
+(:class:`_RingAttention`) passes K/V around again with their gradient accumulators: every block
+runs the kernel's backward with the *merged* output and log-sum-exp, which gives exactly that
+block's share of dQ, dK, dV; after ``cp`` shifts each dK/dV accumulator is back on its owner.
+Nothing of S/cp x S elements exists on any path; the largest per-block temporaries are the
+kernel's own tiles (fused) or one [B, h, n, n] score block (plain kernels).
+
+Block kernels (:data:`KERNELS`): ``"fused"``, the CPU flash kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: every float dtype incl.
+fp64, GQA without repeating K/V, log-sum-exp returned); ``"plain"``, the same maths in torch ops,
+the reference the fused kernel is tested against and the path on other devices. A fused CUDA path
+(``_scaled_dot_product_flash_attention`` / ``_efficient_attention`` and their backwards) is not
+wired: no GPU was available to test it, so CUDA runs the plain kernels (correct, but one n x n
+score block per block, in at least fp32).
+
+Why not ``torch.distributed.tensor.experimental.context_parallel`` (read in torch 2.13,
+``_context_parallel/_attention.py``): (1) its SDPA handler maps only the CUDA ops
+(``_scaled_dot_product_flash_attention`` / ``_efficient_attention`` / ``_cudnn_attention`` and
+backwards) to ring versions; on CPU SDPA dispatches to ``_scaled_dot_product_flash_attention_for_cpu``
+(or the math path for masks / fp64 tests), which it does not handle, so it cannot run on CPU /
+gloo at all (tried on 2 gloo ranks, with and without GQA: ``NotImplementedError: Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered``); (2) it works by monkey-patching ``F.scaled_dot_product_attention`` process-wide inside
+a context manager and wrapping SDPA's arguments as DTensors sharded over a 1-D cp mesh, whereas
+meshfold's attention sees plain local tensors (parameters are unwrapped by parametrizations) and
+runs inside a folded ``dp x cp x tp`` mesh with sequence-parallel tp gathered first; (3) it
+assumes ``is_causal`` attention with q and k of one length and has no notion of per-token
+positions, so the generic path for arbitrary positions still needs meshfold's own masked
+attention; (4) its load-balanced layout is the same head-tail order, but it shards the input
+buffers itself (in place, inside the context), while meshfold's data layer
+(``shard_batch``) already does. What it does is the same algorithm, which this module follows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshfold.placements.ring import ring_shift
+
+__all__ = ["KERNELS", "ring_attention", "rank_chunks", "block_plan"]
+
+
+def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The chunks cp rank ``rank`` holds, in local order: ``rank`` and ``2cp - 1 - rank``."""
+    return rank, 2 * cp - 1 - rank
+
+
+def block_plan(q_chunks, k_chunks) -> list[tuple[int, int, bool]]:
+    """``(local q chunk, local k chunk, causal)`` for every block that needs computing: key chunk
+    before the query chunk = full (False), the same chunk = diagonal (True); later ones skipped."""
+    return [(a, b, kc == qc) for a, qc in enumerate(q_chunks) for b, kc in enumerate(k_chunks) if kc <= qc]
+
+
+# ---- block kernels: (q [B, h, m, d], k / v [B, g, n, d], causal) -> (out [B, h, m, d], lse [B, h, m])
+def _fused_forward(q, k, v, causal):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def _fused_backward(do, q, k, v, out, lse, causal):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, causal)
+
+
+def _grouped(q, g):
+    """q [B, h, m, d] -> [B, g, r*m, d]: each key/value head's r query heads as rows (a view of a
+    copy at most; K/V are never repeated)."""
+    B, h, m, d = q.shape
+    return q.reshape(B, g, (h // g) * m, d)
+
+
+def _scores(q, k, causal):
+    """Scaled scores [B, g, r*m, n] in at least fp32, -inf above the diagonal when ``causal``."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    m = q.shape[2]
+    s = (_grouped(q, k.shape[1]).to(work) @ k.to(work).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        rows = torch.arange(s.shape[2], device=s.device) % m
+        s = s.masked_fill(torch.arange(s.shape[3], device=s.device) > rows[:, None], float("-inf"))
+    return s
+
+
+def _plain_forward(q, k, v, causal):
+    B, h, m, d = q.shape
+    s = _scores(q, k, causal)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)  # [B, g, r*m, 1]
+    out = torch.exp(s - lse) @ v.to(s.dtype)  # [B, g, r*m, d]
+    return out.reshape(B, h, m, d).to(q.dtype), lse.reshape(B, h, m)
+
+
+def _plain_backward(do, q, k, v, out, lse, causal):
+    B, h, m, d = q.shape
+    g = k.shape[1]
+    s = _scores(q, k, causal)
+    work = s.dtype
+    p = torch.exp(s - _grouped(lse.unsqueeze(-1), g).to(work))  # [B, g, r*m, n]
+    do_g, out_g = _grouped(do, g).to(work), _grouped(out, g).to(work)
+    dv = p.transpose(-1, -2) @ do_g  # [B, g, n, d]: sums the r query heads of each kv head
+    dp = do_g @ v.to(work).transpose(-1, -2)
+    ds = p * (dp - (do_g * out_g).sum(-1, keepdim=True)) * d ** -0.5
+    dq = (ds @ k.to(work)).reshape(B, h, m, d)
+    dk = ds.transpose(-1, -2) @ _grouped(q, g).to(work)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+KERNELS = {"fused": (_fused_forward, _fused_backward), "plain": (_plain_forward, _plain_backward)}
+
+
+def _kernels(name: str | None, device: torch.device):
+    if name is None:
+        name = "fused" if device.type == "cpu" else "plain"
+    return KERNELS[name]
+
+
+def _merge(acc, out, lse):
+    """Fold one block's (out, lse) into the running (out, lse) of its query chunk."""
+    work = torch.promote_types(out.dtype, torch.float32)
+    out, lse = out.to(work), lse.to(work)
+    if acc is None:
+        return out, lse
+    acc_out, acc_lse = acc
+    new = torch.logaddexp(acc_lse, lse)
+    return (acc_out * torch.exp(acc_lse - new).unsqueeze(-1) + out * torch.exp(lse - new).unsqueeze(-1)), new
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mesh, dim, kernels):
+        fwd, _ = kernels
+        cp, me = mesh.size(mesh.mesh_dim_names.index(dim)), mesh.get_local_rank(dim)
+        n = q.shape[2] // 2
+        qs = q.split(n, dim=2)
+        kv = [k.contiguous(), v.contiguous()]
+        acc = [None, None]
+        for i in range(cp):
+            wait = ring_shift(kv, mesh, dim) if i < cp - 1 else None  # the next block travels meanwhile
+            ks, vs = kv[0].split(n, dim=2), kv[1].split(n, dim=2)
+            for a, b, causal in block_plan(rank_chunks(me, cp), rank_chunks((me - i) % cp, cp)):
+                acc[a] = _merge(acc[a], *fwd(qs[a], ks[b], vs[b], causal))
+            if wait is not None:
+                kv = wait()
+        out = torch.cat([o for o, _ in acc], dim=2).to(q.dtype)  # [B, h, 2n, d]
+        lse = torch.cat([l_ for _, l_ in acc], dim=2)  # [B, h, 2n]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (mesh, dim, kernels, cp, me)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        mesh, dim, (_, bwd), cp, me = ctx.meta
+        work = torch.promote_types(q.dtype, torch.float32)
+        n = q.shape[2] // 2
+        qs, dos, outs, lses = q.split(n, 2), grad_out.contiguous().split(n, 2), out.split(n, 2), lse.split(n, 2)
+        dq = torch.zeros(q.shape, dtype=work, device=q.device)
+        dqs = dq.split(n, 2)
+        kv = [k.contiguous(), v.contiguous()]
+        dkv = [torch.zeros(k.shape, dtype=work, device=k.device), torch.zeros(v.shape, dtype=work, device=v.device)]
+        for i in range(cp):
+            wait_kv = ring_shift(kv, mesh, dim) if i < cp - 1 else None
+            ks, vs = kv[0].split(n, 2), kv[1].split(n, 2)
+            dks, dvs = dkv[0].split(n, 2), dkv[1].split(n, 2)
+            for a, b, causal in block_plan(rank_chunks(me, cp), rank_chunks((me - i) % cp, cp)):
+                gq, gk, gv = bwd(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a], causal)
+                dqs[a].add_(gq)
+                dks[b].add_(gk)
+                dvs[b].add_(gv)
+            # the accumulators follow their K/V block; the cp-th shift brings each one home
+            dkv = ring_shift(dkv, mesh, dim)()
+            if wait_kv is not None:
+                kv = wait_kv()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, dim: str = "cp",
+                   kernels: str | None = None) -> torch.Tensor:
+    """Causal attention of this rank's ``q`` [B, h, 2n, d] against every ``dim`` rank's ``k`` /
+    ``v`` [B, g, 2n, d] -> [B, h, 2n, d], all in the load-balanced chunk order (see the module
+    docstring). Equals causal attention over the whole sequence, restricted to this rank's
+    queries. ``kernels``: a :data:`KERNELS` name (None: ``"fused"`` on CPU, ``"plain"``
+    elsewhere). Differentiable in q, k, v; collective over ``dim`` (forward and backward)."""
+    h, g = q.shape[1], k.shape[1]
+    if h % g or q.shape[2] % 2 or k.shape[2] != q.shape[2]:
+        raise ValueError(f"ring_attention: q {tuple(q.shape)} / k {tuple(k.shape)}: needs query heads a "
+                         f"multiple of key/value heads and q, k of one even length (two chunks)")
+    return _RingAttention.apply(q, k, v, mesh, dim, _kernels(kernels, q.device))
