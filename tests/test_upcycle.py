@@ -236,7 +236,9 @@ def test_train_init_from_names_a_tensor_that_does_not_fit(dense, tmp_path, capsy
      "E*G = 3*2 = 6 experts are not divisible by --ep 4"),
     ("llama", ["--experts", "2", "--topk", "3"], "--topk 3 exceeds --experts 2"),
     ("llama", ["--experts", "2", "--topk", "1", "--arch", "deepseek_v3"],
-     "not available yet: needs meshfold's DeepSeek-V3 model"),
+     "--arch deepseek_v3 needs a dense DeepseekV3ForCausalLM SRC: LlamaForCausalLM's GQA attention has no "
+     "exact MLA form"),
+    ("qwen2", ["--experts", "2", "--topk", "1", "--arch", "deepseek_v3"], "use --arch qwen2_moe"),
     ("qwen2", ["--experts", "2", "--topk", "1", "--arch", "mixtral"], "use --arch qwen2_moe"),
     ("moe", ["--experts", "2", "--topk", "1"], "not a dense checkpoint meshfold can upcycle"),
     ("none", ["--experts", "2", "--topk", "1"], "no config.json"),
