@@ -138,12 +138,16 @@ def test_granular_upcycle_equals_the_dense_model_when_whole_groups_are_routed(de
     moe = from_pretrained(out)
     assert moe.cfg.moe.num_experts == E * G and moe.cfg.moe.topk == k * G and moe.cfg.moe.ffn * G == 96
     assert moe.cfg.first_k_dense == kw.get("first_dense", 0) and len(moe.moe_layers()) == 2 - moe.cfg.first_k_dense
+    ng, tg = kw.get("n_group", 1), kw.get("topk_group", kw.get("n_group", 1))
+    if kind == "deepseek_v3":
+        assert (moe.cfg.moe.num_groups, moe.cfg.moe.group_topk) == (ng, tg)
     # the routing condition: every token's k*G experts are k whole virtual groups of G slices
     for experts_TK in routed_experts(moe, tok):
         groups = experts_TK // G
         for row_groups, row in zip(groups.tolist(), experts_TK.tolist()):
             assert len(set(row_groups)) == k and sorted(row) == sorted(e * G + g for e in set(row_groups)
                                                                        for g in range(G))
+            assert len({e // (E // ng) for e in row_groups}) <= tg  # the copies come from topk_group groups
     with torch.no_grad():
         ref = model(tok).logits
     ours_diff, hf_diff = max_diffs(out, ref, tok)
