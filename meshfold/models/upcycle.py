@@ -1,5 +1,6 @@
 """Upcycling: a dense Hugging Face checkpoint (Llama, Mistral, Qwen2) -> an MoE checkpoint
-(Mixtral, Qwen2-MoE) whose every MoE layer starts as the dense MLP.
+(Mixtral, Qwen2-MoE), and a dense DeepSeek-V3 -> a DeepSeek-V3 MoE, whose every MoE layer starts
+as the dense MLP.
 
 Legend: H = hidden, F = dense ffn, E = copies of the MLP (``--experts``), G = granularity, k =
 top-k per copy; the MoE has N = E*G experts of ffn F/G and routes each token to k*G of them.
@@ -27,6 +28,16 @@ arXiv 2410.07524), restated for these targets:
   rounding, none when G is a power of two. Megatron's other case, softmax-then-top-k *without*
   renormalisation, equals the dense model only in expectation over the router (scale E*G/k), so
   it is not offered.
+
+**DeepSeek-V3** (``--arch deepseek_v3``, :mod:`.upcycle_deepseek` has the details): the source
+is a ``DeepseekV3ForCausalLM`` whose layers are all dense, never a Llama / Mistral / Qwen2, whose
+GQA attention has no exact MLA form (a one-line error says so). MLA is copied; layers
+``--first-dense K`` (default 0) .. L-1 get experts under DeepSeek-V3's sigmoid router with a zero
+correction bias, ``norm_topk_prob``, ``routed_scaling_factor = 1`` and no shared expert, so the
+weights again sum to 1 (k*G >= 2) and both statements above hold, coarse for any router and bias.
+With ``--n-group n --topk-group t`` (groups of whole copies) the granular condition reads "the
+k-th and (k+1)-th best copy scores among the t kept groups' copies differ"; ``--n-group E
+--topk-group k`` routes whole virtual groups for every token, ties included.
 
 Nothing else changes: attention, norms, embeddings and the head are copied as they are, so the
 upcycled model's logits equal the dense model's (fp32: rounding of the sum over experts only).
@@ -373,9 +384,9 @@ def configure(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the router weights (default 0)")
     parser.add_argument("--first-dense", type=int, default=None, metavar="K",
                         help="deepseek_v3: layers 0..K-1 keep their dense MLP (default 0: every layer MoE)")
-    parser.add_argument("--n-group", type=int, default=None,
+    parser.add_argument("--n-group", type=int, default=None, metavar="N",
                         help="deepseek_v3: routing groups, each of whole copies (default 1: no group limit)")
-    parser.add_argument("--topk-group", type=int, default=None,
+    parser.add_argument("--topk-group", type=int, default=None, metavar="T",
                         help="deepseek_v3: groups each token's experts come from (default: --n-group)")
 
 

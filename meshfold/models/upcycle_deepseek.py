@@ -9,7 +9,28 @@ So the attention is copied, never converted: the source is a DeepSeek-V3 whose l
 dense (``first_k_dense_replace >= num_hidden_layers``, which transformers builds and saves), and
 only its MLPs become experts.
 
-Legend as in :mod:`.upcycle`: E copies, G slices, k copies per token, N = E*G experts.
+The router is DeepSeek-V3's with settings that keep :mod:`.upcycle`'s coarse and granular
+statements (legend as there: E copies, G slices, k copies per token, N = E*G experts):
+
+* sigmoid scores, ``e_score_correction_bias = 0`` (it only selects, so it never moves the
+  weights), ``norm_topk_prob = true``, ``routed_scaling_factor = 1``: the weights of a token are
+  ``s_j / (sum_i s_i + 1e-20)`` over its k*G chosen experts, summing to 1 (the 1e-20 vanishes
+  in fp32 unless the chosen scores sum below ~1.7e-13, every chosen logit below about -30).
+  k*G >= 2 is required: meshfold's sigmoid router gives a lone expert its score, not 1.
+* no shared expert (``n_shared_experts = 0``; transformers builds it with zero elements and lists
+  them as missing on load, harmless as for Qwen2-MoE): a shared branch adds to every token, and
+  the dense MLP is already all of the output.
+* layers ``first_dense`` .. L-1 get experts (default 0: every layer, as the other targets); the
+  layers before keep their dense MLP, as ``first_k_dense_replace`` describes.
+* ``n_group`` routing groups (default 1), each a union of whole copies (n_group must divide E),
+  ``topk_group`` of them kept (default all). A group scores the sum of its best 2 scores: with
+  G >= 2 twice its best copy's score, with G = 1 (coarse) anything, as coarse holds for any
+  routing. So the chosen slices are those of the best copies among the kept groups', and the
+  granular condition becomes: **the k-th and (k+1)-th best copy scores among the kept groups'
+  copies differ** (after the sigmoid, in fp32). With ``n_group = E, topk_group = k`` (one group
+  per copy, G >= 2) exactly k*G experts survive the group mask, so whole virtual groups are
+  routed *for every token, ties included*; the price is that this stays true in training (a
+  token always takes all G slices of its copies) until n_group is lowered in the config.
 """
 
 from __future__ import annotations
