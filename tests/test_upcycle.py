@@ -130,13 +130,17 @@ def routed_experts(model, tok):
     ("deepseek_v3", 3, 2, 2, {}),  # one routing group: plain sigmoid top-k*G
     ("deepseek_v3", 4, 2, 3, dict(n_group=2, topk_group=1)),  # group-limited: both copies from one group
     ("deepseek_v3", 4, 1, 2, dict(first_dense=1)),  # layer 0 keeps its dense MLP
+    ("deepseek_v3", 3, 2, 3, dict(shared_slices=1)),  # slice 0 is the shared expert, 2 routed per copy
 ])
 def test_granular_upcycle_equals_the_dense_model_when_whole_groups_are_routed(dense, tmp_path, kind, E, k, G, kw):
     model, out = upcycled(dense(kind), tmp_path, E, k, G, shard_bytes=100_000, **kw)  # several shards
     assert (out / "model.safetensors.index.json").exists()
     tok = tokens()
     moe = from_pretrained(out)
-    assert moe.cfg.moe.num_experts == E * G and moe.cfg.moe.topk == k * G and moe.cfg.moe.ffn * G == 96
+    S = kw.get("shared_slices", 0)
+    G = G - S  # the routed slices of a copy: a virtual group
+    assert moe.cfg.moe.num_experts == E * G and moe.cfg.moe.topk == k * G and moe.cfg.moe.ffn * (G + S) == 96
+    assert moe.cfg.moe.shared_ffn == S * moe.cfg.moe.ffn
     assert moe.cfg.first_k_dense == kw.get("first_dense", 0) and len(moe.moe_layers()) == 2 - moe.cfg.first_k_dense
     ng, tg = kw.get("n_group", 1), kw.get("topk_group", kw.get("n_group", 1))
     if kind == "deepseek_v3":
@@ -198,12 +202,14 @@ def _folded_logits_equal(rank, world_size, path, spec, reference):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("spec, kind, E, k, G", [
-    (FoldSpec(4, tp=2, ep=4), "llama", 2, 1, 2), (FoldSpec(4, cp=2, ep=2, etp=2), "qwen2", 4, 1, 1),
-    (FoldSpec(4, tp=2, ep=4), "deepseek_v3", 2, 1, 2), (FoldSpec(4, cp=2, ep=2, etp=2), "deepseek_v3", 4, 2, 1),
+@pytest.mark.parametrize("spec, kind, E, k, G, kw", [
+    (FoldSpec(4, tp=2, ep=4), "llama", 2, 1, 2, {}), (FoldSpec(4, cp=2, ep=2, etp=2), "qwen2", 4, 1, 1, {}),
+    (FoldSpec(4, tp=2, ep=4), "deepseek_v3", 2, 1, 2, {}), (FoldSpec(4, cp=2, ep=2, etp=2), "deepseek_v3", 4, 2, 1, {}),
+    (FoldSpec(4, tp=2, ep=4), "deepseek_v3", 2, 1, 3, dict(shared_slices=1)),  # the shared expert over tp
 ])
-def test_upcycled_checkpoint_loads_folded_and_equals_the_dense_model(worlds, dense, tmp_path, spec, kind, E, k, G):
-    model, out = upcycled(dense(kind), tmp_path, E, k, G)
+def test_upcycled_checkpoint_loads_folded_and_equals_the_dense_model(worlds, dense, tmp_path, spec, kind, E, k, G,
+                                                                     kw):
+    model, out = upcycled(dense(kind), tmp_path, E, k, G, **kw)
     with torch.no_grad():
         reference = model(tokens(B=2 * spec.dp)).logits
     diffs = worlds(4).run(_folded_logits_equal, str(out), spec, reference)
@@ -291,6 +297,10 @@ def test_train_init_from_names_a_tensor_that_does_not_fit(dense, tmp_path, capsy
      "MLA attention that target cannot hold; use --arch deepseek_v3"),
     ("deepseek_v3_moe", ["--experts", "2", "--topk", "1"], "upcycle needs a dense one (first_k_dense_replace >= 2)"),
     ("deepseek_v3", ["--experts", "2", "--topk", "1"], "routes each token to 1 expert"),
+    ("deepseek_v3", ["--experts", "2", "--topk", "1", "--granularity", "2", "--shared-slices", "1"],
+     "--shared-slices 1 routes each token to 1 expert"),
+    ("deepseek_v3", ["--experts", "2", "--topk", "1", "--granularity", "2", "--shared-slices", "2"],
+     "--shared-slices 2 must leave each copy a routed slice (valid: 0..1"),
     ("deepseek_v3", ["--experts", "2", "--topk", "2", "--first-dense", "2"], "--first-dense 2: layers before it"),
     ("deepseek_v3", ["--experts", "4", "--topk", "2", "--n-group", "3"], "--n-group 3 does not divide --experts 4"),
     ("deepseek_v3", ["--experts", "4", "--topk", "2", "--n-group", "4"], "--n-group 4 leaves 1 expert per group"),

@@ -119,10 +119,11 @@ def dense_config(src: Path) -> tuple[str, dict]:
 
 
 def moe_config(dense_arch: str, c: dict, arch: str, experts: int, topk: int, granularity: int = 1,
-               first_dense: int | None = None, n_group: int | None = None, topk_group: int | None = None):
+               first_dense: int | None = None, n_group: int | None = None, topk_group: int | None = None,
+               shared_slices: int | None = None):
     """(meshfold TransformerConfig, ``config.json`` dict) of the upcycled model; every bad
-    argument is a one-line ValueError naming it and what is valid. ``first_dense``, ``n_group``
-    and ``topk_group`` are DeepSeek-V3's (:func:`.upcycle_deepseek.moe_config`)."""
+    argument is a one-line ValueError naming it and what is valid. ``first_dense``, ``n_group``,
+    ``topk_group`` and ``shared_slices`` are DeepSeek-V3's (:func:`.upcycle_deepseek.moe_config`)."""
     from meshfold.models.config import MoEConfig
     from meshfold.models.hf import config_to_hf
     from meshfold.models.transformer import TransformerConfig
@@ -146,9 +147,9 @@ def moe_config(dense_arch: str, c: dict, arch: str, experts: int, topk: int, gra
                          f"RoPE key across heads); use --arch "
                          f"{'qwen2_moe' if dense_arch == 'Qwen2ForCausalLM' else 'mixtral or qwen2_moe'}")
     if arch == upcycle_deepseek.ARCH:
-        return upcycle_deepseek.moe_config(c, E, k, G, first_dense, n_group, topk_group)
-    given = [f for f, v in (("--first-dense", first_dense), ("--n-group", n_group), ("--topk-group", topk_group))
-             if v is not None]
+        return upcycle_deepseek.moe_config(c, E, k, G, first_dense, n_group, topk_group, shared_slices)
+    given = [f for f, v in (("--first-dense", first_dense), ("--n-group", n_group), ("--topk-group", topk_group),
+                            ("--shared-slices", shared_slices)) if v is not None]
     if given:
         raise ValueError(f"{given[0]} is DeepSeek-V3's; --arch {_name(arch)} has no such setting")
     qkv_bias = dense_arch == "Qwen2ForCausalLM"  # Qwen2's q/k/v projections always carry a bias
@@ -259,7 +260,8 @@ def _router_key(arch: str, layer: int) -> str:
 
 def upcycle(src, out, experts: int, topk: int, granularity: int = 1, arch: str | None = None,
             ep: int | None = None, seed: int = 0, shard_bytes: int = SHARD_BYTES, stream=sys.stderr,
-            first_dense: int | None = None, n_group: int | None = None, topk_group: int | None = None) -> dict:
+            first_dense: int | None = None, n_group: int | None = None, topk_group: int | None = None,
+            shared_slices: int | None = None) -> dict:
     """Write the MoE checkpoint of ``src`` (a dense HF folder) to the new folder ``out``; returns
     its ``config.json`` dict.
 
@@ -267,7 +269,8 @@ def upcycle(src, out, experts: int, topk: int, granularity: int = 1, arch: str |
     DeepSeek-V3, the only target it fits; qwen2_moe for Qwen2, which has q/k/v biases; else
     mixtral). ``ep``: fail unless the E*G experts divide over it. DeepSeek-V3 only:
     ``first_dense`` (layers before it stay dense; default 0), ``n_group`` / ``topk_group``
-    (group-limited routing over groups of whole copies; default 1 / n_group). The folder appears
+    (group-limited routing over groups of whole copies; default 1 / n_group), ``shared_slices``
+    (the first S of the G slices become one shared expert; default 0). The folder appears
     whole or not at all: everything is written into a hidden sibling folder, renamed to ``out``
     last. Tokenizer and other non-weight files of ``src`` are copied along.
     """
@@ -281,10 +284,12 @@ def upcycle(src, out, experts: int, topk: int, granularity: int = 1, arch: str |
     dense_arch, c = dense_config(src)
     default = {"Qwen2ForCausalLM": "qwen2_moe", upcycle_deepseek.ARCH: "deepseek_v3"}.get(dense_arch, "mixtral")
     target = TARGETS[arch or default]
-    cfg, hf = moe_config(dense_arch, c, target, experts, topk, granularity, first_dense, n_group, topk_group)
+    cfg, hf = moe_config(dense_arch, c, target, experts, topk, granularity, first_dense, n_group, topk_group,
+                         shared_slices)
     n_experts = cfg.moe.num_experts
     if ep is not None and (ep < 1 or n_experts % ep):
-        raise ValueError(f"E*G = {experts}*{granularity} = {n_experts} experts are not divisible by --ep {ep} "
+        routed = f"E*G = {experts}*{granularity}" if n_experts == experts * granularity else "the routed"
+        raise ValueError(f"{routed} = {n_experts} experts are not divisible by --ep {ep} "
                          f"(valid ep: {[d for d in range(1, n_experts + 1) if n_experts % d == 0]})")
     config_from_hf(hf)  # the written config.json must read back in meshfold (raises naming the field)
     expected = {leaf.key for r in checkpoint_map(cfg, target).values() for leaf in _leaves(r)}
@@ -324,7 +329,10 @@ def _write_tensors(ckpt, cfg, arch, E, G, seed, writer, expected, stream) -> Non
     if cfg.tie_embeddings:
         others = [k for k in others if k != "lm_head.weight"]
     bias = arch == upcycle_deepseek.ARCH  # DeepSeek-V3's e_score_correction_bias, zero: selection unbiased
-    total = len(others) + len(moe_ids) * (1 + bias + 3 * E * G)
+    f = cfg.moe.ffn
+    S = cfg.moe.shared_ffn // f  # DeepSeek-V3's --shared-slices: the first S slices form the shared expert
+    R = G - S  # routed slices per copy
+    total = len(others) + len(moe_ids) * (1 + bias + 3 * E * R + 3 * bool(S))
     generator = torch.Generator().manual_seed(seed)
     done, written = 0, set()
     tty, every = stream.isatty(), -(-total // 20)  # in a log: at most 21 lines, not thousands
@@ -350,14 +358,17 @@ def _write_tensors(ckpt, cfg, arch, E, G, seed, writer, expected, stream) -> Non
     for key in others:
         put(key, get(key))
     for i in moe_ids:
-        put(_router_key(arch, i), router_weight(E, G, cfg.hidden, generator))
+        put(_router_key(arch, i), router_weight(E, R, cfg.hidden, generator))
         if bias:
-            put(upcycle_deepseek.router_keys(i)[1], torch.zeros(E * G, dtype=torch.float32))
-        dense = [get(f"model.layers.{i}.mlp.{p}_proj.weight") for p in ("gate", "up", "down")]
-        slices = list(expert_slices(*dense, G))
+            put(upcycle_deepseek.router_keys(i)[1], torch.zeros(E * R, dtype=torch.float32))
+        gate, up, down = (get(f"model.layers.{i}.mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
+        if S:  # unscaled: the shared expert is not routed, so nothing divides its output
+            for key, t in zip(upcycle_deepseek.shared_keys(i), (gate[:S * f], up[:S * f], down[:, :S * f])):
+                put(key, t.clone())
+        slices = list(expert_slices(gate[S * f:], up[S * f:], down[:, S * f:], R))
         for e in range(E):
             for g, parts in enumerate(slices):
-                for key, t in zip(_moe_keys(arch, i, e * G + g), parts):
+                for key, t in zip(_moe_keys(arch, i, e * R + g), parts):
                     put(key, t.clone())  # each expert owns its storage (safetensors refuses shared views)
     if tty:
         stream.write("\n")
@@ -388,12 +399,16 @@ def configure(parser) -> None:
                         help="deepseek_v3: routing groups, each of whole copies (default 1: no group limit)")
     parser.add_argument("--topk-group", type=int, default=None, metavar="T",
                         help="deepseek_v3: groups each token's experts come from (default: --n-group)")
+    parser.add_argument("--shared-slices", type=int, default=None, metavar="S",
+                        help="deepseek_v3: the first S of each MLP's G slices become one shared expert, each copy "
+                             "keeping G-S routed ones (default 0)")
 
 
 def main(args) -> int:
     hf = upcycle(args.src, args.out, args.experts, args.topk, args.granularity, args.arch, args.ep, args.seed,
-                 first_dense=args.first_dense, n_group=args.n_group, topk_group=args.topk_group)
-    print(f"wrote {args.out}: {hf['architectures'][0]} with {hf['num_experts_per_tok']} of "
-          f"{args.experts * args.granularity} experts per token; train from it with meshfold train "
-          f"--set train.init_from={args.out}")
+                 first_dense=args.first_dense, n_group=args.n_group, topk_group=args.topk_group,
+                 shared_slices=args.shared_slices)
+    routed = hf.get("n_routed_experts") or args.experts * args.granularity
+    print(f"wrote {args.out}: {hf['architectures'][0]} with {hf['num_experts_per_tok']} of {routed} experts "
+          f"per token; train from it with meshfold train --set train.init_from={args.out}")
     return 0

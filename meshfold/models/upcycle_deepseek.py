@@ -17,9 +17,14 @@ statements (legend as there: E copies, G slices, k copies per token, N = E*G exp
   ``s_j / (sum_i s_i + 1e-20)`` over its k*G chosen experts, summing to 1 (the 1e-20 vanishes
   in fp32 unless the chosen scores sum below ~1.7e-13, every chosen logit below about -30).
   k*G >= 2 is required: meshfold's sigmoid router gives a lone expert its score, not 1.
-* no shared expert (``n_shared_experts = 0``; transformers builds it with zero elements and lists
-  them as missing on load, harmless as for Qwen2-MoE): a shared branch adds to every token, and
-  the dense MLP is already all of the output.
+* no shared expert by default (``n_shared_experts = 0``; transformers builds it with zero elements
+  and lists them as missing on load, harmless as for Qwen2-MoE): a shared branch adds to every
+  token, and the dense MLP is already all of the output. ``shared_slices = S`` (0 < S < G) makes
+  one exactly: the first S slices of the dense ffn (rows ``0 .. S*F/G``, down unscaled) are the
+  shared expert (``n_shared_experts = S`` of ``moe_intermediate_size = F/G``), the other R = G - S
+  slices of each copy are routed (N = E*R experts, top-k*R, down scaled by R, router rows
+  repeated R times), so the output is ``shared + MLP_rest = MLP`` under the same condition with
+  R in place of G; with R = 1 a copy's routed part is one expert and it holds for any router.
 * layers ``first_dense`` .. L-1 get experts (default 0: every layer, as the other targets); the
   layers before keep their dense MLP, as ``first_k_dense_replace`` describes.
 * ``n_group`` routing groups (default 1), each a union of whole copies (n_group must divide E),
@@ -37,7 +42,7 @@ from __future__ import annotations
 
 from meshfold.models import hf_deepseek
 
-__all__ = ["ARCH", "dense_config", "moe_config", "expert_keys", "router_keys"]
+__all__ = ["ARCH", "dense_config", "moe_config", "expert_keys", "router_keys", "shared_keys"]
 
 ARCH = hf_deepseek.ARCH
 
@@ -56,36 +61,44 @@ def dense_config(src, hf: dict) -> dict:
 
 
 def moe_config(c: dict, experts: int, topk: int, granularity: int, first_dense: int | None,
-               n_group: int | None, topk_group: int | None):
+               n_group: int | None, topk_group: int | None, shared_slices: int | None = None):
     """(meshfold TransformerConfig, ``config.json`` dict) of the upcycled DeepSeek-V3: layers
     ``first_dense`` .. L-1 MoE (default 0: every layer, as the other targets), sigmoid routing with a
     zero correction bias, ``norm_topk_prob = true``, ``routed_scaling_factor = 1``, no shared expert,
     ``n_group`` routing groups of whole copies (default 1: no group limit) of which ``topk_group``
-    are kept (default: all). Each bad argument is a one-line ValueError naming what is valid."""
+    are kept (default: all), ``shared_slices`` S of the G slices in one shared expert (default 0;
+    each copy then has R = G - S routed slices, N = E*R). Each bad argument is a one-line
+    ValueError naming what is valid."""
     E, k, G, L = experts, topk, granularity, c["num_hidden_layers"]
+    S = 0 if shared_slices is None else shared_slices
+    if not (isinstance(S, int) and 0 <= S < G):
+        raise ValueError(f"--shared-slices {S!r} must leave each copy a routed slice (valid: 0..{G - 1} for "
+                         f"--granularity {G})")
+    R = G - S  # routed slices per copy
     K = 0 if first_dense is None else first_dense
     ng = 1 if n_group is None else n_group
     tg = ng if topk_group is None else topk_group
     if not (isinstance(K, int) and 0 <= K < L):
         raise ValueError(f"--first-dense {K!r}: layers before it stay dense, so it must leave an MoE layer "
                          f"(valid: 0..{L - 1} for num_hidden_layers = {L})")
-    if k * G < 2:
-        raise ValueError(f"--topk {k} --granularity {G} routes each token to 1 expert, whose DeepSeek-V3 "
-                         f"weight in meshfold is its sigmoid score, not 1 (valid: topk * granularity >= 2)")
+    if k * R < 2:
+        raise ValueError(f"--topk {k} --granularity {G} --shared-slices {S} routes each token to 1 expert, "
+                         f"whose DeepSeek-V3 weight in meshfold is its sigmoid score, not 1 (valid: topk * (G - S) "
+                         f">= 2)")
     if not (isinstance(ng, int) and ng >= 1 and E % ng == 0):
         raise ValueError(f"--n-group {ng!r} does not divide --experts {E}: a routing group must hold whole "
                          f"copies of the MLP (valid: {[d for d in range(1, E + 1) if E % d == 0]})")
-    if E * G // ng < 2:
+    if E * R // ng < 2:
         raise ValueError(f"--n-group {ng} leaves 1 expert per group; DeepSeek-V3 scores a group by its best 2 "
-                         f"(valid: {[d for d in range(1, E + 1) if E % d == 0 and E * G // d >= 2]})")
+                         f"(valid: {[d for d in range(1, E + 1) if E % d == 0 and E * R // d >= 2]})")
     if not (isinstance(tg, int) and 1 <= tg <= ng):
         raise ValueError(f"--topk-group {tg!r} must be in 1..--n-group {ng}")
     if k > tg * (E // ng):
         raise ValueError(f"--topk {k} exceeds the {tg * (E // ng)} copies in --topk-group {tg} groups of "
                          f"{E // ng} (valid --topk: 1..{tg * (E // ng)})")
-    hf = {**c, "architectures": [ARCH], "n_routed_experts": E * G,
-          "moe_intermediate_size": c["intermediate_size"] // G, "num_experts_per_tok": k * G,
-          "n_shared_experts": 0, "n_group": ng, "topk_group": tg, "norm_topk_prob": True,
+    hf = {**c, "architectures": [ARCH], "n_routed_experts": E * R,
+          "moe_intermediate_size": c["intermediate_size"] // G, "num_experts_per_tok": k * R,
+          "n_shared_experts": S, "n_group": ng, "topk_group": tg, "norm_topk_prob": True,
           "routed_scaling_factor": 1.0, "first_k_dense_replace": K}
     cfg = hf_deepseek.config_from_hf(hf)
     out = hf_deepseek.config_to_hf(cfg, c.get("dtype") or c.get("torch_dtype"))
@@ -95,6 +108,12 @@ def moe_config(c: dict, experts: int, topk: int, granularity: int, first_dense: 
 def expert_keys(layer: int, expert: int) -> tuple[str, str, str]:
     """(gate, up, down) checkpoint keys of one routed expert (the names :mod:`.hf_deepseek` reads)."""
     p = f"model.layers.{layer}.mlp.experts.{expert}"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def shared_keys(layer: int) -> tuple[str, str, str]:
+    """(gate, up, down) checkpoint keys of one layer's shared expert."""
+    p = f"model.layers.{layer}.mlp.shared_experts"
     return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
 
 
