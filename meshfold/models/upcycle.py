@@ -35,6 +35,8 @@ GQA attention has no exact MLA form (a one-line error says so). MLA is copied; l
 ``--first-dense K`` (default 0) .. L-1 get experts under DeepSeek-V3's sigmoid router with a zero
 correction bias, ``norm_topk_prob``, ``routed_scaling_factor = 1`` and no shared expert, so the
 weights again sum to 1 (k*G >= 2) and both statements above hold, coarse for any router and bias.
+``--shared-slices S`` makes the first S of the G slices one shared expert (unscaled), leaving
+R = G - S routed slices per copy: the same statement with R for G.
 With ``--n-group n --topk-group t`` (groups of whole copies) the granular condition reads "the
 k-th and (k+1)-th best copy scores among the t kept groups' copies differ"; ``--n-group E
 --topk-group k`` routes whole virtual groups for every token, ties included.
