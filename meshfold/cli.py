@@ -20,8 +20,8 @@ SUBCOMMANDS = {
     "generate": ("meshfold.train.cli", "sample text from a trained checkpoint", "_generate"),
     "export": ("meshfold.train.cli", "write a checkpoint in Hugging Face format", "_export"),
     "tokenize": ("meshfold.tokenize_cli", "write pre-tokenized shards of text files for meshfold train", ""),
-    "upcycle": ("meshfold.models.upcycle", "turn a dense Hugging Face checkpoint (Llama, Mistral, Qwen2) into "
-                "an MoE one (Mixtral, Qwen2-MoE) equal to it at initialization", ""),
+    "upcycle": ("meshfold.models.upcycle", "turn a dense Hugging Face checkpoint (Llama, Mistral, Qwen2, DeepSeek-V3) "
+                "into an MoE one (Mixtral, Qwen2-MoE, DeepSeek-V3) equal to it at initialization", ""),
     "layout": ("meshfold.layout_cli", "print the attention and MoE views of a fold", ""),
     "plan": ("meshfold.plan.cli", "choose a folded layout for a cluster (cost and memory model)", ""),
 }

@@ -114,8 +114,10 @@ def check_init_from(path, mcfg) -> None:
     from meshfold.models.transformer import MoETransformer
 
     with torch.device("meta"):
-        ndim = {n: p.dim() for n, p in MoETransformer(mcfg).named_parameters()}
-    try:  # an empty slice of each parameter's last dim: shapes and names checked, nothing read
+        model = MoETransformer(mcfg)
+        # buffers too: a checkpoint may hold some (DeepSeek-V3's e_score_correction_bias)
+        ndim = {n: t.dim() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    try:  # an empty slice of each tensor's last dim: shapes and names checked, nothing read
         load_state(path, mcfg, select=lambda name: (slice(None),) * (ndim[name] - 1) + (slice(0, 0),))
     except ValueError as err:
         raise ValueError(f"train.init_from {path}: {err}") from None
