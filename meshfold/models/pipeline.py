@@ -118,11 +118,14 @@ class Pipeline:
     ``compute_dtype`` as in :func:`~meshfold.models.transformer_parallel.parallelize`: with a
     compute dtype narrower than the model's, the micro-batches' gradients accumulate in the
     model's (master) dtype (FSDP2: in its fp32 reduce dtype, while the schedule turns gradient
-    sync off) and are summed in fp32.
+    sync off) and are summed in fp32. ``recompute`` (none | selective | full): activation
+    checkpointing of every block of this rank's chunks, as in ``parallelize``; a block's recompute
+    runs when the schedule runs that microbatch's backward of the block.
     """
 
     def __init__(self, model: MoETransformer, folded, microbatches: int, schedule: str = "1f1b",
-                 virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None):
+                 virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
+                 recompute: str = "none"):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
@@ -136,7 +139,7 @@ class Pipeline:
         self.stage_ids = [r + k * pp for k in range(virtual)]
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1) for s in self.stage_ids]
         for chunk in self.chunks:
-            parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype)
+            parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype, recompute=recompute)
         group = folded.attn["pp"].get_group()
         stages = [PipelineStage(c, s, n, folded.device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
         self.has_last = any(s == n - 1 for s in self.stage_ids)

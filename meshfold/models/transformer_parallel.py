@@ -60,6 +60,7 @@ from meshfold.models.init import materialize
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
+from meshfold.models.recompute import apply_recompute, check_recompute
 from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
 
 __all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "reduce_dtype", "shard_batch",
@@ -189,7 +190,8 @@ def check_fold(cfg, spec) -> None:
 
 
 def parallelize(model: nn.Module, folded, local_state: dict | None = None,
-                data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None) -> nn.Module:
+                data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
+                recompute: str = "none") -> nn.Module:
     """Lay ``model`` out on ``folded``, from identical full weights on every rank; from a model
     built on the meta device (``MoETransformer(cfg, device="meta")``), each rank then
     materializing only its own shards (TP / EP / ETP slices, then FSDP2 shards) on its device,
@@ -206,11 +208,16 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     over an fp32 model, whose parameters stay the master weights (see *Mixed precision* above);
     routers keep their ``router_dtype``.
 
+    ``recompute``: activation checkpointing of every block, ``"none"``, ``"selective"`` or
+    ``"full"`` (:mod:`meshfold.models.recompute`: what each keeps and why; checkpoint inside
+    each block's FSDP2 group, whose hooks unshard the weights for the recompute).
+
     Raises ``ValueError`` naming the size that does not divide (heads, kv_heads, ffn over tp;
     experts over ep; expert ffn over etp). Returns the model (modified in place).
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel = {data_parallel!r}; valid: {list(DATA_PARALLEL)}")
+    check_recompute(recompute)
     spec = folded.spec
     if spec.pp != 1 and isinstance(model, MoETransformer):
         raise ValueError(f"pp = {spec.pp}: a whole MoETransformer runs with pp = 1; for pipeline "
@@ -248,6 +255,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
             block.attn = _TensorParallel(block.attn, attn_mesh, spec.tp, positional=True)
             if not isinstance(block.mlp, MoELayer):
                 block.mlp = _TensorParallel(block.mlp, attn_mesh, spec.tp, positional=False)
+    apply_recompute(blocks.values(), recompute)
     model.folded = folded
     model.gather_logits = _GlobalLogits(attn_mesh, spec)
     model.reduce_loss = _GlobalMeanLoss(attn_mesh)
