@@ -14,6 +14,7 @@ from meshfold.models.recompute import RECOMPUTE, apply_recompute, check_recomput
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.models.transformer_parallel import parallelize, reduce_gradients, single_device_name
 from meshfold.testing import LiveTensors, cached_fold, fold_specs
+from meshfold.train.config import TrainSettings, rules
 from meshfold.train.loop import _global_loss
 
 MODES = ("selective", "full")
@@ -101,7 +102,7 @@ def test_invalid_recompute_names_the_valid_modes():
         check_recompute("partial")
     with pytest.raises(ValueError, match="recompute = 'partial'"):
         apply_recompute([], "partial")
-    assert RECOMPUTE == ("none", "selective", "full")
+    assert RECOMPUTE == ("none", "selective", "full") == rules(TrainSettings)["recompute"].choices
 
 
 # ---- folded: 4 and 8 ranks ----------------------------------------------------------------------
