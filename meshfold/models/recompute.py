@@ -8,12 +8,16 @@ outputs the forward keeps; everything else the block saved for backward is recom
 block's input when the backward reaches the block.
 
 * ``full``: keep only the block's input and the routing decisions (below).
-* ``selective``: keep also the output of every matrix product (:data:`SAVED_PRODUCTS`: the
-  attention projections, the MoE router, the experts' grouped GEMMs, the shared expert, the dense
-  MLP), which are expensive to recompute; recompute what is cheap and large: the norms (their
-  fp32 statistics and normalized copies), RoPE, the attention core (the fused SDPA kernel: its
-  output and log-sum-exp are not kept), the experts' and MLPs' SwiGLU (the activation that
-  feeds the down projection is not kept), softmax / sigmoid scores, gathers and permutes.
+* ``selective``: keep also the output of every weight GEMM (:data:`SAVED_PRODUCTS`: the attention
+  projections, the MoE router, the experts' grouped GEMMs, the shared expert, the dense MLP),
+  expensive to recompute; recompute what is cheap and large: the norms (their fp32 statistics
+  and normalized copies), RoPE, the attention core (the fused SDPA kernel: its output and
+  log-sum-exp are not kept; a math fallback's scores neither), the experts' and MLPs' SwiGLU (the
+  activation that feeds the down projection is not kept), softmax / sigmoid scores, gathers,
+  permutes and the weighted combine (a batched product with k terms per token). What it keeps per
+  layer is in docs/plan.md (*Memory*), the planner's model of it. Under TP it keeps the output
+  projections' tp-partial outputs (all T tokens before the reduce-scatter), tp times the tokens
+  a rank holds between blocks: selective saves less there the larger tp is.
   ``benchmarks/RESULTS.md`` (*Activation recomputation*) has the measured saved bytes.
 
 MoE blocks, and what makes their recomputation safe:
@@ -74,7 +78,7 @@ ROUTING_OPS = (aten.topk, aten.sort)  # top-k experts; dropping and permute orde
 
 def _saved_products():
     importlib.import_module("meshfold.kernels.grouped_mm")  # registers torch.ops.meshfold.grouped_mm
-    return (aten.mm, aten.addmm, aten.bmm, aten.baddbmm, torch.ops.meshfold.grouped_mm)
+    return (aten.mm, aten.addmm, torch.ops.meshfold.grouped_mm)
 
 
 SAVED_PRODUCTS = _saved_products()
