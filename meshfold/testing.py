@@ -137,9 +137,12 @@ class LiveTensors:
     """Context: every tensor an op creates while it is active, held weakly; ``bytes()`` is the
     storage bytes of those still alive (each storage counted once; FSDP2's freed unsharded
     weights count 0). Within a forward, the growth is what the forward keeps for backward;
-    after a whole step, it is what the step leaks. Works on any device (a dispatch mode)."""
+    after a whole step, it is what the step leaks. Works on any device (a dispatch mode).
+    ``exclude``: tensors whose storages are not counted (a model's parameters and buffers, which
+    views made during the forward share)."""
 
-    def __init__(self):
+    def __init__(self, exclude=()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
         import weakref
 
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -170,5 +173,7 @@ class LiveTensors:
             t = getattr(t, "_local_tensor", t)  # a DTensor: its shard's storage
             if t is not None and not t.is_meta and type(t) in (torch.Tensor, torch.nn.Parameter):
                 s = t.untyped_storage()
+                if s.data_ptr() in self._exclude:
+                    continue
                 storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
         return sum(storages.values())
