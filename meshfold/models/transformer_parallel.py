@@ -25,6 +25,9 @@ from outside:
   (``fully_shard`` in its SPMD mode): dense weights are sharded over ``dp x cp``, expert weights
   over ``edp``, all-gathered per block and reduce-scattered after backward; ``data_parallel=
   "allreduce"`` keeps whole replicas and sums in :func:`reduce_gradients`.
+* **Recomputation** (``recompute``): activation checkpointing of every block
+  (:mod:`meshfold.models.recompute`), inside the block's FSDP2 group; the recompute reissues the
+  block's collectives in backward, in the same order on every rank.
 * **PP**: :mod:`meshfold.models.pipeline` cuts the model into chunks and parallelizes each with
   this function on the rank's pipeline stage (``folded.stage``).
 * **Mixed precision** (``compute_dtype``, e.g. bf16, over fp32 *master* parameters): the
