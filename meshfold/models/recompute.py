@@ -64,14 +64,31 @@ aten = torch.ops.aten
 # Selective checkpointing counts every op of the forward and raises if the recompute runs one more
 # often. FSDP2's hooks on a group nested in the block (the experts, on the MoE mesh) run in the
 # recompute too, in the state of the backward (a group already unsharded, or unsharded again;
-# gradient sync off under a pipeline schedule), so they may mark profiler ranges and copy
-# unsharded weights a different number of times than in the forward. None of these ops is ever
-# kept (the policy keeps no mutating op), so SAC may run them uncounted: they join the ops it
-# already treats so (torch.utils.checkpoint.SAC_IGNORED_OPS, e.g. checkpoint's own detach calls).
-torch.utils.checkpoint.SAC_IGNORED_OPS.update({
-    torch.ops.profiler._record_function_enter_new.default,
-    torch.ops.profiler._record_function_exit._RecordFunction,
-    aten.copy_.default, aten._foreach_copy_.default, aten.split_with_sizes_copy.out})
+# gradient sync off under a pipeline schedule), so they may mark profiler ranges, allocate,
+# all-gather and copy unsharded weights a different number of times than in the forward (found
+# so with fp32 and bf16 compute, with and without pp; an op missing here raises at recompute,
+# naming it). None of these ops is ever kept (the policy keeps no mutating op or collective), so
+# SAC may run them uncounted: they join the ops it already treats so
+# (torch.utils.checkpoint.SAC_IGNORED_OPS, e.g. checkpoint's own detach calls).
+
+
+def _namespace_ops(*namespaces: str) -> set:
+    """Every registered overload of the ops in ``namespaces`` (e.g. "c10d")."""
+    names = [n.split("::") for n in torch._C._dispatch_get_all_op_names() if n.split("::")[0] in namespaces]
+    return {getattr(packet, o) for packet in (getattr(getattr(torch.ops, ns), op) for ns, op in names)
+            for o in packet.overloads()}
+
+
+def _fsdp_hook_ops() -> set:
+    importlib.import_module("torch.distributed.fsdp")  # registers torch.ops.fsdp
+    return (_namespace_ops("fsdp", "c10d")
+            | {torch.ops.profiler._record_function_enter_new.default,
+               torch.ops.profiler._record_function_exit._RecordFunction,
+               aten.copy_.default, aten._foreach_copy_.default, aten.split_with_sizes_copy.out,
+               aten.empty.memory_format, aten._to_copy.default})
+
+
+torch.utils.checkpoint.SAC_IGNORED_OPS.update(_fsdp_hook_ops())
 
 ROUTING_OPS = (aten.topk, aten.sort)  # top-k experts; dropping and permute orders
 
