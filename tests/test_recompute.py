@@ -200,3 +200,16 @@ def _run_pipeline(rank, world_size, spec):
 @pytest.mark.multirank
 def test_pipeline_recompute_is_bitwise_no_recompute(worlds):
     assert all(worlds(4).run(_run_pipeline, FoldSpec(4, pp=2, tp=2, ep=2)))
+
+
+def test_pipeline_refuses_recompute_with_bf16_fsdp2_naming_it():
+    import types
+
+    from meshfold.models.pipeline import Pipeline
+
+    spec = FoldSpec(4, pp=2, tp=2, ep=2)
+    model = MoETransformer(_cfg(2, 1, layers=4), dtype=torch.float32, device="meta", seed=0)
+    with pytest.raises(ValueError, match=r"recompute = 'full' with pp = 2, FSDP2 and compute_dtype = "
+                                         r"torch.bfloat16 .*valid: recompute = 'none'"):
+        Pipeline(model, types.SimpleNamespace(spec=spec), microbatches=2, compute_dtype=torch.bfloat16,
+                 recompute="full")
