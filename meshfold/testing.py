@@ -20,12 +20,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Sequence
 
+import torch
 from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec
 
-__all__ = ["cached_fold", "checkpoint_reads", "divisors", "fold_specs", "invalid_fold_kwargs", "placements", "ragged_shards",
-           "split_sizes"]
+__all__ = ["cached_fold", "checkpoint_reads", "divisors", "fold_specs", "invalid_fold_kwargs", "placements",
+           "ragged_shards", "split_sizes", "LiveTensors"]
 
 
 _FOLDS: dict = {}
@@ -160,3 +161,49 @@ def placements(mesh_ndim: int, tensor_ndim: int, partial: bool = False):
         return out
 
     return draw_placements()
+
+
+class LiveTensors:
+    """Context: every tensor an op creates while it is active, held weakly; ``bytes()`` is the
+    storage bytes of those still alive (each storage counted once; FSDP2's freed unsharded
+    weights count 0). Within a forward, the growth is what the forward keeps for backward;
+    after a whole step, it is what the step leaks. Works on any device (a dispatch mode).
+    ``exclude``: tensors whose storages are not counted (a model's parameters and buffers, which
+    views made during the forward share)."""
+
+    def __init__(self, exclude=()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        refs = self._refs = []
+
+        class _Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                refs.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+                return out
+
+        self._mode = _Record()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    def bytes(self) -> int:
+        self._refs[:] = [r for r in self._refs if r() is not None]
+        storages = {}
+        for r in self._refs:
+            t = r()
+            t = getattr(t, "_local_tensor", t)  # a DTensor: its shard's storage
+            if t is not None and not t.is_meta and type(t) in (torch.Tensor, torch.nn.Parameter):
+                s = t.untyped_storage()
+                if s.data_ptr() in self._exclude:
+                    continue
+                storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        return sum(storages.values())

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec
-from meshfold.plan import (HARDWARE, MODELS, PAPER_TABLE1, STRATEGIES, TIME_TERMS, Layout, ModelShape,
+from meshfold.plan import (HARDWARE, MODELS, PAPER_TABLE1, RECOMPUTE, STRATEGIES, TIME_TERMS, Layout, ModelShape,
                            candidates, check_layout, estimate, hardware, paper_spec, plan)
 from meshfold.plan import cli
 
@@ -95,9 +95,11 @@ def test_strategies_the_paper_reports_oom_are_infeasible_for_llama3(table1, stra
 def test_megatron_strategies_keep_megatron_default_of_no_recomputation():
     lay = Layout(FoldSpec(8, tp=2, ep=2, etp=2))
     for key in ("tp+ep+dp", "mcore", "mcore+folding"):
-        assert STRATEGIES[key](lay) and not STRATEGIES[key](dataclasses.replace(lay, recompute=True)), key
+        assert STRATEGIES[key](lay), key
+        for mode in ("selective", "full"):
+            assert not STRATEGIES[key](dataclasses.replace(lay, recompute=mode)), (key, mode)
     fsdp = Layout(FoldSpec(8), sharding="zero3")
-    assert STRATEGIES["fsdp"](fsdp) and STRATEGIES["fsdp"](dataclasses.replace(fsdp, recompute=True))
+    assert all(STRATEGIES["fsdp"](dataclasses.replace(fsdp, recompute=mode)) for mode in RECOMPUTE)
 
 
 # ---- properties ------------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def requests(draw):
 def layouts(draw):
     model, gpus, seq, gbs = draw(requests())
     lay = draw(st.sampled_from(list(candidates(model, gpus, seq, gbs))))
-    return model, dataclasses.replace(lay, recompute=draw(st.booleans())), seq, gbs
+    return model, dataclasses.replace(lay, recompute=draw(st.sampled_from(RECOMPUTE))), seq, gbs
 
 
 @settings(max_examples=15)
@@ -142,8 +144,10 @@ def test_recomputation_is_tried_only_where_the_layout_without_it_does_not_fit(re
     by_layout = {e.layout: e for e in results}
     assert len(by_layout) == len(results)
     for e in results:
-        if e.layout.recompute:
-            assert not by_layout[dataclasses.replace(e.layout, recompute=False)].feasible
+        if e.layout.recompute != "none":
+            assert not by_layout[dataclasses.replace(e.layout, recompute="none")].feasible
+        if e.layout.recompute == "full":
+            assert not by_layout[dataclasses.replace(e.layout, recompute="selective")].feasible
 
 
 @given(layouts(), st.floats(1.0, 4.0))

@@ -118,17 +118,28 @@ class Pipeline:
     ``compute_dtype`` as in :func:`~meshfold.models.transformer_parallel.parallelize`: with a
     compute dtype narrower than the model's, the micro-batches' gradients accumulate in the
     model's (master) dtype (FSDP2: in its fp32 reduce dtype, while the schedule turns gradient
-    sync off) and are summed in fp32.
+    sync off) and are summed in fp32. ``recompute`` (none | selective | full): activation
+    checkpointing of every block of this rank's chunks, as in ``parallelize``; a block's recompute
+    runs when the schedule runs that microbatch's backward of the block.
     """
 
     def __init__(self, model: MoETransformer, folded, microbatches: int, schedule: str = "1f1b",
-                 virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None):
+                 virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
+                 recompute: str = "none"):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
         spec = folded.spec
         pp = spec.pp
         check_pipeline(pp, model.cfg, microbatches, schedule, virtual)
+        master = next(p.dtype for p in model.parameters())
+        if recompute != "none" and data_parallel == "fsdp" and compute_dtype not in (None, master):
+            # FSDP2's mixed-precision hooks on the experts' group run differently in the recompute
+            # under the schedule's gradient-sync-off backward, which selective checkpointing's
+            # op-count check rejects (benchmarks/RESULTS.md, "Activation recomputation")
+            raise ValueError(f"recompute = {recompute!r} with pp = {pp}, FSDP2 and compute_dtype = "
+                             f"{compute_dtype} (master {master}) is not supported; valid: recompute = "
+                             f"'none', or compute_dtype = None / {master}")
         self.folded, self.microbatches = folded, microbatches
         n = pp * virtual
         layers = chunk_layers(model.cfg.layers, n)
@@ -136,7 +147,7 @@ class Pipeline:
         self.stage_ids = [r + k * pp for k in range(virtual)]
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1) for s in self.stage_ids]
         for chunk in self.chunks:
-            parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype)
+            parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype, recompute=recompute)
         group = folded.attn["pp"].get_group()
         stages = [PipelineStage(c, s, n, folded.device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
         self.has_last = any(s == n - 1 for s in self.stage_ids)

@@ -98,7 +98,13 @@ class TransformerConfig:
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer: ``forward(x [B, S, H], positions, rope) -> [B, S, H]``."""
+    """One pre-norm decoder layer: ``forward(x [B, S, H], positions, rope) -> [B, S, H]``.
+
+    ``checkpoint`` (None: plain) is the activation-recomputation hook, set from outside
+    (:func:`meshfold.models.recompute.apply_recompute`): ``checkpoint(fn, *args)`` runs the
+    block's computation ``fn``, keeping what its policy says for backward."""
+
+    checkpoint = None
 
     def __init__(self, cfg: TransformerConfig, layer: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -112,6 +118,11 @@ class Block(nn.Module):
         self.mlp = MoELayer(cfg.moe, dtype=dtype) if cfg.is_moe_layer(layer) else MLP(cfg.hidden, cfg.ffn, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, rope=None) -> torch.Tensor:
+        if self.checkpoint is not None:
+            return self.checkpoint(self._forward, x, positions, rope)
+        return self._forward(x, positions, rope)
+
+    def _forward(self, x, positions, rope):
         x = x + self.attn(self.attn_norm(x), positions, rope)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -26,6 +26,9 @@ from outside:
   (``fully_shard`` in its SPMD mode): dense weights are sharded over ``dp x cp``, expert weights
   over ``edp``, all-gathered per block and reduce-scattered after backward; ``data_parallel=
   "allreduce"`` keeps whole replicas and sums in :func:`reduce_gradients`.
+* **Recomputation** (``recompute``): activation checkpointing of every block
+  (:mod:`meshfold.models.recompute`), inside the block's FSDP2 group; the recompute reissues the
+  block's collectives in backward, in the same order on every rank.
 * **PP**: :mod:`meshfold.models.pipeline` cuts the model into chunks and parallelizes each with
   this function on the rank's pipeline stage (``folded.stage``).
 * **Mixed precision** (``compute_dtype``, e.g. bf16, over fp32 *master* parameters): the
@@ -64,6 +67,7 @@ from meshfold.models.mla_parallel import MLA_LAYOUT, LatentGather, check_mla_fol
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
+from meshfold.models.recompute import apply_recompute, check_recompute
 from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
 
 __all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "reduce_dtype", "shard_batch",
@@ -227,7 +231,8 @@ def check_fold(cfg, spec) -> None:
 
 
 def parallelize(model: nn.Module, folded, local_state: dict | None = None,
-                data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None) -> nn.Module:
+                data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
+                recompute: str = "none") -> nn.Module:
     """Lay ``model`` out on ``folded``, from identical full weights on every rank; from a model
     built on the meta device (``MoETransformer(cfg, device="meta")``), each rank then
     materializing only its own shards (TP / EP / ETP slices, then FSDP2 shards) on its device,
@@ -244,11 +249,16 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     over an fp32 model, whose parameters stay the master weights (see *Mixed precision* above);
     routers keep their ``router_dtype``.
 
+    ``recompute``: activation checkpointing of every block, ``"none"``, ``"selective"`` or
+    ``"full"`` (:mod:`meshfold.models.recompute`: what each keeps and why; checkpoint inside
+    each block's FSDP2 group, whose hooks unshard the weights for the recompute).
+
     Raises ``ValueError`` naming the size that does not divide (heads, kv_heads, ffn over tp;
     experts over ep; expert ffn over etp). Returns the model (modified in place).
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel = {data_parallel!r}; valid: {list(DATA_PARALLEL)}")
+    check_recompute(recompute)
     spec = folded.spec
     if spec.pp != 1 and isinstance(model, MoETransformer):
         raise ValueError(f"pp = {spec.pp}: a whole MoETransformer runs with pp = 1; for pipeline "
@@ -289,6 +299,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
             block.attn = _TensorParallel(block.attn, attn_mesh, spec.tp, positional=True)
             if not isinstance(block.mlp, MoELayer):
                 block.mlp = _TensorParallel(block.mlp, attn_mesh, spec.tp, positional=False)
+    apply_recompute(blocks.values(), recompute)
     model.folded = folded
     model.gather_logits = _GlobalLogits(attn_mesh, spec)
     model.reduce_loss = _GlobalMeanLoss(attn_mesh)

@@ -11,13 +11,13 @@ and MFU. Formulas and their sources: ``docs/plan.md``.
 """
 
 from meshfold.plan.baselines import PAPER_TABLE1, STRATEGIES, STRATEGY_NAMES, PaperRow, paper_spec
-from meshfold.plan.cost import MEMORY_TERMS, SHARDINGS, TIME_TERMS, Estimate, Layout, check_layout, estimate
+from meshfold.plan.cost import MEMORY_TERMS, RECOMPUTE, SHARDINGS, TIME_TERMS, Estimate, Layout, check_layout, estimate
 from meshfold.plan.hardware import HARDWARE, Hardware, hardware
 from meshfold.plan.models import MODELS, ModelShape, model_shape
 from meshfold.plan.search import candidates, plan
 
 __all__ = [
     "Estimate", "HARDWARE", "Hardware", "Layout", "MEMORY_TERMS", "MODELS", "ModelShape", "PAPER_TABLE1",
-    "PaperRow", "SHARDINGS", "STRATEGIES", "STRATEGY_NAMES", "TIME_TERMS", "candidates", "check_layout",
+    "PaperRow", "RECOMPUTE", "SHARDINGS", "STRATEGIES", "STRATEGY_NAMES", "TIME_TERMS", "candidates", "check_layout",
     "estimate", "hardware", "model_shape", "paper_spec", "plan",
 ]

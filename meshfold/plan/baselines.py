@@ -45,7 +45,7 @@ def _fsdp_ep(lay: Layout) -> bool:
 
 def _megatron(lay: Layout) -> bool:
     """A Megatron-native run: distributed optimizer (ZeRO-1), Megatron-Core's default of no recomputation."""
-    return lay.sharding == "zero1" and not lay.recompute
+    return lay.sharding == "zero1" and lay.recompute == "none"
 
 
 def _tp_ep_dp(lay: Layout) -> bool:

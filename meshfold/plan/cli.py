@@ -56,7 +56,7 @@ def format_table(rows: list[tuple[str, Estimate]], extra: dict[str, str] | None 
     body = []
     for label, e in rows:
         lay = e.layout
-        cells = [label, _fold(e), str(lay.mbs), str(lay.vpp), "y" if lay.recompute else "-", lay.sharding,
+        cells = [label, _fold(e), str(lay.mbs), str(lay.vpp), {"none": "-", "selective": "sel", "full": "full"}[lay.recompute], lay.sharding,
                  f"{e.memory_total / GIB:.1f}"]
         cells += [f"{e.time[t]:.2f}" for t in TIME_TERMS]
         cells += [f"{e.step_time:.2f}", f"{100 * e.mfu:.1f}%" if e.feasible else "OOM"]

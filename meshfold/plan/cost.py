@@ -24,9 +24,10 @@ from meshfold.mesh import VIEWS, FoldSpec
 from meshfold.plan.hardware import GIB, Hardware
 from meshfold.plan.models import ModelShape
 
-__all__ = ["Layout", "Estimate", "estimate", "check_layout", "SHARDINGS", "TIME_TERMS", "MEMORY_TERMS"]
+__all__ = ["Layout", "Estimate", "estimate", "check_layout", "RECOMPUTE", "SHARDINGS", "TIME_TERMS", "MEMORY_TERMS"]
 
 BF16 = 2  # bytes
+RECOMPUTE = ("none", "selective", "full")  # meshfold.models.recompute.RECOMPUTE (a test checks)
 SHARDINGS = ("zero1", "zero3")  # Megatron distributed optimizer | fully sharded (FSDP)
 TIME_TERMS = ("compute", "tp", "cp", "ep", "etp", "dp", "pp", "bubble")
 MEMORY_TERMS = ("params", "grads", "optimizer", "buffers", "activations")
@@ -40,7 +41,10 @@ class Layout:
         spec: the rank layout (attention ``tp, cp, dp, pp``; MoE ``etp, ep, edp, pp``).
         mbs: micro-batch size (sequences per micro-batch per data-parallel rank).
         vpp: virtual pipeline stages per rank (interleaved 1F1B); 1 = plain 1F1B.
-        recompute: full activation recomputation (store only each layer's input).
+        recompute: activation recomputation as ``meshfold train`` runs it (``train.recompute``):
+            ``"none"``; ``"selective"`` (keep each layer's input, weight-GEMM outputs and routing;
+            recompute norms, RoPE, the attention core, SwiGLU, the combine, and reissue the
+            layer's collectives); ``"full"`` (keep each layer's input and routing).
         sharding: ``"zero1"`` = Megatron distributed optimizer (optimizer state sharded over the
             data-parallel group, bf16 params and fp32 grads replicated); ``"zero3"`` = FSDP
             (params, grads and optimizer state sharded; each layer gathered when used).
@@ -49,8 +53,12 @@ class Layout:
     spec: FoldSpec
     mbs: int = 1
     vpp: int = 1
-    recompute: bool = False
+    recompute: str = "none"
     sharding: str = "zero1"
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Layout.recompute = {self.recompute!r}; valid: {list(RECOMPUTE)}")
 
     def paper_config(self) -> str:
         """The paper's notation CP/TP/EP/PP/ETP, e.g. ``1/2/8/8/1``."""
@@ -60,7 +68,8 @@ class Layout:
     def describe(self) -> str:
         """Compact one-line form: attention view | MoE view | knobs."""
         s = self.spec
-        knobs = f"mbs{self.mbs} vpp{self.vpp}{' rc' if self.recompute else ''} {self.sharding}"
+        rc = {"none": "", "selective": " rc-sel", "full": " rc"}[self.recompute]
+        knobs = f"mbs{self.mbs} vpp{self.vpp}{rc} {self.sharding}"
         return f"tp{s.tp} cp{s.cp} dp{s.dp} pp{s.pp} | ep{s.ep} etp{s.etp} edp{s.edp} | {knobs}"
 
 
@@ -197,9 +206,10 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # and value FLOPs that the MFU formula counts. Memory-bound kernels move bytes at HBM speed:
     # norms, residual adds and rotary on the attention side; router, permute, chunk sort, SwiGLU,
     # probs and unpermute on the MoE side (the token dispatcher, counted below kernel by kernel).
-    # (MLA: scores over dn + dr, values of dv, so T s n (d_qk + d_v) executed; = 2 T s n d for GQA)
-    c_attn = (hw.gemm_time(2 * T * model.attn_params / tp, 2)
-              + hw.gemm_time(T * s * n * (model.qk_dim + model.value_dim) / tp, 1))
+    # the attention core (scores and values); MLA: scores over dn + dr, values of dv, so
+    # T s n (d_qk + d_v) executed, = 2 T s n d for GQA
+    c_core = hw.gemm_time(T * s * n * (model.qk_dim + model.value_dim) / tp, 1)
+    c_attn = hw.gemm_time(2 * T * model.attn_params / tp, 2) + c_core
     c_shared = hw.gemm_time(6 * T * h * f_sh / tp, 2) if f_sh else 0.0
     c_experts = hw.gemm_time(6 * Tr * k * h * f_e, 2 * E / ep)
     # Token dispatcher, bytes each memory-bound kernel reads + writes (elements x a unless said):
@@ -227,9 +237,13 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     x_ep = 2 * links.all_to_all("moe", ("ep",), (ep - 1) / ep * Tr * k * h * a)  # dispatch + combine
     x_etp = 2 * links.ring("moe", ("etp",), (etp - 1) * Tr * k * h * a)     # all-gather-v + reduce-scatter-v
     # backward: each collective's transpose once; ring attention sends K,V and dK,dV
-    rc = 1 if layout.recompute else 0
+    # Recomputation runs again in backward the whole forward (full) or all of it but the weight
+    # GEMMs (selective: the attention core and the memory-bound kernels); both reissue the
+    # layer's collectives (meshfold.models.recompute caches no collective's output).
+    c_re = {"none": 0.0, "selective": c_core + hw.hbm_time(hbm_bytes), "full": c_fwd}[layout.recompute]
+    rc = 0 if layout.recompute == "none" else 1
     layer = {
-        "compute": (3 + rc) * c_fwd,
+        "compute": 3 * c_fwd + c_re,
         "tp": (2 + rc) * x_tp, "cp": (3 + rc) * x_cp, "ep": (2 + rc) * x_ep, "etp": (2 + rc) * x_etp,
     }
     x_pp = 2 * vpp * links.ring("attn", ("pp",), Tr * h * a) if pp > 1 else 0.0
@@ -276,8 +290,21 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     moe_act = a * (2 * Tr * h + Tr * k * etp * h + 3 * Tr * k * f_e + Tr * k * h) + 4 * Tr * E
     shared_act = a * (Tr * h + 3 * T * f_sh / tp) if f_sh else 0.0
     full_layer = attn_act + moe_act + shared_act
-    stored_layer = a * Tr * h if layout.recompute else full_layer
-    working = full_layer if layout.recompute else 0.0
+    # Kept per layer under recomputation (meshfold.models.recompute's policies): the layer input
+    # and the routing (fp32 top-k scores, int64 experts, the permute's int64 sort keys and order),
+    # and with selective every weight GEMM's output: Q K V, the output projection's tp-partial
+    # [T, h], the fp32 router logits, expert fc1 [2 f_e] and fc2 (etp-partial h) rows, shared fc1
+    # and fc2.
+    routing = 28 * Tr * k
+    kept = {
+        "none": full_layer,
+        "selective": (a * (Tr * h + T * (n * d + 2 * g * d) / tp + T * h) + 4 * Tr * E
+                      + a * (2 * Tr * k * f_e + Tr * k * etp * h) + routing
+                      + (a * (2 * T * f_sh / tp + T * h) if f_sh else 0.0)),
+        "full": a * Tr * h + routing,
+    }
+    stored_layer = kept[layout.recompute]
+    working = full_layer if layout.recompute != "none" else 0.0    # one layer rematerialized
     if pp == 1:
         in_flight = 1.0
     elif vpp == 1:

@@ -82,9 +82,10 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
         shardings: DP shardings to try (``"zero1"``, ``"zero3"``).
 
     Returns feasible estimates by decreasing MFU, then infeasible ones (out of memory, with
-    ``reason``) by increasing memory. Full recomputation is tried for a layout only where the
-    layout without it is out of memory; both estimates are then returned, so a constraint that
-    rules recomputation out (the paper's Megatron strategies) still finds its out-of-memory layouts.
+    ``reason``) by increasing memory. Recomputation is tried for a layout only where the layout
+    without it is out of memory: selective first, then full where selective is out of memory too;
+    every estimate tried is returned, so a constraint that rules recomputation out (the paper's
+    Megatron strategies) still finds its out-of-memory layouts.
     """
     shape, hw = model_shape(model), hardware(hw)
     validate_request(gpus, seq, global_batch)
@@ -97,10 +98,14 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
             continue
         e = estimate(shape, hw, layout, seq, global_batch)
         out.append(e)
-        if not e.feasible:
-            rc = Layout(layout.spec, layout.mbs, layout.vpp, True, layout.sharding)
-            if where is None or where(rc):
-                out.append(estimate(shape, hw, rc, seq, global_batch))
+        for mode in ("selective", "full"):  # cheaper recomputation first, each only if still out of memory
+            if e.feasible:
+                break
+            rc = Layout(layout.spec, layout.mbs, layout.vpp, mode, layout.sharding)
+            if where is not None and not where(rc):
+                break
+            e = estimate(shape, hw, rc, seq, global_batch)
+            out.append(e)
     if not out:
         raise ValueError(
             f"no layout of {gpus} GPUs can run {shape.name} with seq={seq}, global batch={global_batch}"

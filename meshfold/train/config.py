@@ -113,6 +113,7 @@ def setting(default, kind, doc, **rule):
 
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16")
+RECOMPUTE_MODES = ("none", "selective", "full")  # meshfold.models.recompute.RECOMPUTE (checked by a test)
 DTYPE_BITS = {"bfloat16": 16, "float32": 32, "float64": 64}
 
 
@@ -174,6 +175,11 @@ class TrainSettings:
     schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
                             choices=("gpipe", "1f1b", "interleaved-1f1b"))
     virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
+    recompute: str = setting("none", str, "activation recomputation of every transformer block: selective "
+                             "keeps the matrix products' outputs and recomputes norms, RoPE, attention "
+                             "core and activations; full keeps only each block's input (both replay "
+                             "the forward's routing); results are identical, memory smaller",
+                             choices=RECOMPUTE_MODES)
 
 
 @dataclass

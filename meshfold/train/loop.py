@@ -136,19 +136,21 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     last = checkpoint.latest(ckpt_dir) if t.resume else None
     if t.init_from is not None and last is None:  # (a resume reads its own checkpoint instead)
         from meshfold.models.hf import from_pretrained
+        from meshfold.models.recompute import apply_recompute
 
         # laid out as parallelize lays it out, each rank reading only its own slices (pp = 1)
         model = from_pretrained(t.init_from, mesh=folded, dtype=DTYPES[t.master_dtype], cfg=mcfg,
                                 compute_dtype=compute)
+        apply_recompute(model.layers, t.recompute)
     else:
         # built on the meta device: parallelize / Pipeline lay it out, then each rank materializes
         # only its own shards on its device (the same global weights on every fold, for this seed)
         model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")  # master weights
         if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
             model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual,
-                             compute_dtype=compute)
+                             compute_dtype=compute, recompute=t.recompute)
         else:
-            parallelize(model, folded, compute_dtype=compute)
+            parallelize(model, folded, compute_dtype=compute, recompute=t.recompute)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                             betas=(0.9, 0.95), foreach=False)
     from meshfold.data import load_corpus
