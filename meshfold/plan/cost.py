@@ -298,7 +298,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     routing = 28 * Tr * k
     kept = {
         "none": full_layer,
-        "selective": (a * (Tr * h + T * (n * d + 2 * g * d) / tp + T * h) + 4 * Tr * E
+        "selective": (a * (Tr * h + T * (n * dq + g * (dq + dv)) / tp + T * h) + 4 * Tr * E
                       + a * (2 * Tr * k * f_e + Tr * k * etp * h) + routing
                       + (a * (2 * T * f_sh / tp + T * h) if f_sh else 0.0)),
         "full": a * Tr * h + routing,
