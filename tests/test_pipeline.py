@@ -110,6 +110,47 @@ def test_named_pipeline_layouts(worlds, case):
     assert all(worlds(spec.world_size).run(_run, (spec, 2 * spec.dp, S, 3, schedule, virtual, 2, "fsdp", 0.01)))
 
 
+
+def _bias_counts_run(rank, world_size, spec, schedule, virtual):
+    """Expert-bias counts of a train step, an evaluation, and a second train step, against the
+    single-device counts of the same microbatches: each token counted once per training forward
+    (torch.distributed.pipelining runs every stage once more to infer shapes at the first step
+    and whenever it switches between train and eval; those runs must not count)."""
+    cfg = _config(spec, 0.0)
+    cfg.moe.expert_bias = True
+    g = torch.Generator().manual_seed(5)
+    B, S = 2 * spec.dp, 2 * spec.tp * (2 * spec.cp if spec.cp > 1 else 1)
+    tokens = torch.randint(0, cfg.vocab, (B, S), generator=g)
+    ref = MoETransformer(cfg, dtype=torch.float64, seed=3)
+    ref.loss(tokens, tokens)  # the counts do not depend on how the batch is microbatched
+    want = {i: b.mlp._bias_counts for i, b in ref.moe_blocks()}
+    pipe = Pipeline(MoETransformer(cfg, dtype=torch.float64, device="meta", seed=3), cached_fold(spec), 2,
+                    schedule, virtual)
+    local, pos = shard_batch(tokens, spec, rank)
+    pipe.step(local, local, pos)
+    first = {i: b.mlp._bias_counts.clone() for i, b in pipe.moe_blocks()}
+    pipe.eval()
+    pipe.step(local, local, pos, backward=False)
+    pipe.train()
+    pipe.step(local, local, pos)
+    for i, b in pipe.moe_blocks():
+        assert torch.equal(first[i], want[i]), f"layer {i}, step 1: {first[i].tolist()} != {want[i].tolist()}"
+        assert torch.equal(b.mlp._bias_counts, 2 * want[i]), \
+            f"layer {i}, after eval and step 2: {b.mlp._bias_counts.tolist()} != {(2 * want[i]).tolist()}"
+    return True
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", [
+    (FoldSpec(4, pp=2, ep=2), "1f1b", 1),
+    (FoldSpec(4, pp=2, tp=2, ep=2), "gpipe", 1),
+    (FoldSpec(4, pp=2, ep=2), "interleaved-1f1b", 2),
+])
+def test_expert_bias_counts_each_training_forward_once(worlds, case):
+    spec, schedule, virtual = case
+    assert all(worlds(spec.world_size).run(_bias_counts_run, spec, schedule, virtual))
+
+
 def test_chunks_are_contiguous_and_balanced():
     assert chunk_layers(5, 2) == [[0, 1], [2, 3, 4]]
     assert chunk_layers(4, 4) == [[0], [1], [2], [3]]

@@ -84,6 +84,40 @@ class ModelChunk(nn.Module):
         return run_layers(self, x, self.positions)
 
 
+class _CountedCalls:
+    """What each forward of a chunk added to its MoE layers' expert-bias counts.
+
+    ``torch.distributed.pipelining`` (dynamic shapes) runs every stage's forward once more than
+    the schedule's microbatches at its first step and whenever it switches between training and
+    evaluation, to infer the shapes it sends: the first stage on the real first microbatch, later
+    stages on uninitialized tensors. Those runs come before the step's microbatches, so after a
+    step with ``microbatches + j`` calls the first ``j`` are taken back out of the counts (each
+    forward *adds* to them: MoELayer.forward). Their other per-forward state (losses, metrics)
+    is overwritten by the microbatches that follow."""
+
+    def __init__(self, chunk: nn.Module):
+        self.layers = [b.mlp for b in chunk.layers.values() if isinstance(b.mlp, MoELayer)]
+        self.log: list[tuple[list, list]] = []  # per call: counts before, counts after
+        chunk.register_forward_pre_hook(self._before)
+        chunk.register_forward_hook(self._after)
+
+    def _counts(self) -> list:
+        return [m._bias_counts for m in self.layers]
+
+    def _before(self, module, args):
+        self.log.append((self._counts(), []))
+
+    def _after(self, module, args, output):
+        self.log[-1][1].extend(self._counts())
+
+    def forget_extra(self, microbatches: int) -> None:
+        for before, after in self.log[:len(self.log) - microbatches]:
+            for m, b, a in zip(self.layers, before, after):
+                if a is not b:  # a training forward counted (evaluation does not)
+                    m._bias_counts = m._bias_counts - (a if b is None else a - b)
+        self.log.clear()
+
+
 def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int) -> None:
     """Raise ``ValueError`` naming the setting if this pipeline cannot run (no process needed)."""
     if schedule not in SCHEDULES:
@@ -151,6 +185,7 @@ class Pipeline:
         group = folded.attn["pp"].get_group()
         stages = [PipelineStage(c, s, n, folded.device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
         self.has_last = any(s == n - 1 for s in self.stage_ids)
+        self._calls = [_CountedCalls(c) for c in self.chunks]
         self._n_global = None
         if schedule == "interleaved-1f1b":
             self.schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=self._loss, scale_grads=False)
@@ -206,11 +241,15 @@ class Pipeline:
         for chunk in self.chunks:
             chunk.positions = positions
         losses: list[torch.Tensor] = []
+        for calls in self._calls:
+            calls.log.clear()
         if backward:
             self.schedule.step(tokens, target=targets, losses=losses)
         else:
             with torch.no_grad():
                 self.schedule.eval(tokens, target=targets, losses=losses)
+        for calls in self._calls:
+            calls.forget_extra(self.microbatches)
         share = torch.zeros((), dtype=torch.float64, device=count.device)
         if self.has_last:
             share += torch.stack([x.detach() for x in losses]).sum().double()
