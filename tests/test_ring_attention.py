@@ -19,16 +19,18 @@ TOL = dict(rtol=1e-9, atol=1e-11)
 # ---- block kernels ---------------------------------------------------------------------------
 @settings(max_examples=30)
 @given(st.integers(1, 2), st.sampled_from([(2, 2), (4, 2), (4, 1)]), st.integers(1, 6), st.integers(1, 6),
-       st.sampled_from([4, 8]), st.booleans(), st.integers(0, 10**6))
-def test_fused_block_kernel_equals_plain_reference(B, heads, m, n, d, causal, seed):
+       st.sampled_from([4, 8]), st.sampled_from([0, -2, 2]), st.booleans(), st.integers(0, 10**6))
+def test_fused_block_kernel_equals_plain_reference(B, heads, m, n, d, dv_minus_d, causal, seed):
     """Per block, the CPU flash kernel and the torch reference give the same output, log-sum-exp
-    and gradients (GQA included), and the output is SDPA's."""
+    and gradients (GQA included, and values narrower or wider than the keys, as MLA's), and the
+    output is SDPA's."""
     if causal:
         n = m  # diagonal blocks are square
     h, g = heads
     gen = torch.Generator().manual_seed(seed)
-    q, do = (torch.randn(B, h, m, d, dtype=torch.float64, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, g, n, d, dtype=torch.float64, generator=gen) for _ in range(2))
+    dv = d + dv_minus_d
+    q, k = (torch.randn(B, heads, rows, d, dtype=torch.float64, generator=gen) for heads, rows in ((h, m), (g, n)))
+    v, do = (torch.randn(B, heads, rows, dv, dtype=torch.float64, generator=gen) for heads, rows in ((g, n), (h, m)))
     (ffwd, fbwd), (pfwd, pbwd) = ring.KERNELS["fused"], ring.KERNELS["plain"]
     fo, flse = ffwd(q, k, v, causal)
     po, plse = pfwd(q, k, v, causal)
