@@ -1,6 +1,6 @@
 """Ring attention over cp (meshfold.models.ring_attention) equals causal attention on one device,
-in the kernels, the attention function and the whole folded model, and allocates nothing of
-S/cp x S elements."""
+in the kernels, the attention function and the whole folded model (GQA, and MLA ringing its
+latent), and allocates nothing of S/cp x S elements."""
 
 import pytest
 import torch
@@ -186,6 +186,37 @@ def test_named_cp4_layouts_with_tp_gqa_and_qk_norm_equal_one_device(worlds, spec
     assert worlds(spec.world_size).run(_model_counting_rings, case, "fsdp") == [4] * spec.world_size
 
 
+def _mla_counting_rings(rank, world_size, case):
+    """tests.test_deepseek_v3's whole-model check (loss, every gradient, logits in fp64), with
+    the ring calls counted by what travelled."""
+    from tests.test_deepseek_v3 import _run_folded
+
+    calls, real = [], ring.ring_attention
+    ring.ring_attention = lambda q, k, v, *a, **kw: calls.append((k.shape[1:], v.shape[1:])) or real(q, k, v, *a, **kw)
+    try:
+        assert _run_folded(rank, world_size, case)
+    finally:
+        ring.ring_attention = real
+    return calls
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("spec, q_latent, data_parallel", [
+    (FoldSpec(4, cp=2, tp=2, ep=2, etp=2), False, "allreduce"),  # cp2 x tp2, a plain q projection
+    (FoldSpec(4, cp=4, ep=4), True, "fsdp"),                      # cp4
+    (FoldSpec(8, cp=4, tp=2, ep=4, etp=2), True, "fsdp"),         # cp4 x tp2
+])
+def test_mla_model_rings_its_latent_and_equals_one_device(worlds, spec, q_latent, data_parallel):
+    """DeepSeek-V3 (MLA, YaRN): loss, every gradient (wkv_b's through the per-block expansion,
+    wkv_a's and kv_norm's through the latent's gradient sent home around the ring) and the logits
+    equal one device (fp64); every MLA layer ran the ring (2 layers x 2 forwards), and what
+    travelled is the latent [1, S/cp, kv_lora_rank] and the rope key [1, S/cp, qk_rope_head_dim]."""
+    B, S = 2 * spec.dp, 4 * spec.cp * spec.tp
+    calls = worlds(spec.world_size).run(_mla_counting_rings, (spec, B, S, 7, data_parallel, 0.01, q_latent))
+    latent = (torch.Size([1, S // spec.cp, 10]), torch.Size([1, S // spec.cp, 4]))  # _folded_config's rkv, dr
+    assert calls == [[latent] * 4] * spec.world_size
+
+
 def _model_any_positions(rank, world_size, spec):
     from meshfold.models.transformer import MoETransformer
     from meshfold.models.transformer_parallel import parallelize
@@ -238,12 +269,15 @@ class _LargestOutput(TorchDispatchMode):
         return out
 
 
-def _largest_tensor(rank, world_size, spec, S, method):
+def _largest_tensor(rank, world_size, spec, S, method, model):
+    import dataclasses
+
     from meshfold.models.transformer import MoETransformer
     from meshfold.models.transformer_parallel import parallelize, shard_batch
+    from tests.test_deepseek_v3 import _folded_config
     from tests.test_transformer_parallel import _config
 
-    cfg = _config(spec, False, True, False, 0.0)
+    cfg = _config(spec, False, True, False, 0.0) if model == "gqa" else dataclasses.replace(_folded_config(), max_seq=S)
     torch.manual_seed(0)
     model = parallelize(MoETransformer(cfg, dtype=torch.float64), cached_fold(spec))
     for block in model.layers:
@@ -257,15 +291,18 @@ def _largest_tensor(rank, world_size, spec, S, method):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("spec", [FoldSpec(2, cp=2, ep=2), FoldSpec(4, cp=4, ep=4), FoldSpec(4, cp=2, tp=2, ep=4)])
-def test_no_tensor_of_s_over_cp_by_s_elements(worlds, spec):
+@pytest.mark.parametrize("spec, model", [
+    (FoldSpec(2, cp=2, ep=2), "gqa"), (FoldSpec(4, cp=4, ep=4), "gqa"), (FoldSpec(4, cp=2, tp=2, ep=4), "gqa"),
+    (FoldSpec(2, cp=2, ep=2), "mla"), (FoldSpec(4, cp=2, tp=2, ep=4), "mla"),
+])
+def test_no_tensor_of_s_over_cp_by_s_elements(worlds, spec, model):
     """Forward and backward of the folded model with the ring allocate no tensor of S/cp x S
-    elements on any rank; the old path (K/V all-gathered, an [S/cp, S] mask) does, so the check
-    can fail. S = 256 puts every legitimate tensor (logits 1 x S/cp x 32, K/V, weights) below
-    S^2/cp."""
+    elements on any rank; the old path (K/V, or MLA's latent, all-gathered, an [S/cp, S] mask)
+    does, so the check can fail. S = 256 puts every legitimate tensor (logits 1 x S/cp x 32,
+    K/V or one block's expanded MLA K/V, weights) below S^2/cp."""
     S = 256
     limit = S // spec.cp * S
-    rings = worlds(spec.world_size).run(_largest_tensor, spec, S, "ring")
+    rings = worlds(spec.world_size).run(_largest_tensor, spec, S, "ring", model)
     assert all(n < limit for n, _ in rings), (limit, rings)
-    gathers = worlds(spec.world_size).run(_largest_tensor, spec, S, "gather")
+    gathers = worlds(spec.world_size).run(_largest_tensor, spec, S, "gather", model)
     assert all(n >= limit for n, _ in gathers), (limit, gathers)
