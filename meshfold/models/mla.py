@@ -60,7 +60,7 @@ from meshfold.models import init
 from meshfold.models.attention import _check_increasing, apply_rope, attend
 from meshfold.models.layers import RMSNorm
 
-__all__ = ["YaRN", "MLAConfig", "MLA", "mla_rope_cos_sin", "yarn_mscale"]
+__all__ = ["YaRN", "MLAConfig", "MLA", "LatentProjection", "mla_rope_cos_sin", "yarn_mscale"]
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm: the RMSNorm default
 
@@ -166,11 +166,28 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+class LatentProjection(nn.Module):
+    """A down projection to a latent, ``x [..., H] @ weight [H, r] -> [..., r]``.
+
+    A module rather than a parameter of :class:`MLA` because it is replicated over tp while the
+    heads around it are split: under FSDP2 with mixed precision its tp gradient sum must run in
+    the master dtype, which FSDP2 only does for a group all-gathered in that dtype, and a group
+    is a module (:func:`~meshfold.models.data_parallel.fully_shard_folded`, as for the norms)."""
+
+    def __init__(self, hidden: int, rank: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = init.normal_(nn.Parameter(torch.empty(hidden, rank, dtype=dtype)), std=hidden ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
 class MLA(nn.Module):
     """Multi-head latent attention: ``forward(x [B, S, H], positions, rope) -> [B, S, H]``.
 
-    Parameters (stored [in, out]): ``wq`` [H, h*(dn+dr)] or ``wq_a`` [H, rq] + ``q_norm`` [rq] +
-    ``wq_b`` [rq, h*(dn+dr)]; ``wkv_a`` [H, rkv + dr] (latent, then the shared rope key);
+    Parameters (stored [in, out]): ``wq`` [H, h*(dn+dr)] or ``wq_a.weight`` [H, rq] + ``q_norm``
+    [rq] + ``wq_b`` [rq, h*(dn+dr)]; ``wkv_a.weight`` [H, rkv + dr] (latent, then the shared rope
+    key; the down projections are :class:`LatentProjection` modules);
     ``kv_norm`` [rkv]; ``wkv_b`` [rkv, h*(dn+dv)] (per head: nope key, then value);
     ``wo`` [h*dv, H]. The per-head columns are head-major, so a tp shard of them is whole heads.
     """
@@ -189,10 +206,10 @@ class MLA(nn.Module):
             self.wq, self.wq_a, self.q_norm, self.wq_b = weight(hidden, qd), None, None, None
         else:
             self.wq = None
-            self.wq_a = weight(hidden, rq)  # [H, rq]
+            self.wq_a = LatentProjection(hidden, rq, dtype)  # [H, rq]
             self.q_norm = RMSNorm(rq, LATENT_NORM_EPS, dtype)
             self.wq_b = weight(rq, qd)  # [rq, h*(dn+dr)]
-        self.wkv_a = weight(hidden, rkv + dr)  # [H, rkv + dr]
+        self.wkv_a = LatentProjection(hidden, rkv + dr, dtype)  # [H, rkv + dr]
         self.kv_norm = RMSNorm(rkv, LATENT_NORM_EPS, dtype)
         self.wkv_b = weight(rkv, heads * (cfg.qk_nope_head_dim + dv))  # [rkv, h*(dn+dv)]
         self.wo = weight(heads * dv, hidden)  # [h*dv, H]
@@ -224,10 +241,10 @@ class MLA(nn.Module):
             _check_increasing(positions)
         cos, sin = rope if rope is not None else mla_rope_cos_sin(positions, cfg, self.rope_theta, x.dtype)
 
-        q = x @ self.wq if self.wq is not None else self.q_norm(x @ self.wq_a) @ self.wq_b  # [B, S, h*(dn+dr)]
+        q = x @ self.wq if self.wq is not None else self.q_norm(self.wq_a(x)) @ self.wq_b  # [B, S, h*(dn+dr)]
         q = q.view(B, S, -1, dn + dr).transpose(1, 2)  # [B, h, S, dn+dr]
         q_nope, q_pe = q.split([dn, dr], dim=-1)
-        c_kv, k_pe = (x @ self.wkv_a).split([rkv, dr], dim=-1)  # [B, S, rkv], [B, S, dr]
+        c_kv, k_pe = self.wkv_a(x).split([rkv, dr], dim=-1)  # [B, S, rkv], [B, S, dr]
         c_kv = self.kv_norm(c_kv).unsqueeze(1)  # [B, 1, S, rkv]
         q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe.unsqueeze(1), cos, sin)  # k_pe [B, 1, S, dr]
         q = torch.cat((q_nope, q_pe), dim=-1) * (cfg.softmax_scale * (dn + dr) ** 0.5)

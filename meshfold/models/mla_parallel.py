@@ -49,10 +49,10 @@ R = Replicate()
 
 # parameter name suffix -> placements over attn (dp, cp, tp)
 MLA_LAYOUT = {
-    "attn.wq_a": (R, R, R),  # down to the q latent: replicated over tp
+    "attn.wq_a.weight": (R, R, R),  # down to the q latent: replicated over tp
     "attn.q_norm.weight": (R, R, R),
     "attn.wq_b": (R, R, Shard(1)),  # up from the q latent: columns = heads
-    "attn.wkv_a": (R, R, R),  # down to the kv latent + shared rope key: replicated over tp
+    "attn.wkv_a.weight": (R, R, R),  # down to the kv latent + shared rope key: replicated over tp
     "attn.kv_norm.weight": (R, R, R),
     "attn.wkv_b": (R, R, Shard(1)),  # up from the kv latent: columns = heads (nope key, value)
     # attn.wq (no q latent): columns = heads, attn.wo: rows = heads, as TRANSFORMER_LAYOUT says

@@ -42,7 +42,8 @@ from outside:
   the cast's backward returns the gradient in the master dtype, where it accumulates and is
   summed. Both paths round each weight once to the compute dtype and compute the same ops.
   Under FSDP2 with ``tp > 1``, weights replicated over ``tp`` (norms, embeddings, head, the
-  shared expert's gate) are all-gathered in the master dtype and cast by the parametrization,
+  shared expert's gate, MLA's latent down projections ``wq_a`` / ``wkv_a``, modules of their own
+  for this) are all-gathered in the master dtype and cast by the parametrization,
   because FSDP2 sums their ``tp`` shares in its param_dtype (see :func:`meshfold.models.data_parallel.fully_shard_folded`).
 
 The loss each rank returns is its share (sum of its tokens' cross-entropy over the global token
