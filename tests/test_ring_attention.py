@@ -100,6 +100,53 @@ def test_ring_attention_equals_one_device(worlds):
     check()
 
 
+def _ring_expanding(rank, world_size, case):
+    """MLA's case: what travels is a latent and a shared rope key, expanded per block by
+    ``MLA.expand`` with a weight of this rank's."""
+    from meshfold.models.mla import MLA, MLAConfig
+
+    spec, B, h, n, seed, kernels = case
+    cfg = MLAConfig(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3)
+    expand = MLA(8, h, cfg, 10000.0, dtype=torch.float64).expand
+    S, gen = 2 * spec.cp * n, torch.Generator().manual_seed(seed)
+    full = [torch.randn(*shape, dtype=torch.float64, generator=gen).requires_grad_()
+            for shape in ((B, h, S, 6), (B, 1, S, 6), (B, 1, S, 2), (6, h * 7))]  # q, latent, rope key, wkv_b
+    w = torch.randn(B, h, S, 3, dtype=torch.float64, generator=gen)
+    q, c, pe, wkv_b = full
+    o = F.scaled_dot_product_attention(q, *expand(c, pe, wkv_b), is_causal=True)
+    (o * w).sum().backward()
+    pos = _chunk_positions(spec, rank, n)
+    local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, c, pe)]
+    local.append(wkv_b.detach().clone().requires_grad_())
+    mesh = cached_fold(spec).stage("attn")
+    lo = ring.ring_attention(*local[:3], mesh, "cp", kernels, expand=expand, weights=(local[3],))
+    (lo * w[:, :, pos]).sum().backward()
+    torch.testing.assert_close(lo, o.detach()[:, :, pos], **TOL)
+    dw = local[3].grad.clone()
+    torch.distributed.all_reduce(dw, group=mesh.get_group("cp"))  # each cp rank holds its queries' share
+    for name, got, want in (("dq", local[0].grad, q.grad[:, :, pos]), ("dlatent", local[1].grad, c.grad[:, :, pos]),
+                            ("drope_key", local[2].grad, pe.grad[:, :, pos]), ("dwkv_b", dw, wkv_b.grad)):
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.multirank
+def test_ring_attention_with_expand_equals_one_device(worlds):
+    """cp = 2 and 4, both block kernels, MLA's expansion (values narrower than keys): this rank's
+    output and the gradients of q, of what travelled (sent home around the ring) and of the
+    expanding weight (summed over cp) equal one device (fp64)."""
+    world = worlds(4)
+
+    @settings(max_examples=6)
+    @given(st.tuples(st.sampled_from([FoldSpec(4, cp=4), FoldSpec(4, cp=2, tp=2)]), st.integers(1, 2),
+                     st.sampled_from([1, 2]), st.integers(1, 4), st.integers(0, 10**6),
+                     st.sampled_from(["fused", "plain"])))
+    def check(case):
+        world.run(_ring_expanding, case)
+
+    check()
+
+
 def _context_hook(rank, world_size, spec, n, offset, permuted):
     """The parallelize hook: ring for the load-balanced layout (also shifted by an offset), the
     generic all-gather + mask path for any other positions; both equal one device."""
