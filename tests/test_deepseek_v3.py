@@ -129,8 +129,10 @@ def test_checkpoint_that_does_not_fit_names_tensor_and_both_shapes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     from meshfold.models.hf import config_from_hf
 
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.kv_a_proj_with_mqa\.weight' has shape "
-                                         r"\[16, 48\] but the config expects \[20, 48\]"):
+    # the first misfit in parameter order: MLA's own parameters come before its submodules
+    # (the down projections, LatentProjection), so kv_b_proj is met before kv_a_proj_with_mqa
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.kv_b_proj\.weight' has shape "
+                                         r"\[96, 12\] but the config expects \[96, 16\]"):
         load_state(tmp_path, config_from_hf(hf))
 
 

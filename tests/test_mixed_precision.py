@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
+from meshfold.models.mla import MLAConfig
 from meshfold.models.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.models.transformer_parallel import full_state_dict, parallelize, reduce_gradients, single_device_name
@@ -23,12 +24,15 @@ pytestmark = pytest.mark.multirank
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
-def _model(spec, seed, data_parallel, pp_schedule=None, microbatches=1):
+def _model(spec, seed, data_parallel, pp_schedule=None, microbatches=1, mla=False):
     """A tiny MoE transformer with fp32 master weights computing in bf16 (no balancing losses, so
-    a micro-batch's gradient is exactly its token share of the whole batch's)."""
+    a micro-batch's gradient is exactly its token share of the whole batch's); ``mla``: its
+    attention is DeepSeek-V3's MLA (with a q latent) instead of GQA with q/k norms."""
     moe = MoEConfig(hidden=16, ffn=4 * spec.etp, num_experts=8, topk=2, shared_ffn=2 * spec.tp)
-    cfg = TransformerConfig(vocab=32, hidden=16, layers=2, heads=8, kv_heads=4, ffn=4 * spec.tp, moe=moe,
-                            first_k_dense=1, qk_norm=True)
+    attn = dict(mla=MLAConfig(q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+                ) if mla else dict(kv_heads=4, qk_norm=True)
+    cfg = TransformerConfig(vocab=32, hidden=16, layers=2, heads=8, ffn=4 * spec.tp, moe=moe, first_k_dense=1,
+                            **attn)
     torch.manual_seed(seed)
     model = MoETransformer(cfg)  # fp32: the master weights
     if pp_schedule is not None:
@@ -61,10 +65,10 @@ def _reduced_in_fp32(rank, world_size, case):
     each micro-batch alone (its share of the tokens is 1/m, so its gradient is m x its contribution,
     exactly: a power-of-two scale commutes with rounding) on an all-reduce model whose Partial
     gradients are summed in fp64 here instead of by reduce_gradients."""
-    spec, data_parallel, m, schedule = case
+    spec, data_parallel, m, schedule, mla = case
     tokens, targets = _batch(spec, 3)
     b = tokens.shape[0] // spec.dp
-    ref_model = _model(spec, 0, "allreduce", "gpipe" if schedule else None)
+    ref_model = _model(spec, 0, "allreduce", "gpipe" if schedule else None, mla=mla)
     ref: dict[str, torch.Tensor] = {}
     for i in range(m):  # micro-batch i: the i-th slice of every dp rank's rows
         rows = torch.cat([torch.arange(d * b + i * b // m, d * b + (i + 1) * b // m) for d in range(spec.dp)])
@@ -72,7 +76,7 @@ def _reduced_in_fp32(rank, world_size, case):
         for name, p in _named(ref_model).items():
             ref[name] = ref.get(name, 0) + _sum_fp64(p.grad) / m
             p.grad = None
-    model = _model(spec, 0, data_parallel, schedule, m)
+    model = _model(spec, 0, data_parallel, schedule, m, mla)
     _global_loss(model, tokens, targets, spec, rank, backward=True, microbatches=1 if schedule else m)
     reduce_gradients(model) if schedule is None else [reduce_gradients(c) for c in model.chunks]
     for name, p in _named(model).items():
@@ -84,20 +88,22 @@ def _reduced_in_fp32(rank, world_size, case):
     return True
 
 
-@pytest.mark.parametrize("spec, data_parallel, m, schedule", [
-    (FoldSpec(4, tp=2, ep=4), "allreduce", 1, None),      # dp2 x tp2 | ep4
-    (FoldSpec(4, tp=2, ep=4), "fsdp", 1, None),           # FSDP2 with tp: tp-replicated weights' tp sums
-    (FoldSpec(4, tp=2, ep=4), "fsdp", 2, None),
-    (FoldSpec(4, cp=2, ep=2), "fsdp", 1, None),           # dp2 x cp2 | edp2 x ep2
-    (FoldSpec(4, cp=2, ep=2), "allreduce", 2, None),
-    (FoldSpec(4, pp=2, ep=2), "fsdp", 2, "1f1b"),         # pp2 x dp2 | pp2 x ep2
-    (FoldSpec(4, pp=2, ep=2), "allreduce", 2, "1f1b"),
+@pytest.mark.parametrize("spec, data_parallel, m, schedule, mla", [
+    (FoldSpec(4, tp=2, ep=4), "allreduce", 1, None, False),      # dp2 x tp2 | ep4
+    (FoldSpec(4, tp=2, ep=4), "fsdp", 1, None, False),           # FSDP2 with tp: tp-replicated weights' tp sums
+    (FoldSpec(4, tp=2, ep=4), "fsdp", 2, None, False),
+    (FoldSpec(4, tp=2, ep=4), "fsdp", 1, None, True),            # MLA's tp-replicated latent down projections
+    (FoldSpec(4, cp=2, ep=2), "fsdp", 1, None, False),           # dp2 x cp2 | edp2 x ep2
+    (FoldSpec(4, cp=2, ep=2), "allreduce", 2, None, False),
+    (FoldSpec(4, pp=2, ep=2), "fsdp", 2, "1f1b", False),         # pp2 x dp2 | pp2 x ep2
+    (FoldSpec(4, pp=2, ep=2), "allreduce", 2, "1f1b", False),
 ])
-def test_gradients_are_summed_in_fp32_over_ranks_and_microbatches(worlds, spec, data_parallel, m, schedule):
+def test_gradients_are_summed_in_fp32_over_ranks_and_microbatches(worlds, spec, data_parallel, m, schedule, mla):
     """Every reduction and accumulation runs in fp32, including, under FSDP2 with tp > 1, the tp sums
-    of tp-replicated weights (norms, q/k norms, embeddings, head, the shared expert's gate), which
-    FSDP2 would add in bf16 if they were all-gathered in bf16 (transformer_parallel's docstring)."""
-    assert all(worlds(4).run(_reduced_in_fp32, (spec, data_parallel, m, schedule)))
+    of tp-replicated weights (norms, q/k norms, embeddings, head, the shared expert's gate, MLA's
+    latent down projections ``wq_a`` / ``wkv_a`` and latent norms), which FSDP2 would add in bf16 if
+    they were all-gathered in bf16 (transformer_parallel's docstring)."""
+    assert all(worlds(4).run(_reduced_in_fp32, (spec, data_parallel, m, schedule, mla)))
 
 
 def _small_update(rank, world_size, data_parallel):

@@ -1,6 +1,6 @@
 """Ring attention over cp (meshfold.models.ring_attention) equals causal attention on one device,
-in the kernels, the attention function and the whole folded model, and allocates nothing of
-S/cp x S elements."""
+in the kernels, the attention function and the whole folded model (GQA, and MLA ringing its
+latent), and allocates nothing of S/cp x S elements."""
 
 import pytest
 import torch
@@ -19,16 +19,18 @@ TOL = dict(rtol=1e-9, atol=1e-11)
 # ---- block kernels ---------------------------------------------------------------------------
 @settings(max_examples=30)
 @given(st.integers(1, 2), st.sampled_from([(2, 2), (4, 2), (4, 1)]), st.integers(1, 6), st.integers(1, 6),
-       st.sampled_from([4, 8]), st.booleans(), st.integers(0, 10**6))
-def test_fused_block_kernel_equals_plain_reference(B, heads, m, n, d, causal, seed):
+       st.sampled_from([4, 8]), st.sampled_from([0, -2, 2]), st.booleans(), st.integers(0, 10**6))
+def test_fused_block_kernel_equals_plain_reference(B, heads, m, n, d, dv_minus_d, causal, seed):
     """Per block, the CPU flash kernel and the torch reference give the same output, log-sum-exp
-    and gradients (GQA included), and the output is SDPA's."""
+    and gradients (GQA included, and values narrower or wider than the keys, as MLA's), and the
+    output is SDPA's."""
     if causal:
         n = m  # diagonal blocks are square
     h, g = heads
     gen = torch.Generator().manual_seed(seed)
-    q, do = (torch.randn(B, h, m, d, dtype=torch.float64, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, g, n, d, dtype=torch.float64, generator=gen) for _ in range(2))
+    dv = d + dv_minus_d
+    q, k = (torch.randn(B, heads, rows, d, dtype=torch.float64, generator=gen) for heads, rows in ((h, m), (g, n)))
+    v, do = (torch.randn(B, heads, rows, dv, dtype=torch.float64, generator=gen) for heads, rows in ((g, n), (h, m)))
     (ffwd, fbwd), (pfwd, pbwd) = ring.KERNELS["fused"], ring.KERNELS["plain"]
     fo, flse = ffwd(q, k, v, causal)
     po, plse = pfwd(q, k, v, causal)
@@ -94,6 +96,53 @@ def test_ring_attention_equals_one_device(worlds):
                      st.sampled_from([4, 8]), st.integers(0, 10**6), st.sampled_from(["fused", "plain"])))
     def check(case):
         world.run(_ring_function, case)
+
+    check()
+
+
+def _ring_expanding(rank, world_size, case):
+    """MLA's case: what travels is a latent and a shared rope key, expanded per block by
+    ``MLA.expand`` with a weight of this rank's."""
+    from meshfold.models.mla import MLA, MLAConfig
+
+    spec, B, h, n, seed, kernels = case
+    cfg = MLAConfig(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3)
+    expand = MLA(8, h, cfg, 10000.0, dtype=torch.float64).expand
+    S, gen = 2 * spec.cp * n, torch.Generator().manual_seed(seed)
+    full = [torch.randn(*shape, dtype=torch.float64, generator=gen).requires_grad_()
+            for shape in ((B, h, S, 6), (B, 1, S, 6), (B, 1, S, 2), (6, h * 7))]  # q, latent, rope key, wkv_b
+    w = torch.randn(B, h, S, 3, dtype=torch.float64, generator=gen)
+    q, c, pe, wkv_b = full
+    o = F.scaled_dot_product_attention(q, *expand(c, pe, wkv_b), is_causal=True)
+    (o * w).sum().backward()
+    pos = _chunk_positions(spec, rank, n)
+    local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, c, pe)]
+    local.append(wkv_b.detach().clone().requires_grad_())
+    mesh = cached_fold(spec).stage("attn")
+    lo = ring.ring_attention(*local[:3], mesh, "cp", kernels, expand=expand, weights=(local[3],))
+    (lo * w[:, :, pos]).sum().backward()
+    torch.testing.assert_close(lo, o.detach()[:, :, pos], **TOL)
+    dw = local[3].grad.clone()
+    torch.distributed.all_reduce(dw, group=mesh.get_group("cp"))  # each cp rank holds its queries' share
+    for name, got, want in (("dq", local[0].grad, q.grad[:, :, pos]), ("dlatent", local[1].grad, c.grad[:, :, pos]),
+                            ("drope_key", local[2].grad, pe.grad[:, :, pos]), ("dwkv_b", dw, wkv_b.grad)):
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.multirank
+def test_ring_attention_with_expand_equals_one_device(worlds):
+    """cp = 2 and 4, both block kernels, MLA's expansion (values narrower than keys): this rank's
+    output and the gradients of q, of what travelled (sent home around the ring) and of the
+    expanding weight (summed over cp) equal one device (fp64)."""
+    world = worlds(4)
+
+    @settings(max_examples=6)
+    @given(st.tuples(st.sampled_from([FoldSpec(4, cp=4), FoldSpec(4, cp=2, tp=2)]), st.integers(1, 2),
+                     st.sampled_from([1, 2]), st.integers(1, 4), st.integers(0, 10**6),
+                     st.sampled_from(["fused", "plain"])))
+    def check(case):
+        world.run(_ring_expanding, case)
 
     check()
 
@@ -184,6 +233,37 @@ def test_named_cp4_layouts_with_tp_gqa_and_qk_norm_equal_one_device(worlds, spec
     assert worlds(spec.world_size).run(_model_counting_rings, case, "fsdp") == [4] * spec.world_size
 
 
+def _mla_counting_rings(rank, world_size, case):
+    """tests.test_deepseek_v3's whole-model check (loss, every gradient, logits in fp64), with
+    the ring calls counted by what travelled."""
+    from tests.test_deepseek_v3 import _run_folded
+
+    calls, real = [], ring.ring_attention
+    ring.ring_attention = lambda q, k, v, *a, **kw: calls.append((k.shape[1:], v.shape[1:])) or real(q, k, v, *a, **kw)
+    try:
+        assert _run_folded(rank, world_size, case)
+    finally:
+        ring.ring_attention = real
+    return calls
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("spec, q_latent, data_parallel", [
+    (FoldSpec(4, cp=2, tp=2, ep=2, etp=2), False, "allreduce"),  # cp2 x tp2, a plain q projection
+    (FoldSpec(4, cp=4, ep=4), True, "fsdp"),                      # cp4
+    (FoldSpec(8, cp=4, tp=2, ep=4, etp=2), True, "fsdp"),         # cp4 x tp2
+])
+def test_mla_model_rings_its_latent_and_equals_one_device(worlds, spec, q_latent, data_parallel):
+    """DeepSeek-V3 (MLA, YaRN): loss, every gradient (wkv_b's through the per-block expansion,
+    wkv_a's and kv_norm's through the latent's gradient sent home around the ring) and the logits
+    equal one device (fp64); every MLA layer ran the ring (2 layers x 2 forwards), and what
+    travelled is the latent [1, S/cp, kv_lora_rank] and the rope key [1, S/cp, qk_rope_head_dim]."""
+    B, S = 2 * spec.dp, 4 * spec.cp * spec.tp
+    calls = worlds(spec.world_size).run(_mla_counting_rings, (spec, B, S, 7, data_parallel, 0.01, q_latent))
+    latent = (torch.Size([1, S // spec.cp, 10]), torch.Size([1, S // spec.cp, 4]))  # _folded_config's rkv, dr
+    assert calls == [[latent] * 4] * spec.world_size
+
+
 def _model_any_positions(rank, world_size, spec):
     from meshfold.models.transformer import MoETransformer
     from meshfold.models.transformer_parallel import parallelize
@@ -236,12 +316,15 @@ class _LargestOutput(TorchDispatchMode):
         return out
 
 
-def _largest_tensor(rank, world_size, spec, S, method):
+def _largest_tensor(rank, world_size, spec, S, method, model):
+    import dataclasses
+
     from meshfold.models.transformer import MoETransformer
     from meshfold.models.transformer_parallel import parallelize, shard_batch
+    from tests.test_deepseek_v3 import _folded_config
     from tests.test_transformer_parallel import _config
 
-    cfg = _config(spec, False, True, False, 0.0)
+    cfg = _config(spec, False, True, False, 0.0) if model == "gqa" else dataclasses.replace(_folded_config(), max_seq=S)
     torch.manual_seed(0)
     model = parallelize(MoETransformer(cfg, dtype=torch.float64), cached_fold(spec))
     for block in model.layers:
@@ -255,15 +338,18 @@ def _largest_tensor(rank, world_size, spec, S, method):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("spec", [FoldSpec(2, cp=2, ep=2), FoldSpec(4, cp=4, ep=4), FoldSpec(4, cp=2, tp=2, ep=4)])
-def test_no_tensor_of_s_over_cp_by_s_elements(worlds, spec):
+@pytest.mark.parametrize("spec, model", [
+    (FoldSpec(2, cp=2, ep=2), "gqa"), (FoldSpec(4, cp=4, ep=4), "gqa"), (FoldSpec(4, cp=2, tp=2, ep=4), "gqa"),
+    (FoldSpec(2, cp=2, ep=2), "mla"), (FoldSpec(4, cp=2, tp=2, ep=4), "mla"),
+])
+def test_no_tensor_of_s_over_cp_by_s_elements(worlds, spec, model):
     """Forward and backward of the folded model with the ring allocate no tensor of S/cp x S
-    elements on any rank; the old path (K/V all-gathered, an [S/cp, S] mask) does, so the check
-    can fail. S = 256 puts every legitimate tensor (logits 1 x S/cp x 32, K/V, weights) below
-    S^2/cp."""
+    elements on any rank; the old path (K/V, or MLA's latent, all-gathered, an [S/cp, S] mask)
+    does, so the check can fail. S = 256 puts every legitimate tensor (logits 1 x S/cp x 32,
+    K/V or one block's expanded MLA K/V, weights) below S^2/cp."""
     S = 256
     limit = S // spec.cp * S
-    rings = worlds(spec.world_size).run(_largest_tensor, spec, S, "ring")
+    rings = worlds(spec.world_size).run(_largest_tensor, spec, S, "ring", model)
     assert all(n < limit for n, _ in rings), (limit, rings)
-    gathers = worlds(spec.world_size).run(_largest_tensor, spec, S, "gather")
+    gathers = worlds(spec.world_size).run(_largest_tensor, spec, S, "gather", model)
     assert all(n >= limit for n, _ in gathers), (limit, gathers)

@@ -53,10 +53,11 @@ def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | No
     master = next(p.dtype for n, p in model.named_parameters() if ".router." not in n)
     mp = policy(master, compute_dtype)
     # Weights replicated over tp get tp sums of gradients (norms, embeddings, head, the shared
-    # expert's gate). FSDP2 adds those shares in its param_dtype before the reduce-scatter, so
-    # under mixed precision with tp > 1 they are all-gathered in the master dtype instead (their
-    # own groups, and the root) and cast for compute by the parametrization (_Local), whose
-    # backward hands FSDP2 master-dtype gradients: the tp sum runs in fp32 too.
+    # expert's gate, MLA's latent down projections and norms). FSDP2 adds those shares in its
+    # param_dtype before the reduce-scatter, so under mixed precision with tp > 1 they are
+    # all-gathered in the master dtype instead (their own groups, and the root) and cast for
+    # compute by the parametrization (_Local), whose backward hands FSDP2 master-dtype
+    # gradients: the tp sum runs in fp32 too.
     tp_summed = folded.spec.tp > 1 and compute_dtype not in (None, master)
     wide = MixedPrecisionPolicy(param_dtype=master, reduce_dtype=reduce_dtype(master),
                                 cast_forward_inputs=False) if tp_summed else mp
@@ -71,10 +72,10 @@ def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | No
                 fully_shard(shared, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
         if tp_summed:
             inner = getattr(block.attn, "inner", block.attn)
-            for norm in (block.attn_norm, block.mlp_norm, inner.q_norm, inner.k_norm,
-                         getattr(inner, "kv_norm", None)):  # MLA's kv latent norm
-                if norm is not None:
-                    fully_shard(norm, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
+            for module in (block.attn_norm, block.mlp_norm, inner.q_norm, inner.k_norm,
+                           *(getattr(inner, name, None) for name in ("kv_norm", "wq_a", "wkv_a"))):  # MLA's latents
+                if isinstance(module, nn.Module):
+                    fully_shard(module, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
         fully_shard(block, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=mp)
     fully_shard(model, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)  # embeddings, final norm, head
     for method in ("loss", "local_logits"):  # entry points besides forward: gather the root's weights too

@@ -3,10 +3,10 @@
 Checkpoint tensors (``[out, in]`` for linears) and the meshfold parameters they become::
 
     model.layers.N.self_attn.q_proj.weight [h*(dn+dr), H]          -> attn.wq  (q_lora_rank null)
-    model.layers.N.self_attn.q_a_proj.weight [rq, H]               -> attn.wq_a
+    model.layers.N.self_attn.q_a_proj.weight [rq, H]               -> attn.wq_a.weight
     model.layers.N.self_attn.q_a_layernorm.weight [rq]             -> attn.q_norm.weight
     model.layers.N.self_attn.q_b_proj.weight [h*(dn+dr), rq]       -> attn.wq_b
-    model.layers.N.self_attn.kv_a_proj_with_mqa.weight [rkv+dr, H] -> attn.wkv_a
+    model.layers.N.self_attn.kv_a_proj_with_mqa.weight [rkv+dr, H] -> attn.wkv_a.weight
     model.layers.N.self_attn.kv_a_layernorm.weight [rkv]           -> attn.kv_norm.weight
     model.layers.N.self_attn.kv_b_proj.weight [h*(dn+dv), rkv]     -> attn.wkv_b
     model.layers.N.self_attn.o_proj.weight [H, h*dv]               -> attn.wo
@@ -157,10 +157,10 @@ def checkpoint_map(cfg, leaf, linear, gate_up, stack) -> dict:
         if cfg.mla.q_lora_rank is None:
             r[f"{mf}.attn.wq"] = linear(f"{att}.q_proj.weight")
         else:
-            r[f"{mf}.attn.wq_a"] = linear(f"{att}.q_a_proj.weight")
+            r[f"{mf}.attn.wq_a.weight"] = linear(f"{att}.q_a_proj.weight")
             r[f"{mf}.attn.q_norm.weight"] = leaf(f"{att}.q_a_layernorm.weight")
             r[f"{mf}.attn.wq_b"] = linear(f"{att}.q_b_proj.weight")
-        r[f"{mf}.attn.wkv_a"] = linear(f"{att}.kv_a_proj_with_mqa.weight")
+        r[f"{mf}.attn.wkv_a.weight"] = linear(f"{att}.kv_a_proj_with_mqa.weight")
         r[f"{mf}.attn.kv_norm.weight"] = leaf(f"{att}.kv_a_layernorm.weight")
         r[f"{mf}.attn.wkv_b"] = linear(f"{att}.kv_b_proj.weight")
         r[f"{mf}.attn.wo"] = linear(f"{att}.o_proj.weight")

@@ -27,14 +27,17 @@ Math decisions, each matching transformers 5.24's ``modeling_deepseek_v3.py``:
 * The latent norms (``q_norm``, ``kv_norm``) use eps 1e-6 whatever ``rms_norm_eps`` is, as
   transformers builds them.
 
-The attention itself is :func:`~meshfold.models.attention.attend`; it scales by
-``1/sqrt(dn + dr)``, so q is multiplied by ``softmax_scale * sqrt(dn + dr)`` first.
+The attention itself is :func:`~meshfold.models.attention.attend` (or, under context
+parallelism, ring attention, whose block kernels scale alike); it scales by ``1/sqrt(dn + dr)``,
+so q is multiplied by ``softmax_scale * sqrt(dn + dr)`` first (one [B, h, S, dn+dr] product,
+where a scale argument would save nothing worth a second convention).
 
-``kv_gather`` (None on one device), set from outside, is the context-parallel hook: a function
-``(c_kv [B, 1, S, rkv], k_pe [B, 1, S, dr], k_pos) -> (the same for every key this rank's
-queries need)``. It receives the *latent* (rkv + dr numbers per token, 576 for DeepSeek-V3,
-against h * (dn + dr + dv) = 40960 for the expanded K/V), and each rank expands the gathered
-latent with its own heads of ``wkv_b``. Layout: :mod:`meshfold.models.mla_parallel`.
+``context`` (None on one device), set from outside, is the context-parallel hook: a function
+``(q [B, h, S, dn+dr], c_kv [B, 1, S, rkv], k_pe [B, 1, S, dr], positions, expand, wkv_b) -> o
+[B, h, S, dv]``, this rank's attention over every cp rank's keys. It receives the *latent* (rkv +
+dr numbers per token, 576 for DeepSeek-V3, against h * (dn + dr + dv) = 40960 for the expanded
+K/V) and :meth:`MLA.expand` with this rank's heads of ``wkv_b``, so each rank expands the other
+ranks' latents itself. Layout: :mod:`meshfold.models.mla_parallel`.
 
 Multi-token prediction (DeepSeek-V3's MTP, ``num_nextn_predict_layers``) is not built. It would
 take: per MTP depth ``j`` a module of its own (``enorm``, ``hnorm`` RMSNorms, a projection
@@ -54,10 +57,10 @@ import torch
 from torch import nn
 
 from meshfold.models import init
-from meshfold.models.attention import CausalMaskCache, _check_increasing, apply_rope, attend
+from meshfold.models.attention import _check_increasing, apply_rope, attend
 from meshfold.models.layers import RMSNorm
 
-__all__ = ["YaRN", "MLAConfig", "MLA", "mla_rope_cos_sin", "yarn_mscale"]
+__all__ = ["YaRN", "MLAConfig", "MLA", "LatentProjection", "mla_rope_cos_sin", "yarn_mscale"]
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm: the RMSNorm default
 
@@ -163,11 +166,28 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+class LatentProjection(nn.Module):
+    """A down projection to a latent, ``x [..., H] @ weight [H, r] -> [..., r]``.
+
+    A module rather than a parameter of :class:`MLA` because it is replicated over tp while the
+    heads around it are split: under FSDP2 with mixed precision its tp gradient sum must run in
+    the master dtype, which FSDP2 only does for a group all-gathered in that dtype, and a group
+    is a module (:func:`~meshfold.models.data_parallel.fully_shard_folded`, as for the norms)."""
+
+    def __init__(self, hidden: int, rank: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = init.normal_(nn.Parameter(torch.empty(hidden, rank, dtype=dtype)), std=hidden ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
 class MLA(nn.Module):
     """Multi-head latent attention: ``forward(x [B, S, H], positions, rope) -> [B, S, H]``.
 
-    Parameters (stored [in, out]): ``wq`` [H, h*(dn+dr)] or ``wq_a`` [H, rq] + ``q_norm`` [rq] +
-    ``wq_b`` [rq, h*(dn+dr)]; ``wkv_a`` [H, rkv + dr] (latent, then the shared rope key);
+    Parameters (stored [in, out]): ``wq`` [H, h*(dn+dr)] or ``wq_a.weight`` [H, rq] + ``q_norm``
+    [rq] + ``wq_b`` [rq, h*(dn+dr)]; ``wkv_a.weight`` [H, rkv + dr] (latent, then the shared rope
+    key; the down projections are :class:`LatentProjection` modules);
     ``kv_norm`` [rkv]; ``wkv_b`` [rkv, h*(dn+dv)] (per head: nope key, then value);
     ``wo`` [h*dv, H]. The per-head columns are head-major, so a tp shard of them is whole heads.
     """
@@ -186,47 +206,50 @@ class MLA(nn.Module):
             self.wq, self.wq_a, self.q_norm, self.wq_b = weight(hidden, qd), None, None, None
         else:
             self.wq = None
-            self.wq_a = weight(hidden, rq)  # [H, rq]
+            self.wq_a = LatentProjection(hidden, rq, dtype)  # [H, rq]
             self.q_norm = RMSNorm(rq, LATENT_NORM_EPS, dtype)
             self.wq_b = weight(rq, qd)  # [rq, h*(dn+dr)]
-        self.wkv_a = weight(hidden, rkv + dr)  # [H, rkv + dr]
+        self.wkv_a = LatentProjection(hidden, rkv + dr, dtype)  # [H, rkv + dr]
         self.kv_norm = RMSNorm(rkv, LATENT_NORM_EPS, dtype)
         self.wkv_b = weight(rkv, heads * (cfg.qk_nope_head_dim + dv))  # [rkv, h*(dn+dv)]
         self.wo = weight(heads * dv, hidden)  # [h*dv, H]
         self.k_norm = None  # no per-head norms (read by data_parallel alongside q_norm)
-        self.kv_gather = None
-        self.masks: CausalMaskCache | None = None
+        self.context = None
+
+    def expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor, wkv_b: torch.Tensor):
+        """Keys and values of latents ``c_kv`` [B, 1, Sk, rkv] and roped shared keys ``k_pe``
+        [B, 1, Sk, dr] with the up projection ``wkv_b`` [rkv, h*(dn+dv)] (any whole heads of it)
+        -> k [B, h, Sk, dn+dr], v [B, h, Sk, dv]."""
+        dn, dv = self.cfg.qk_nope_head_dim, self.cfg.v_head_dim
+        B, _, Sk, _ = c_kv.shape
+        kv = (c_kv.squeeze(1) @ wkv_b).view(B, Sk, -1, dn + dv).transpose(1, 2)  # [B, h, Sk, dn+dv]
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        return torch.cat((k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)), dim=-1), v
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(_deinterleave(x) if self.cfg.rope_interleave else x, cos, sin)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         """x [B, S, H] at ``positions`` ([S] or [B, S], default 0..S-1; increasing unless
-        ``kv_gather`` is set) -> [B, S, H]. ``rope``: precomputed :func:`mla_rope_cos_sin`."""
+        ``context`` is set) -> [B, S, H]. ``rope``: precomputed :func:`mla_rope_cos_sin`."""
         cfg = self.cfg
         B, S, _ = x.shape
-        dn, dr, dv, rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        dn, dr, rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         if positions is None:
             positions = torch.arange(S, device=x.device)
-        elif self.kv_gather is None and positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        elif self.context is None and positions.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_increasing(positions)
         cos, sin = rope if rope is not None else mla_rope_cos_sin(positions, cfg, self.rope_theta, x.dtype)
 
-        q = x @ self.wq if self.wq is not None else self.q_norm(x @ self.wq_a) @ self.wq_b  # [B, S, h*(dn+dr)]
+        q = x @ self.wq if self.wq is not None else self.q_norm(self.wq_a(x)) @ self.wq_b  # [B, S, h*(dn+dr)]
         q = q.view(B, S, -1, dn + dr).transpose(1, 2)  # [B, h, S, dn+dr]
         q_nope, q_pe = q.split([dn, dr], dim=-1)
-        c_kv, k_pe = (x @ self.wkv_a).split([rkv, dr], dim=-1)  # [B, S, rkv], [B, S, dr]
+        c_kv, k_pe = self.wkv_a(x).split([rkv, dr], dim=-1)  # [B, S, rkv], [B, S, dr]
         c_kv = self.kv_norm(c_kv).unsqueeze(1)  # [B, 1, S, rkv]
         q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe.unsqueeze(1), cos, sin)  # k_pe [B, 1, S, dr]
-
-        q_pos = k_pos = None  # in sequence order: causal by index
-        if self.kv_gather is not None:
-            q_pos = positions
-            c_kv, k_pe, k_pos = self.kv_gather(c_kv, k_pe, positions)  # [B, 1, Sk, rkv], [B, 1, Sk, dr]
-        Sk = c_kv.shape[2]
-        kv = (c_kv.squeeze(1) @ self.wkv_b).view(B, Sk, -1, dn + dv).transpose(1, 2)  # [B, h, Sk, dn+dv]
-        k_nope, v = kv.split([dn, dv], dim=-1)
-        k = torch.cat((k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [B, h, Sk, dn+dr]
         q = torch.cat((q_nope, q_pe), dim=-1) * (cfg.softmax_scale * (dn + dr) ** 0.5)
-        o = attend(q, k, v, q_pos, k_pos, self.masks)  # [B, h, S, dv]
+        if self.context is not None:  # context parallelism: the latent meets every cp rank's queries
+            o = self.context(q, c_kv, k_pe, positions, self.expand, self.wkv_b)
+        else:  # in sequence order: causal by index
+            o = attend(q, *self.expand(c_kv, k_pe, self.wkv_b))  # [B, h, S, dv]
         return o.transpose(1, 2).reshape(B, S, -1) @ self.wo

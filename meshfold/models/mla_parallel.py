@@ -13,14 +13,19 @@ attention and the output reduce-scattered after it, by ``transformer_parallel._T
   ``wkv_b`` [rkv, h*(dn+dv)] are **column-parallel by head** (head-major columns, so a tp shard
   is h/tp whole heads), ``wo`` [h*dv, H] **row-parallel** (its rows are the heads' values).
 
-**CP**: the keys a rank's queries need are gathered over cp as the *latent* ``c_kv`` [rkv] plus
-the roped shared key ``k_pe`` [dr] per token (:class:`LatentGather`), not as expanded K/V: that
-is rkv + dr numbers a token against h * (dn + dr + dv) (576 vs 40960 for DeepSeek-V3; 72 times
-less traffic and gathered memory), at the cost of each rank expanding the gathered latent with
-its heads of ``wkv_b`` (S tokens instead of S / cp: an extra ``2 * S * rkv * h*(dn+dv) / tp``
-FLOPs per layer, a few percent of attention at DeepSeek-V3's shape). The backward of the
-all-gather reduce-scatters the latent's gradient. Positions are gathered with it; the mask is
-by position, as for GQA.
+**CP**: a ring (:func:`~meshfold.models.ring_attention.ring_attention` with an ``expand``
+step, :class:`LatentContext`): each rank keeps its queries and what travels around ``cp`` is the
+*latent* ``c_kv`` [rkv] plus the roped shared key ``k_pe`` [dr] per token, not the expanded K/V:
+rkv + dr numbers a token against h / tp * (dn + dr + dv) (576 vs 40960 / tp for DeepSeek-V3, 72
+times less traffic at tp = 1). Each rank expands every block it receives with its own heads of
+``wkv_b`` (:meth:`~meshfold.models.mla.MLA.expand`), one block at a time, and the backward
+recomputes that expansion per block and sends the latent's gradient home around the ring beside
+the latent (as dK / dV travel for GQA). Cost: the expansion of S tokens per layer in the
+forward and again in the backward (``2 * S * rkv * h*(dn+dv) / tp`` FLOPs each, a few percent
+of attention at DeepSeek-V3's shape); memory: no [S/cp, S] mask or score tensor, at most one
+block's expanded K/V at a time. Positions outside the load-balanced layout take the generic
+path: the latent all-gathered over cp (:class:`LatentGather`, whose backward reduce-scatters
+its gradient), expanded, masked by position, as for GQA.
 
 **PP, FSDP2, DP**: nothing MLA-specific: blocks are cut into stages by
 :mod:`meshfold.models.pipeline`, every dense weight above is sharded over ``dp x cp`` by FSDP2
@@ -34,18 +39,20 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
 
+from meshfold.models import ring_attention as ring
+from meshfold.models.attention import CausalMaskCache, attend
 from meshfold.placements import all_gather_v
 
-__all__ = ["MLA_LAYOUT", "LatentGather", "check_mla_fold"]
+__all__ = ["MLA_LAYOUT", "LatentContext", "LatentGather", "check_mla_fold"]
 
 R = Replicate()
 
 # parameter name suffix -> placements over attn (dp, cp, tp)
 MLA_LAYOUT = {
-    "attn.wq_a": (R, R, R),  # down to the q latent: replicated over tp
+    "attn.wq_a.weight": (R, R, R),  # down to the q latent: replicated over tp
     "attn.q_norm.weight": (R, R, R),
     "attn.wq_b": (R, R, Shard(1)),  # up from the q latent: columns = heads
-    "attn.wkv_a": (R, R, R),  # down to the kv latent + shared rope key: replicated over tp
+    "attn.wkv_a.weight": (R, R, R),  # down to the kv latent + shared rope key: replicated over tp
     "attn.kv_norm.weight": (R, R, R),
     "attn.wkv_b": (R, R, Shard(1)),  # up from the kv latent: columns = heads (nope key, value)
     # attn.wq (no q latent): columns = heads, attn.wo: rows = heads, as TRANSFORMER_LAYOUT says
@@ -70,6 +77,26 @@ class LatentGather:
         else:
             pos = all_gather_v(k_pos.transpose(0, 1).contiguous(), sizes, self.mesh, "cp").transpose(0, 1)
         return gather(c_kv), gather(k_pe), pos
+
+
+class LatentContext:
+    """Context-parallel attention core for :class:`~meshfold.models.mla.MLA` (its ``context``
+    hook): ring attention over ``cp`` with the latent travelling and ``expand`` per block when
+    the queries are in the load-balanced layout
+    (:func:`~meshfold.models.ring_attention.load_balanced`), else the generic path (the latent
+    all-gathered, expanded, masked by position from the shared ``masks``). ``method = "gather"``
+    forces the generic path, as for GQA's hook."""
+
+    def __init__(self, mesh, cp: int, masks: CausalMaskCache, method: str = "ring"):
+        self.mesh, self.cp, self.masks, self.method = mesh, cp, masks, method
+        self.gather = LatentGather(mesh, cp)
+
+    def __call__(self, q, c_kv, k_pe, positions, expand, wkv_b):
+        """q [B, h, S, dn+dr], c_kv [B, 1, S, rkv], k_pe [B, 1, S, dr] -> o [B, h, S, dv]."""
+        if self.method == "ring" and ring.load_balanced(positions, self.mesh.get_local_rank("cp"), self.cp):
+            return ring.ring_attention(q, c_kv, k_pe, self.mesh, "cp", expand=expand, weights=(wkv_b,))
+        c_all, pe_all, k_pos = self.gather(c_kv, k_pe, positions)
+        return attend(q, *expand(c_all, pe_all, wkv_b), positions, k_pos, self.masks)
 
 
 def check_mla_fold(heads: int, tp: int) -> None:

@@ -51,7 +51,7 @@ import torch
 
 from meshfold.placements.ring import ring_shift
 
-__all__ = ["KERNELS", "ring_attention", "rank_chunks", "block_plan"]
+__all__ = ["KERNELS", "ring_attention", "rank_chunks", "block_plan", "load_balanced"]
 
 
 def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -65,13 +65,28 @@ def block_plan(q_chunks, k_chunks) -> list[tuple[int, int, bool]]:
     return [(a, b, kc == qc) for a, qc in enumerate(q_chunks) for b, kc in enumerate(k_chunks) if kc <= qc]
 
 
-# ---- block kernels: (q [B, h, m, d], k / v [B, g, n, d], causal) -> (out [B, h, m, d], lse [B, h, m])
+# ---- block kernels: (q [B, h, m, d], k [B, g, n, d], v [B, g, n, dv], causal) -> (out [B, h, m, dv], lse [B, h, m])
+def _padded(t, width):
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
 def _fused_forward(q, k, v, causal):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    # the CPU flash kernel wants one head size for q, k and v (MLA's v is narrower): zero columns
+    # add nothing to a score or an output, and the scale stays that of q's own width
+    d, dv = q.shape[-1], v.shape[-1]
+    width = max(d, dv)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _padded(q, width), _padded(k, width), _padded(v, width), 0.0, causal, scale=d ** -0.5)[:2]
+    return out[..., :dv], lse
 
 
 def _fused_backward(do, q, k, v, out, lse, causal):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, causal)
+    d, dv = q.shape[-1], v.shape[-1]
+    width = max(d, dv)
+    dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _padded(do, width), _padded(q, width), _padded(k, width), _padded(v, width), _padded(out, width), lse,
+        0.0, causal, scale=d ** -0.5)
+    return dq[..., :d], dk[..., :d], dv_[..., :dv]
 
 
 def _grouped(q, g):
@@ -96,8 +111,8 @@ def _plain_forward(q, k, v, causal):
     B, h, m, d = q.shape
     s = _scores(q, k, causal)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)  # [B, g, r*m, 1]
-    out = torch.exp(s - lse) @ v.to(s.dtype)  # [B, g, r*m, d]
-    return out.reshape(B, h, m, d).to(q.dtype), lse.reshape(B, h, m)
+    out = torch.exp(s - lse) @ v.to(s.dtype)  # [B, g, r*m, dv]
+    return out.reshape(B, h, m, v.shape[-1]).to(q.dtype), lse.reshape(B, h, m)
 
 
 def _plain_backward(do, q, k, v, out, lse, causal):
@@ -135,64 +150,113 @@ def _merge(acc, out, lse):
     return (acc_out * torch.exp(acc_lse - new).unsqueeze(-1) + out * torch.exp(lse - new).unsqueeze(-1)), new
 
 
+def _keys_values(expand, travel, weights):
+    """What a block attends to: the travelling tensors themselves (K, V) or ``expand`` of them."""
+    return tuple(travel) if expand is None else expand(*travel, *weights)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mesh, dim, kernels):
+    def forward(ctx, q, k, v, mesh, dim, kernels, expand, *weights):
         fwd, _ = kernels
         cp, me = mesh.size(mesh.mesh_dim_names.index(dim)), mesh.get_local_rank(dim)
         n = q.shape[2] // 2
         qs = q.split(n, dim=2)
-        kv = [k.contiguous(), v.contiguous()]
+        travel = [k.contiguous(), v.contiguous()]
         acc = [None, None]
         for i in range(cp):
-            wait = ring_shift(kv, mesh, dim) if i < cp - 1 else None  # the next block travels meanwhile
-            ks, vs = kv[0].split(n, dim=2), kv[1].split(n, dim=2)
+            wait = ring_shift(travel, mesh, dim) if i < cp - 1 else None  # the next block travels meanwhile
+            keys, values = _keys_values(expand, travel, weights)  # one block's at a time, never kept
+            ks, vs = keys.split(n, dim=2), values.split(n, dim=2)
             for a, b, causal in block_plan(rank_chunks(me, cp), rank_chunks((me - i) % cp, cp)):
                 acc[a] = _merge(acc[a], *fwd(qs[a], ks[b], vs[b], causal))
             if wait is not None:
-                kv = wait()
-        out = torch.cat([o for o, _ in acc], dim=2).to(q.dtype)  # [B, h, 2n, d]
+                travel = wait()
+        out = torch.cat([o for o, _ in acc], dim=2).to(q.dtype)  # [B, h, 2n, dv]
         lse = torch.cat([l_ for _, l_ in acc], dim=2)  # [B, h, 2n]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (mesh, dim, kernels, cp, me)
+        ctx.save_for_backward(q, k, v, out, lse, *weights)
+        ctx.meta = (mesh, dim, kernels, expand, cp, me)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        mesh, dim, (_, bwd), cp, me = ctx.meta
+        q, k, v, out, lse, *weights = ctx.saved_tensors
+        mesh, dim, (_, bwd), expand, cp, me = ctx.meta
         work = torch.promote_types(q.dtype, torch.float32)
         n = q.shape[2] // 2
         qs, dos, outs, lses = q.split(n, 2), grad_out.contiguous().split(n, 2), out.split(n, 2), lse.split(n, 2)
         dq = torch.zeros(q.shape, dtype=work, device=q.device)
         dqs = dq.split(n, 2)
-        kv = [k.contiguous(), v.contiguous()]
-        dkv = [torch.zeros(k.shape, dtype=work, device=k.device), torch.zeros(v.shape, dtype=work, device=v.device)]
+        travel = [k.contiguous(), v.contiguous()]
+        dtravel = [torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+                   for t in travel]
+        dweights = [torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, torch.float32), device=w.device)
+                    for w in weights]
         for i in range(cp):
-            wait_kv = ring_shift(kv, mesh, dim) if i < cp - 1 else None
-            ks, vs = kv[0].split(n, 2), kv[1].split(n, 2)
-            dks, dvs = dkv[0].split(n, 2), dkv[1].split(n, 2)
+            wait = ring_shift(travel, mesh, dim) if i < cp - 1 else None
+            if expand is None:  # K/V travel: their gradients accumulate in the travelling accumulators
+                keys, values = travel
+                dkeys, dvalues = dtravel
+            else:  # recompute this block's K/V from what travelled, then backpropagate through it
+                with torch.enable_grad():
+                    leaves = [t.detach().requires_grad_() for t in (*travel, *weights)]
+                    keys, values = expand(*leaves)
+                dkeys = torch.zeros(keys.shape, dtype=work, device=keys.device)
+                dvalues = torch.zeros(values.shape, dtype=work, device=values.device)
+            ks, vs = keys.split(n, 2), values.split(n, 2)
+            dks, dvs = dkeys.split(n, 2), dvalues.split(n, 2)
             for a, b, causal in block_plan(rank_chunks(me, cp), rank_chunks((me - i) % cp, cp)):
                 gq, gk, gv = bwd(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a], causal)
                 dqs[a].add_(gq)
                 dks[b].add_(gk)
                 dvs[b].add_(gv)
-            # the accumulators follow their K/V block; the cp-th shift brings each one home
-            dkv = ring_shift(dkv, mesh, dim)()
-            if wait_kv is not None:
-                kv = wait_kv()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+            if expand is not None:
+                grads = torch.autograd.grad((keys, values), leaves, (dkeys.to(keys.dtype), dvalues.to(values.dtype)),
+                                            allow_unused=True)
+                for acc, g in zip(dtravel + dweights, grads):
+                    if g is not None:
+                        acc.add_(g)
+            # the accumulators follow their block; the cp-th shift brings each one home
+            dtravel = ring_shift(dtravel, mesh, dim)()
+            if wait is not None:
+                travel = wait()
+        return (dq.to(q.dtype), dtravel[0].to(k.dtype), dtravel[1].to(v.dtype), None, None, None, None,
+                *(g.to(w.dtype) for g, w in zip(dweights, weights)))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, dim: str = "cp",
-                   kernels: str | None = None) -> torch.Tensor:
-    """Causal attention of this rank's ``q`` [B, h, 2n, d] against every ``dim`` rank's ``k`` /
-    ``v`` [B, g, 2n, d] -> [B, h, 2n, d], all in the load-balanced chunk order (see the module
-    docstring). Equals causal attention over the whole sequence, restricted to this rank's
-    queries. ``kernels``: a :data:`KERNELS` name (None: ``"fused"`` on CPU, ``"plain"``
-    elsewhere). Differentiable in q, k, v; collective over ``dim`` (forward and backward)."""
-    h, g = q.shape[1], k.shape[1]
-    if h % g or q.shape[2] % 2 or k.shape[2] != q.shape[2]:
+                   kernels: str | None = None, expand=None, weights: tuple = ()) -> torch.Tensor:
+    """Causal attention of this rank's ``q`` [B, h, 2n, d] against every ``dim`` rank's ``k``
+    [B, g, 2n, d] / ``v`` [B, g, 2n, dv] -> [B, h, 2n, dv], all in the load-balanced chunk order
+    (see the module docstring). Equals causal attention over the whole sequence, restricted to
+    this rank's queries. ``kernels``: a :data:`KERNELS` name (None: ``"fused"`` on CPU,
+    ``"plain"`` elsewhere). Differentiable in q, k, v (and ``weights``); collective over ``dim``
+    (forward and backward).
+
+    ``expand`` (None: k and v are the keys and values): what travels is then ``k`` / ``v`` as
+    given, any two [B, *, 2n, *] tensors (MLA's latent and shared rope key), and each rank
+    computes the keys and values of a block it holds as ``expand(k, v, *weights) -> (keys
+    [B, g, 2n, d], values [B, g, 2n, dv])``, a differentiable function of the block and
+    ``weights`` (its own, e.g. this rank's heads of an up projection). The backward recomputes
+    it per block and sends the gradient of what travelled home around the ring, as for K/V."""
+    if q.shape[2] % 2 or k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
+        raise ValueError(f"ring_attention: q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)}: "
+                         f"needs q, k, v of one even length (two chunks)")
+    if expand is None and q.shape[1] % k.shape[1]:
         raise ValueError(f"ring_attention: q {tuple(q.shape)} / k {tuple(k.shape)}: needs query heads a "
-                         f"multiple of key/value heads and q, k of one even length (two chunks)")
-    return _RingAttention.apply(q, k, v, mesh, dim, _kernels(kernels, q.device))
+                         f"multiple of key/value heads")
+    return _RingAttention.apply(q, k, v, mesh, dim, _kernels(kernels, q.device), expand, *weights)
+
+
+def load_balanced(pos: torch.Tensor, rank: int, cp: int) -> bool:
+    """Whether ``pos`` [2n] or [B, 2n] are cp rank ``rank``'s two chunks (each sequence up to one
+    offset), i.e. whether the ring applies. Checked on the CPU only: on an accelerator the check
+    would be a device sync per layer, so there the layout is trusted (True for an even length)."""
+    if pos.shape[-1] % 2:
+        return False
+    if pos.device.type != "cpu" or torch.compiler.is_compiling():
+        return True
+    n = pos.shape[-1] // 2
+    first, second = rank_chunks(rank, cp)
+    expected = torch.cat([torch.arange(first * n, (first + 1) * n), torch.arange(second * n, (second + 1) * n)])
+    return bool(((pos - pos[..., :1]) == expected - first * n).all())

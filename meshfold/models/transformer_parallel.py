@@ -19,7 +19,8 @@ from outside:
   blocks travel around ``cp`` (the next in flight while this one computes), blocks are classified
   full / diagonal / future from the chunk indices on the host, and their outputs are merged by
   log-sum-exp; no [S/cp, S] mask or score tensor exists, so per-rank attention memory falls as
-  1/cp. Positions outside that layout (checked on the CPU) take the generic path: K/V all-gathered
+  1/cp. MLA rings its compressed latent instead and expands it per block
+  (:class:`~meshfold.models.mla_parallel.LatentContext`). Positions outside that layout (checked on the CPU) take the generic path: K/V all-gathered
   over ``cp`` (all-gather-v, whose backward reduce-scatters their gradients), masked by position.
 * **DP**: batch over ``dp``; gradients of dense weights are summed over ``dp x cp`` (and over
   ``tp`` for weights applied to local tokens), expert weights over ``edp``. By default with FSDP2
@@ -44,7 +45,8 @@ from outside:
   the cast's backward returns the gradient in the master dtype, where it accumulates and is
   summed. Both paths round each weight once to the compute dtype and compute the same ops.
   Under FSDP2 with ``tp > 1``, weights replicated over ``tp`` (norms, embeddings, head, the
-  shared expert's gate) are all-gathered in the master dtype and cast by the parametrization,
+  shared expert's gate, MLA's latent down projections ``wq_a`` / ``wkv_a``, modules of their own
+  for this) are all-gathered in the master dtype and cast by the parametrization,
   because FSDP2 sums their ``tp`` shares in its param_dtype (see :func:`meshfold.models.data_parallel.fully_shard_folded`).
 
 The loss each rank returns is its share (sum of its tokens' cross-entropy over the global token
@@ -63,7 +65,7 @@ from meshfold.models.attention import CausalMaskCache, attend
 from meshfold.models.data_parallel import fully_shard_folded, grad_norm, reduce_dtype, reduce_gradients  # noqa: F401
 from meshfold.models.init import materialize
 from meshfold.models.mla import MLA
-from meshfold.models.mla_parallel import MLA_LAYOUT, LatentGather, check_mla_fold
+from meshfold.models.mla_parallel import MLA_LAYOUT, LatentContext, check_mla_fold
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.moe_parallel import check_moe_fold, parallelize_moe, place
@@ -178,14 +180,7 @@ class _ContextAttention:
         return attend(q, k_all, v_all, positions, k_pos, self.masks)
 
     def _load_balanced(self, pos) -> bool:
-        if pos.shape[-1] % 2:
-            return False
-        if pos.device.type != "cpu" or torch.compiler.is_compiling():
-            return True
-        n = pos.shape[-1] // 2
-        first, second = ring.rank_chunks(self.mesh.get_local_rank("cp"), self.cp)
-        expected = torch.cat([torch.arange(first * n, (first + 1) * n), torch.arange(second * n, (second + 1) * n)])
-        return bool(((pos - pos[..., :1]) == expected - first * n).all())
+        return ring.load_balanced(pos, self.mesh.get_local_rank("cp"), self.cp)
 
 
 def _moe_prefix(model, name: str) -> str | None:
@@ -290,11 +285,8 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     masks = CausalMaskCache()  # generic cp path: one mask per forward for all layers
     for block in blocks.values():
         if spec.cp > 1:
-            if isinstance(block.attn, MLA):  # MLA gathers its latent, masked by position (no ring yet)
-                block.attn.kv_gather = LatentGather(attn_mesh, spec.cp)
-                block.attn.masks = masks
-            else:
-                block.attn.context = _ContextAttention(attn_mesh, spec.cp, masks)
+            hook = LatentContext if isinstance(block.attn, MLA) else _ContextAttention  # MLA rings its latent
+            block.attn.context = hook(attn_mesh, spec.cp, masks)
         if spec.tp > 1:
             block.attn = _TensorParallel(block.attn, attn_mesh, spec.tp, positional=True)
             if not isinstance(block.mlp, MoELayer):
