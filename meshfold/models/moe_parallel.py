@@ -213,12 +213,16 @@ class FoldedComm:
         self._read_counts = (counts_E, block)
         return rows_sent(block[1], self.experts_mesh)
 
+    def _take_block(self, counts_E):
+        """The block counts :meth:`rows_sent` read for these same ``counts_E`` (then forgotten),
+        else None: the dispatch reads them itself."""
+        read, self._read_counts = getattr(self, "_read_counts", None), None
+        return read[1] if read is not None and read[0] is counts_E else None
+
     def dispatch(self, x_NH, counts_E) -> Routed:
         """This rank's expert-major rows to their experts: ``routed.tokens`` is a RaggedTensor on
         the ``(ep, etp)`` mesh (:func:`meshfold.placements.dispatch`)."""
-        read, self._read_counts = getattr(self, "_read_counts", None), None
-        block = read[1] if read is not None and read[0] is counts_E else None
-        return dispatch(x_NH, counts_E, self.experts_mesh, block=block)
+        return dispatch(x_NH, counts_E, self.experts_mesh, block=self._take_block(counts_E))
 
     def dispatch_start(self, x_NH, counts_E):
         """:meth:`dispatch` with its all-to-all over ``ep`` left in flight: ``.wait()`` gives the
@@ -226,9 +230,7 @@ class FoldedComm:
         ``overlap = False``: the synchronous :meth:`dispatch` (the same result; for A/B tests)."""
         if not self.overlap:
             return _Ready(self.dispatch(x_NH, counts_E))
-        read, self._read_counts = getattr(self, "_read_counts", None), None
-        block = read[1] if read is not None and read[0] is counts_E else None
-        return dispatch_start(x_NH, counts_E, self.experts_mesh, block=block)
+        return dispatch_start(x_NH, counts_E, self.experts_mesh, block=self._take_block(counts_E))
 
     def combine(self, routed: Routed, y_MH):
         """The experts' outputs (summands over etp) back to the rows' ranks, in permute order."""
