@@ -179,8 +179,8 @@ def _run_pipeline(rank, world_size, spec):
     for mode in RECOMPUTE:
         model = MoETransformer(cfg, dtype=torch.float64, device="meta", seed=7)
         pipe = Pipeline(model, cached_fold(spec), microbatches=2, recompute=mode)
-        # torch.distributed.pipelining's first step runs each later stage once more on empty
-        # (uninitialized) inputs to infer shapes, which the MoE layers count: compare step 2
+        # compare step 2 (step 1 includes torch.distributed.pipelining's shape-inference forwards,
+        # which Pipeline takes back out of the counts: tests/test_pipeline.py checks that)
         _global_loss(pipe, tokens, targets, spec, rank, backward=True)
         for layer in pipe.moe_layers():
             layer.discard_bias_counts()
