@@ -45,13 +45,24 @@ def _paper_estimate(name: str, strategy: str):
 
 # ---- Table 1 -------------------------------------------------------------------------------------
 
+# Pairs the planner ranks against the paper, each with why (docs/plan.md, "Validation"). The test
+# checks that they still disagree, so a change that repairs one has to remove it here.
+# Qwen2: with Transformer Engine 2.2's grouped-GEMM figures (hardware.py) the 32 local experts of
+# TP+EP+DP's 1/4/2/1/4 ([1024, 3584] x [3584, 1280] each) lose less to their partial waves than the
+# older per-expert constant implied; TP+EP+DP 27.3% vs FSDP+EP 26.1% (paper 23.1% vs 25.4%). The
+# paper's order returns once an expert GEMM loses more than 1.6e6 outputs' worth per expert (a
+# kernel as slow as tgale96/grouped_gemm's CUTLASS SM90 path, 2.7e6).
+KNOWN_RANKING_DEVIATIONS = {("qwen2-57b-a14b", "fsdp+ep", "tp+ep+dp")}
+
+
 @pytest.mark.parametrize("name", PAPER_TABLE1)
 def test_strategy_ranking_matches_paper(table1, name):
     paper = {k: -1.0 if v is None else v for k, v in PAPER_TABLE1[name].mfu.items()}
     ours = {k: e.mfu if e.feasible else -1.0 for k, e in table1[name].items()}
     sign = lambda x: (x > 0) - (x < 0)
     for a, b in itertools.combinations(STRATEGIES, 2):
-        assert sign(ours[a] - ours[b]) == sign(paper[a] - paper[b]), (a, b, ours, paper)
+        agree = sign(ours[a] - ours[b]) == sign(paper[a] - paper[b])
+        assert agree != ((name, a, b) in KNOWN_RANKING_DEVIATIONS), (a, b, ours, paper)
 
 
 @pytest.mark.parametrize("name", PAPER_TABLE1)
