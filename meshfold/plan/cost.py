@@ -357,4 +357,10 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
         + ", ".join(f"{t} {memory[t] / GIB:.1f}" for t in MEMORY_TERMS) + ")")
     detail = {"tokens": global_batch * seq, "microbatches": m, "flops": flops, "rows_per_expert": M_e,
               "in_flight": in_flight}
+    # the time model's kernel rates at this layout (meshfold.plan.curves reports them)
+    core_flops = 3.5 * sum(f for f, _, _ in core_calls)   # forward + 2.5x backward, executed
+    peak = hw.peak_tflops * 1e12
+    detail.update(peak_flops=peak, attn_core_s=m * Ls * ((1 + rc) * c_core + c_core_bwd),
+                  attn_core_fraction=core_flops / ((c_core + c_core_bwd) * peak),
+                  expert_gemm_fraction=6 * Tr * k * h * f_e / (c_experts * peak))
     return Estimate(layout, memory, time, step, mfu, feasible, reason, detail)
