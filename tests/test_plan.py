@@ -313,9 +313,7 @@ def test_grouped_gemm_rate_is_transformer_engine_22s_measured_rate():
     # (pytorch#156203): 0.71 of peak.
     assert H100.grouped_gemm_fraction(4096, 768, 2048) * H100.peak_tflops == pytest.approx(508.77, rel=0.01)
     assert H100.grouped_gemm_fraction(2048, 768, 2048) * H100.peak_tflops == pytest.approx(398.81, rel=0.01)
-    flops = 16 * 2 * 128000 * 7168 * 7168
     assert H100.grouped_gemm_time(128000, 7168, 7168, 16) == pytest.approx(0.2987, rel=0.01)
-    assert flops / 0.2987 / 1e12 / H100.peak_tflops == pytest.approx(0.71, abs=0.01)
 
 
 @given(st.floats(16, 65536), st.sampled_from([256, 768, 2048, 7168]), st.sampled_from([512, 2048, 7168]),

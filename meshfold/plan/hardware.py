@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 __all__ = ["Hardware", "HARDWARE", "hardware", "ATTENTION_KERNELS", "attention_tflops"]
 
@@ -47,6 +48,7 @@ def _interp_log2(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
     return ys[i] + t * (ys[i + 1] - ys[i])
 
 
+@lru_cache(maxsize=65536)  # the search asks for a few lengths many times
 def attention_tflops(kernel: str, seq: float, head_dim: float, causal: bool, backward: bool) -> float:
     """Measured attention TFLOP/s on H100 at one kernel call of ``seq`` queries and keys.
 
