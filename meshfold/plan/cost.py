@@ -224,8 +224,8 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     else:
         diag = T * T / 4 * pair_flops
         core_calls = ((diag, T / 2, True), (T * s / 2 * pair_flops - diag, T / 2, False))
-    c_core = sum(hw.attention_time(f, L, core_d, causal, False) for f, L, causal in core_calls)
-    c_core_bwd = sum(hw.attention_time(2.5 * f, L, core_d, causal, True) for f, L, causal in core_calls)
+    c_core = sum(hw.attention_time(f, length, core_d, causal, False) for f, length, causal in core_calls)
+    c_core_bwd = sum(hw.attention_time(2.5 * f, length, core_d, causal, True) for f, length, causal in core_calls)
     c_attn = hw.gemm_time(2 * T * model.attn_params / tp, 2) + c_core
     c_shared = hw.gemm_time(6 * T * h * f_sh / tp, 2) if f_sh else 0.0
     # expert GEMMs: E/ep local experts of M_e rows each, fc1 [h -> 2 f_e/etp] and fc2 [f_e/etp -> h]
@@ -263,7 +263,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     c_re = {"none": 0.0, "selective": c_core + hw.hbm_time(hbm_bytes), "full": c_fwd}[layout.recompute]
     rc = 0 if layout.recompute == "none" else 1
     layer = {
-        "compute": 3 * c_fwd + (c_core_bwd - 2 * c_core) + c_re,   # backward = 2 fwd, but the core's own
+        "compute": 3 * c_fwd + (c_core_bwd - 2 * c_core) + c_re,   # backward 2 fwd, the core at its own rate
         "tp": (2 + rc) * x_tp, "cp": (3 + rc) * x_cp, "ep": (2 + rc) * x_ep, "etp": (2 + rc) * x_etp,
     }
     x_pp = 2 * vpp * links.ring("attn", ("pp",), Tr * h * a) if pp > 1 else 0.0

@@ -122,8 +122,12 @@ def table1_rows(hw: str = "h100") -> list[dict]:
 
 
 def format_table1(rows: list[dict]) -> str:
+    """A markdown table of :func:`table1_rows`: paper MFU, planner MFU, their relative difference."""
     pct = lambda v: "OOM" if v is None else f"{100 * v:.1f}%"
-    diff = lambda r: "" if r["planner"] is None or r["paper"] is None else f"{100 * (r['planner'] / r['paper'] - 1):+.1f}%"
+    def diff(r: dict) -> str:
+        if r["planner"] is None or r["paper"] is None:
+            return ""
+        return f"{100 * (r['planner'] / r['paper'] - 1):+.1f}%"
     lines = ["| model (GPUs) | strategy | paper MFU | planner MFU | difference | layout |", "|---|---|---|---|---|---|"]
     return "\n".join(lines + [f"| {r['model']} | {r['what']} | {pct(r['paper'])} | {pct(r['planner'])} | {diff(r)} | "
                               f"{r['layout']} |" for r in rows])
@@ -145,6 +149,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """Print the named sweeps (all four when none is named) as markdown tables; 2 on a bad name."""
     names = argv or list(SWEEPS)
     bad = [n for n in names if n not in SWEEPS and n != "table1"]
     if bad:
