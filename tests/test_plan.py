@@ -351,3 +351,13 @@ def test_collective_bandwidth_grows_with_message_size_toward_the_link_rate(gpu, 
     half = hw.latency(intra) * hw.link_bytes_per_s(intra)   # latency x bandwidth: half the link rate
     assert hw.bus_bandwidth(half, intra) == pytest.approx(hw.link_bytes_per_s(intra) / 2)
     assert hw.bus_bandwidth(nbytes, False) < hw.bus_bandwidth(nbytes, True)
+
+
+def test_causal_count_removes_half_the_s_squared_attention_flops():
+    # the paper's count at N = B s tokens is F = N (A + C s): doubling s at fixed N adds exactly the
+    # s^2 attention term N C s, and the causal count keeps half of it
+    from meshfold.plan.curves import causal_mfu
+    model, lay = MODELS["mixtral-8x22b"], Layout(paper_spec(PAPER_TABLE1["mixtral-8x22b"], "mcore+folding"))
+    e = estimate(model, H100, lay, SEQ, GBS)
+    f1, f2 = model.step_flops(GBS, SEQ), model.step_flops(GBS // 2, 2 * SEQ)   # same tokens, s doubled
+    assert causal_mfu(e, model, SEQ, GBS) == pytest.approx(e.mfu * (f1 - (f2 - f1) / 2) / f1)
