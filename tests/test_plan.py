@@ -45,13 +45,24 @@ def _paper_estimate(name: str, strategy: str):
 
 # ---- Table 1 -------------------------------------------------------------------------------------
 
+# Pairs the planner ranks against the paper, each with why (docs/plan.md, "Validation"). The test
+# checks that they still disagree, so a change that repairs one has to remove it here.
+# Qwen2: with Transformer Engine 2.2's grouped-GEMM figures (hardware.py) the 32 local experts of
+# TP+EP+DP's 1/4/2/1/4 ([1024, 3584] x [3584, 1280] each) lose less to their partial waves than the
+# older per-expert constant implied; TP+EP+DP 27.3% vs FSDP+EP 26.1% (paper 23.1% vs 25.4%). The
+# paper's order returns once an expert GEMM loses more than 1.6e6 outputs' worth per expert (a
+# kernel as slow as tgale96/grouped_gemm's CUTLASS SM90 path, 2.7e6).
+KNOWN_RANKING_DEVIATIONS = {("qwen2-57b-a14b", "fsdp+ep", "tp+ep+dp")}
+
+
 @pytest.mark.parametrize("name", PAPER_TABLE1)
 def test_strategy_ranking_matches_paper(table1, name):
     paper = {k: -1.0 if v is None else v for k, v in PAPER_TABLE1[name].mfu.items()}
     ours = {k: e.mfu if e.feasible else -1.0 for k, e in table1[name].items()}
     sign = lambda x: (x > 0) - (x < 0)
     for a, b in itertools.combinations(STRATEGIES, 2):
-        assert sign(ours[a] - ours[b]) == sign(paper[a] - paper[b]), (a, b, ours, paper)
+        agree = sign(ours[a] - ours[b]) == sign(paper[a] - paper[b])
+        assert agree != ((name, a, b) in KNOWN_RANKING_DEVIATIONS), (a, b, ours, paper)
 
 
 @pytest.mark.parametrize("name", PAPER_TABLE1)
@@ -231,3 +242,122 @@ def test_cli_rejects_bad_input_naming_the_value(capsys, kw, message):
 def test_cli_rejects_non_positive_gpus():
     with pytest.raises(SystemExit):
         _args(model="tiny-moe", gpus=0)
+
+
+# ---- the time model away from Table 1 (docs/plan.md, "Time model: how it generalizes") ----------------
+
+def _family(tps: tuple[int, ...], ep: int, etps: tuple[int, ...] = (1,), pps: tuple[int, ...] = (4, 8)):
+    """A small layout family (for speed): tp in ``tps``, this ep, etp in ``etps``, pp in ``pps``,
+    micro-batch 1, zero1, no recomputation, cp free; vpp as the search allows."""
+    def keep(lay: Layout) -> bool:
+        s = lay.spec
+        return (s.tp in tps and s.ep == ep and s.etp in etps and s.pp in pps and lay.mbs == 1
+                and lay.sharding == "zero1" and lay.recompute == "none")
+    return keep
+
+
+def _best(model, gpus, seq, gbs, where):
+    return next(e for e in plan(model, gpus, H100, seq, gbs, where=where) if e.feasible)
+
+
+def test_mfu_with_the_causal_count_falls_from_4k_to_128k_at_fixed_gpus_and_tokens():
+    # 128 GPUs and the paper's 1M tokens per step; at 128k the family has to use cp to fit.
+    from meshfold.plan.curves import causal_mfu
+    model, tokens = MODELS["mixtral-8x22b"], 256 * 4096
+    family = _family((2, 8), 8, etps=(1, 4), pps=(2, 4, 8))
+    short = _best(model, 128, 4096, tokens // 4096, family)
+    long = _best(model, 128, 131072, tokens // 131072, family)
+    assert long.layout.spec.cp > 1
+    assert causal_mfu(long, model, 131072, 8) < causal_mfu(short, model, 4096, 256) - 0.02
+    # why: the attention core (below GEMM rate) takes a growing share, and so does cp's K/V ring
+    assert long.detail["attn_core_s"] / long.step_time > 4 * short.detail["attn_core_s"] / short.step_time
+    assert long.time["cp"] / long.step_time > 0.01 > short.time["cp"] / short.step_time
+
+
+@given(st.sampled_from(["h100", "h200"]), st.floats(4096, 131072), st.floats(64, 256))
+def test_causal_attention_runs_below_gemm_efficiency_at_long_context(gpu, seq, head_dim):
+    hw = hardware(gpu)
+    fwd = hw.attention_fraction(seq, head_dim, causal=True, backward=False)
+    bwd = hw.attention_fraction(seq, head_dim, causal=True, backward=True)
+    fwd_bwd = 3.5 / (1 / fwd + 2.5 / bwd)  # FlashAttention's FLOP split: backward = 2.5x forward
+    assert fwd_bwd < hw.grouped_gemm_efficiency < hw.gemm_efficiency
+
+
+@given(st.sampled_from(["fa3", "fa2"]), st.floats(256, 262144), st.floats(1.01, 4), st.floats(32, 512),
+       st.booleans(), st.booleans())
+def test_attention_throughput_never_falls_with_sequence_and_the_mask_never_helps(kernel, seq, grow, d, causal,
+                                                                               backward):
+    hw = hardware("h100", attention_kernel=kernel)
+    assert hw.attention_fraction(seq * grow, d, causal, backward) >= hw.attention_fraction(seq, d, causal, backward)
+    assert hw.attention_fraction(seq, d, True, backward) <= hw.attention_fraction(seq, d, False, backward)
+
+
+def test_attention_rates_are_flashattention3s_h100_figures():
+    # FlashAttention-3 (arXiv 2407.08608) Fig. 5: causal forward, head dim 128, 579 TFLOP/s at 4k and
+    # 616 at 16k; Fig. 6: backward without mask, head dim 128, 542 at 4k.
+    assert H100.attention_fraction(4096, 128, True, False) * H100.peak_tflops == pytest.approx(579)
+    assert H100.attention_fraction(16384, 128, True, False) * H100.peak_tflops == pytest.approx(616)
+    assert H100.attention_fraction(4096, 128, False, True) * H100.peak_tflops == pytest.approx(542)
+
+
+def test_fine_grained_g8t8_expert_gemms_run_below_coarse_mixtral_per_flop():
+    # the paper's folded configs of both (Table 1): same hidden size, experts 8x smaller
+    fine = _paper_estimate("mixtral-8x22b-g8t8", "mcore+folding")
+    coarse = _paper_estimate("mixtral-8x22b", "mcore+folding")
+    assert fine.detail["expert_gemm_fraction"] < coarse.detail["expert_gemm_fraction"] - 0.05
+
+
+def test_grouped_gemm_rate_is_transformer_engine_22s_measured_rate():
+    # NVIDIA/TransformerEngine#2045, TE 2.2 on H100: 508.77 TFLOP/s at 8 x (4096, 768, 2048) and
+    # 398.81 at 16 x (2048, 768, 2048); torch._grouped_mm 16 x (128000, 7168, 7168) in 298.7 ms
+    # (pytorch#156203): 0.71 of peak.
+    assert H100.grouped_gemm_fraction(4096, 768, 2048) * H100.peak_tflops == pytest.approx(508.77, rel=0.01)
+    assert H100.grouped_gemm_fraction(2048, 768, 2048) * H100.peak_tflops == pytest.approx(398.81, rel=0.01)
+    assert H100.grouped_gemm_time(128000, 7168, 7168, 16) == pytest.approx(0.2987, rel=0.01)
+
+
+@given(st.floats(16, 65536), st.sampled_from([256, 768, 2048, 7168]), st.sampled_from([512, 2048, 7168]),
+       st.sampled_from([2, 4, 8]))
+def test_splitting_experts_finer_never_makes_their_gemms_faster(rows, n, k, g):
+    # g experts of n/g columns each, the same rows and total FLOPs (granularity g), cost no less
+    assert H100.grouped_gemm_time(rows, n / g, k, 8 * g) >= H100.grouped_gemm_time(rows, n, k, 8) * (1 - 1e-12)
+    # and more rows per expert never lowers the rate
+    assert H100.grouped_gemm_fraction(2 * rows, n, k) >= H100.grouped_gemm_fraction(rows, n, k) * (1 - 1e-12)
+
+
+def test_strong_scaling_efficiency_falls_from_64_to_1024_gpus_at_fixed_global_batch():
+    model = MODELS["mixtral-8x22b"]
+    small = _best(model, 64, SEQ, GBS, lambda lay: _cp1(lay) and _family((2,), 8, pps=(8,))(lay))
+    big = _best(model, 1024, SEQ, GBS, lambda lay: _cp1(lay) and _family((2,), 8, pps=(8,))(lay))
+    assert big.mfu < 0.8 * small.mfu
+    # per-GPU throughput falls: fewer micro-batches per step fill the pipeline less
+    assert big.time["bubble"] / big.step_time > small.time["bubble"] / small.step_time
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x22b", "mixtral-8x22b-g8t8"])
+def test_exposed_dp_time_shrinks_relative_to_compute_as_global_batch_grows(name):
+    lay = Layout(paper_spec(PAPER_TABLE1[name], "mcore+folding"))
+    ratios = [(e.time["dp"] / e.time["compute"])
+              for e in (estimate(MODELS[name], H100, lay, SEQ, gbs) for gbs in (64, 128, 256, 512, 1024))]
+    assert all(b < a for a, b in zip(ratios, ratios[1:])), ratios
+    mfus = [estimate(MODELS[name], H100, lay, SEQ, gbs).mfu for gbs in (64, 1024)]
+    assert mfus[1] > mfus[0]
+
+
+@given(st.sampled_from(["h100", "h200"]), st.booleans(), st.floats(1e3, 1e10), st.floats(1.01, 16))
+def test_collective_bandwidth_grows_with_message_size_toward_the_link_rate(gpu, intra, nbytes, grow):
+    hw = hardware(gpu)
+    assert hw.bus_bandwidth(nbytes, intra) < hw.bus_bandwidth(nbytes * grow, intra) < hw.link_bytes_per_s(intra)
+    half = hw.latency(intra) * hw.link_bytes_per_s(intra)   # latency x bandwidth: half the link rate
+    assert hw.bus_bandwidth(half, intra) == pytest.approx(hw.link_bytes_per_s(intra) / 2)
+    assert hw.bus_bandwidth(nbytes, False) < hw.bus_bandwidth(nbytes, True)
+
+
+def test_causal_count_removes_half_the_s_squared_attention_flops():
+    # the paper's count at N = B s tokens is F = N (A + C s): doubling s at fixed N adds exactly the
+    # s^2 attention term N C s, and the causal count keeps half of it
+    from meshfold.plan.curves import causal_mfu
+    model, lay = MODELS["mixtral-8x22b"], Layout(paper_spec(PAPER_TABLE1["mixtral-8x22b"], "mcore+folding"))
+    e = estimate(model, H100, lay, SEQ, GBS)
+    f1, f2 = model.step_flops(GBS, SEQ), model.step_flops(GBS // 2, 2 * SEQ)   # same tokens, s doubled
+    assert causal_mfu(e, model, SEQ, GBS) == pytest.approx(e.mfu * (f1 - (f2 - f1) / 2) / f1)

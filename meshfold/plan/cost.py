@@ -11,7 +11,10 @@ states each with its source. Legend (per rank, per micro-batch unless said other
     a = 2               bytes per bf16 element
 
 Layer time, forward:  compute + tp + cp + ep + etp
-Layer time, backward: 2 compute + tp + 2 cp + ep + etp  (+ one more forward with recomputation)
+Layer time, backward: 2 compute + tp + 2 cp + ep + etp  (+ one more forward with recomputation);
+                      the attention core's backward at its own measured rate (2.5x its FLOPs)
+Seconds come from Hardware: dense and grouped GEMMs, flash attention and collectives each run at a
+measured rate for their shape (sequence length, rows per expert, message size, node span).
 Step = (m + (pp - 1) / vpp) * t_microbatch(slowest stage) + exposed data-parallel communication
 """
 
@@ -158,25 +161,27 @@ class _Links:
         s = self.spec
         return _placement(view, s.shape(view), dims, s.world_size, self.hw.gpus_per_node)
 
-    def ring(self, view: str, dims: tuple[str, ...], nbytes: float) -> float:
-        """Ring collective (all-gather, reduce-scatter, p2p): ``nbytes`` over the slowest link."""
+    def ring(self, view: str, dims: tuple[str, ...], nbytes: float, steps: int = 1) -> float:
+        """Ring collective (all-gather, reduce-scatter, p2p): ``nbytes`` over the slowest link, in
+        ``steps`` messages that each pay the link's latency."""
         if nbytes <= 0:
             return 0.0
         intra, _, _ = self.place(view, dims)
-        return nbytes / self.hw.link_bytes_per_s(intra)
+        return self.hw.collective_time(nbytes, intra, steps)
 
     def all_to_all(self, view: str, dims: tuple[str, ...], nbytes: float) -> float:
         """All-to-all sending ``nbytes`` spread evenly over the group (the own share stays).
 
         On-node and off-node shares go over NVLink and the network at the same time:
-        ``max(on * nbytes / B_nvlink, off * nbytes / B_a2a_net)``, where ``B_a2a_net`` is the NIC
-        rate at the all-to-all efficiency (lower than a ring's; see ``Hardware``).
+        ``latency + max(on * nbytes / B_nvlink, off * nbytes / B_a2a_net)``, where ``B_a2a_net`` is
+        the NIC rate at the all-to-all efficiency (lower than a ring's; see ``Hardware``) and the
+        latency is the network's once the group leaves its node.
         """
         if nbytes <= 0:
             return 0.0
-        _, on, off = self.place(view, dims)
+        intra, on, off = self.place(view, dims)
         bw_on, bw_off = self.hw.alltoall_bytes_per_s(True), self.hw.alltoall_bytes_per_s(False)
-        return max(on * nbytes / bw_on, off * nbytes / bw_off)
+        return self.hw.latency(intra) + max(on * nbytes / bw_on, off * nbytes / bw_off)
 
 
 def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_batch: int) -> Estimate:
@@ -207,11 +212,25 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # norms, residual adds and rotary on the attention side; router, permute, chunk sort, SwiGLU,
     # probs and unpermute on the MoE side (the token dispatcher, counted below kernel by kernel).
     # the attention core (scores and values); MLA: scores over dn + dr, values of dv, so
-    # T s n (d_qk + d_v) executed, = 2 T s n d for GQA
-    c_core = hw.gemm_time(T * s * n * (model.qk_dim + model.value_dim) / tp, 1)
+    # T s n (d_qk + d_v) executed, = 2 T s n d for GQA. It runs at the measured flash-attention
+    # rate of each kernel call's length (Hardware.attention_fraction): cp = 1 is one causal call
+    # over s; under cp the ring (meshfold.models.ring_attention) calls the kernel on blocks of one
+    # chunk, s / (2 cp) tokens: two causal diagonal blocks (T^2 / 4 score pairs), the rest unmasked.
+    # Backward executes 2.5x the forward FLOPs (FlashAttention's count) at the backward's rate.
+    pair_flops = 2 * n * (model.qk_dim + model.value_dim) / tp  # per (query, key) pair computed, fwd
+    core_d = max(model.qk_dim, model.value_dim)
+    if cp == 1:
+        core_calls = ((T * s / 2 * pair_flops, s, True),)       # (FLOPs, call length, causal)
+    else:
+        diag = T * T / 4 * pair_flops
+        core_calls = ((diag, T / 2, True), (T * s / 2 * pair_flops - diag, T / 2, False))
+    c_core = sum(hw.attention_time(f, length, core_d, causal, False) for f, length, causal in core_calls)
+    c_core_bwd = sum(hw.attention_time(2.5 * f, length, core_d, causal, True) for f, length, causal in core_calls)
     c_attn = hw.gemm_time(2 * T * model.attn_params / tp, 2) + c_core
     c_shared = hw.gemm_time(6 * T * h * f_sh / tp, 2) if f_sh else 0.0
-    c_experts = hw.gemm_time(6 * Tr * k * h * f_e, 2 * E / ep)
+    # expert GEMMs: E/ep local experts of M_e rows each, fc1 [h -> 2 f_e/etp] and fc2 [f_e/etp -> h]
+    c_experts = (hw.grouped_gemm_time(M_e, 2 * f_e / etp, h, E / ep)
+                 + hw.grouped_gemm_time(M_e, h, f_e / etp, E / ep))
     # Token dispatcher, bytes each memory-bound kernel reads + writes (elements x a unless said):
     #   permute: gather the Tr k routed rows                  2 Tr k h
     #   sort_chunks_by_idxs after the a2a + ETP all-gather,   4 Tr k etp h   (only with several local
@@ -233,7 +252,8 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     x_tp = tp_colls * links.ring("attn", ("tp",), (tp - 1) / tp * T * h * a)
     # ring attention: K,V chunks (2 g d a token, split over tp); MLA gathers the latent and rope key
     # (rkv + dr a token, replicated over tp: meshfold.models.mla_parallel)
-    x_cp = links.ring("attn", ("cp",), (cp - 1) * T * model.kv_per_token / (1 if model.mla else tp) * a)
+    x_cp = links.ring("attn", ("cp",), (cp - 1) * T * model.kv_per_token / (1 if model.mla else tp) * a,
+                      steps=cp - 1)
     x_ep = 2 * links.all_to_all("moe", ("ep",), (ep - 1) / ep * Tr * k * h * a)  # dispatch + combine
     x_etp = 2 * links.ring("moe", ("etp",), (etp - 1) * Tr * k * h * a)     # all-gather-v + reduce-scatter-v
     # backward: each collective's transpose once; ring attention sends K,V and dK,dV
@@ -243,7 +263,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     c_re = {"none": 0.0, "selective": c_core + hw.hbm_time(hbm_bytes), "full": c_fwd}[layout.recompute]
     rc = 0 if layout.recompute == "none" else 1
     layer = {
-        "compute": 3 * c_fwd + c_re,
+        "compute": 3 * c_fwd + (c_core_bwd - 2 * c_core) + c_re,   # backward 2 fwd, the core at its own rate
         "tp": (2 + rc) * x_tp, "cp": (3 + rc) * x_cp, "ep": (2 + rc) * x_ep, "etp": (2 + rc) * x_etp,
     }
     x_pp = 2 * vpp * links.ring("attn", ("pp",), Tr * h * a) if pp > 1 else 0.0
@@ -337,4 +357,10 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
         + ", ".join(f"{t} {memory[t] / GIB:.1f}" for t in MEMORY_TERMS) + ")")
     detail = {"tokens": global_batch * seq, "microbatches": m, "flops": flops, "rows_per_expert": M_e,
               "in_flight": in_flight}
+    # the time model's kernel rates at this layout (meshfold.plan.curves reports them)
+    core_flops = 3.5 * sum(f for f, _, _ in core_calls)   # forward + 2.5x backward, executed
+    peak = hw.peak_tflops * 1e12
+    detail.update(peak_flops=peak, attn_core_s=m * Ls * ((1 + rc) * c_core + c_core_bwd),
+                  attn_core_fraction=core_flops / ((c_core + c_core_bwd) * peak),
+                  expert_gemm_fraction=6 * Tr * k * h * f_e / (c_experts * peak))
     return Estimate(layout, memory, time, step, mfu, feasible, reason, detail)
