@@ -18,7 +18,7 @@ Step = (m + (pp - 1) / vpp) * t_microbatch(slowest stage) + exposed data-paralle
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from meshfold.mesh import VIEWS, FoldSpec
 from meshfold.plan.hardware import GIB, Hardware
@@ -113,7 +113,8 @@ class Estimate:
 
     ``memory`` has the terms of :data:`MEMORY_TERMS` for the pipeline stage that needs most;
     ``time`` has :data:`TIME_TERMS`, summing to ``step_time``. ``feasible`` is False when the
-    memory exceeds the usable memory, and ``reason`` then says by how much.
+    memory exceeds the usable memory, and ``reason`` then says by how much. ``collectives``: the
+    bytes of every collective one step issues, per (kind, mesh dim).
     """
 
     layout: Layout
@@ -124,6 +125,20 @@ class Estimate:
     feasible: bool
     reason: str = ""
     detail: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @cached_property
+    def collectives(self) -> dict[tuple[str, str], float]:
+        """``{(kind, dim): bytes per step}`` of global rank 0 (pipeline rank 0), in ``meshfold
+        dryrun``'s format (:func:`meshfold.plan.collectives.collective_bytes`; every pipeline
+        rank: :attr:`collectives_per_rank`). Computed on first use: the search does not need it."""
+        return self.collectives_per_rank[0]
+
+    @cached_property
+    def collectives_per_rank(self) -> list[dict[tuple[str, str], float]]:
+        from meshfold.plan.collectives import collective_bytes
+
+        d = self.detail
+        return collective_bytes(d["model"], self.layout, d["seq"], d["global_batch"])
 
     @property
     def memory_total(self) -> float:
@@ -361,5 +376,5 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
         f"out of memory: needs {worst / GIB:.1f} GiB per GPU > {usable / GIB:.1f} GiB usable on {hw.name} ("
         + ", ".join(f"{t} {memory[t] / GIB:.1f}" for t in MEMORY_TERMS) + ")")
     detail = {"tokens": global_batch * seq, "microbatches": m, "flops": flops, "rows_per_expert": M_e,
-              **mem_detail}
+              "model": model, "seq": seq, "global_batch": global_batch, **mem_detail}
     return Estimate(layout, memory, time, step, mfu, feasible, reason, detail)
