@@ -220,6 +220,9 @@ def test_cli_prints_best_folds_and_the_baselines(capsys):
                           compare=True, cp1=True)) == 0
     out = capsys.readouterr().out
     assert "#1" in out and "MCore + folding" in out and "39.0%" in out
+    table = out[:out.index("the paper's strategies")]
+    assert "zero1" not in table and "[Megatron]" not in table           # proposals are meshfold's
+    assert out.count("[Megatron]") >= 3 and "FSDP+EP " in out           # comparison rows, labelled
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -328,6 +331,45 @@ def test_uneven_pipeline_chunks_put_deepseeks_dense_layers_on_the_first_rank():
     assert stages[0].layers == (0, 1, 2) and stages[0].experts == 0   # 61 // 16 = 3 layers, all dense
     assert sum(stage.experts for stage in stages) * 64 == MODELS["deepseek-v3-671b"].moe_layers * 256 * \
         MODELS["deepseek-v3-671b"].expert_params
+
+
+def _held_state_bytes(rank, world_size, spec, data_parallel):
+    """Bytes of this rank's parameters, gradients and AdamW state after one step of
+    tiny-deepseek-v3 (bf16 compute over fp32 masters), each to_local()."""
+    import torch
+
+    from meshfold.models.configs import get_config
+    from meshfold.models.transformer import MoETransformer
+    from meshfold.models.transformer_parallel import parallelize, reduce_gradients, shard_batch
+    from meshfold.testing import cached_fold
+
+    cfg = get_config("tiny-deepseek-v3")
+    model = MoETransformer(cfg, dtype=torch.float32, device="meta", seed=0)
+    parallelize(model, cached_fold(spec), data_parallel=data_parallel, compute_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    tokens, pos = shard_batch(torch.randint(0, cfg.vocab, (2 * spec.dp, 16)), spec, rank)
+    model.loss(tokens, tokens, pos).backward()
+    reduce_gradients(model)
+    opt.step()
+
+    def nbytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    state = [v for s in opt.state.values() for v in s.values() if v.dim() > 0]  # "step" is a scalar
+    return sum(map(nbytes, params)), sum(nbytes(p.grad) for p in params), sum(map(nbytes, state))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("data_parallel", ["fsdp", "allreduce"])
+def test_params_grads_and_optimizer_terms_are_what_a_step_holds(worlds, data_parallel):
+    """fp32 masters, fp32 gradients and AdamW's two fp32 moments: sharded under FSDP2, whole
+    replicas under the all-reduce path (one micro-batch, no pipeline: sync on)."""
+    spec = FoldSpec(4, tp=2, ep=2)
+    e = estimate(MODELS["tiny-deepseek-v3"], H100, Layout(spec, mbs=2, sharding=data_parallel), 16, 4)
+    for params, grads, state in worlds(4).run(_held_state_bytes, spec, data_parallel):
+        assert (params, grads, state) == (e.memory["params"], e.memory["grads"], e.memory["optimizer"])
 
 
 def _local_param_numel(rank, world_size, spec, name, data_parallel):
