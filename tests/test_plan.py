@@ -285,7 +285,10 @@ def test_knob_names_are_meshfolds():
     from meshfold.models.pipeline import SCHEDULES as runtime_schedules
     from meshfold.models.transformer_parallel import DATA_PARALLEL
 
-    assert SHARDINGS == DATA_PARALLEL and set(SCHEDULES) == set(runtime_schedules)
+    from meshfold.train.config import TrainSettings, rules
+
+    assert SHARDINGS == DATA_PARALLEL == rules(TrainSettings)["data_parallel"].choices
+    assert set(SCHEDULES) == set(runtime_schedules) == set(rules(TrainSettings)["schedule"].choices)
     assert REDUCE_BUCKET_BYTES == runtime_bucket
     assert not set(MEGATRON_SHARDINGS) & set(SHARDINGS)
 
@@ -295,9 +298,8 @@ def test_knob_names_are_meshfolds():
     ("tiny-qwen3-moe", 6, 96, 12)])
 def test_every_proposed_layout_is_accepted_by_meshfold_train(name, gpus, seq, gbs):
     """Every layout the search proposes, recomputing ones included, passes ``meshfold train``'s
-    validation (fold, pipeline and divisibility checks) with the overrides it prints; none is a
-    Megatron-only knob; and none is one ``Pipeline`` refuses (recompute under pp with FSDP2 and
-    bf16 compute), a rule that ``validate`` does not check before spawning."""
+    validation (fold, pipeline and divisibility checks, data parallelism) with the overrides it
+    prints, and none is a Megatron-only knob."""
     from meshfold.models.transformer_parallel import DATA_PARALLEL
     from meshfold.train.config import load_config
 
@@ -318,9 +320,16 @@ def test_every_proposed_layout_is_accepted_by_meshfold_train(name, gpus, seq, gb
 
 
 def test_recompute_under_a_pipeline_is_refused_with_fsdp_and_allowed_with_allreduce():
+    """As Pipeline refuses it, and meshfold train's validation before spawning (was: inside the ranks)."""
+    from meshfold.train.config import load_config
+
     lay = Layout(FoldSpec(4, pp=2, ep=2), recompute="full")
     assert "refused by meshfold's Pipeline" in check_layout(MODELS["tiny-mixtral"], lay, 64, 8)
-    assert check_layout(MODELS["tiny-mixtral"], dataclasses.replace(lay, sharding="allreduce"), 64, 8) == ""
+    with pytest.raises(ValueError, match="train.recompute = 'full' with fold.pp = 2, FSDP2"):
+        load_config(None, lay.train_overrides("tiny-mixtral", 64, 8)).validate()
+    allreduce = dataclasses.replace(lay, sharding="allreduce")
+    assert check_layout(MODELS["tiny-mixtral"], allreduce, 64, 8) == ""
+    load_config(None, allreduce.train_overrides("tiny-mixtral", 64, 8)).validate()
 
 
 def test_uneven_pipeline_chunks_put_deepseeks_dense_layers_on_the_first_rank():

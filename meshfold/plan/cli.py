@@ -88,8 +88,7 @@ def main(args: argparse.Namespace) -> int:
     if feasible:
         print(format_table([(f"#{i + 1}", e) for i, e in enumerate(feasible[:args.top])]))
         best = feasible[0].layout
-        print(f"run #1: meshfold train --set {' --set '.join(best.train_overrides(shape.name, args.seq, args.gbs))}"
-              if best.sharding == "fsdp" else f"run #1 with parallelize(data_parallel={best.sharding!r})")
+        print(f"run #1: meshfold train --set {' --set '.join(best.train_overrides(shape.name, args.seq, args.gbs))}")
     else:
         print("no layout fits in memory; closest:")
         for e in results[:3]:

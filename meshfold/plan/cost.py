@@ -62,7 +62,7 @@ class Layout:
             ``"interleaved-1f1b"`` (set automatically when vpp > 1).
 
     Runs on meshfold as ``meshfold train`` with :meth:`train_overrides` (bf16 compute over fp32
-    master weights), or ``parallelize`` / ``Pipeline`` with ``data_parallel=sharding``.
+    master weights; ``train.data_parallel = sharding``).
     """
 
     spec: FoldSpec
@@ -84,14 +84,14 @@ class Layout:
         return self.sharding in MEGATRON_SHARDINGS
 
     def train_overrides(self, model: str, seq: int, global_batch: int) -> list[str]:
-        """``meshfold train --set`` overrides that run this layout (``sharding = "fsdp"``, the
-        only data parallelism ``meshfold train`` has; ``"allreduce"`` is ``parallelize``'s)."""
+        """``meshfold train --set`` overrides that run this layout (bf16 compute over fp32 masters)."""
         s = self.spec
         m = global_batch // (s.dp * self.mbs)
         return [f"model.name={model}", f"fold.world_size={s.world_size}", f"fold.tp={s.tp}", f"fold.cp={s.cp}",
                 f"fold.pp={s.pp}", f"fold.ep={s.ep}", f"fold.etp={s.etp}", f"train.batch={global_batch}",
                 f"train.seq={seq}", f"train.microbatches={m}", f"train.schedule={self.schedule}",
-                f"train.virtual={self.vpp}", f"train.recompute={self.recompute}", "train.dtype=bfloat16"]
+                f"train.virtual={self.vpp}", f"train.recompute={self.recompute}",
+                f"train.data_parallel={self.sharding}", "train.dtype=bfloat16"]
 
     def paper_config(self) -> str:
         """The paper's notation CP/TP/EP/PP/ETP, e.g. ``1/2/8/8/1``."""
