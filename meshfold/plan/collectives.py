@@ -146,15 +146,21 @@ def _data_parallel(c, model, layout, st, sizes, a, master, mixed, m) -> None:
     wide = router + (replicated - router if wide_tp else st.ends)
     root_dtype = master if wide_tp else a
     narrow = st.dense - wide
-    # every group gathered for forward and again for backward (a recompute runs inside the
-    # backward's gather, measured: it adds none), the root once (it stays gathered); one fp32
-    # reduce-scatter per step, sync being on only for the last backward. FSDP2 issues nothing
-    # on a group of one rank.
+    # Without pp every group is gathered for forward and again for backward of each micro-batch
+    # (a recompute runs inside the backward's gather, measured: it adds none), the root once per
+    # micro-batch (it stays gathered from forward to backward). Under a pipeline schedule a group
+    # stays gathered after a backward until the next forward ends (reshard_after_backward=False),
+    # so a forward right after a backward and a backward right after a backward gather nothing:
+    # m + 1 gathers per step for GPipe and 1F1B (measured), taken for interleaved 1F1B too; the
+    # root once per step. One fp32 reduce-scatter per step (sync is on only for the last
+    # backward). FSDP2 issues nothing on a group of one rank.
+    groups, roots = (m + 1, 1) if s.pp > 1 else (2 * m, m)
     if n_d > 1:
-        c["all_gather", dense_dim] += m * (2 * (narrow * a + (wide - st.ends) * master) + st.ends * root_dtype) / n_d
+        c["all_gather", dense_dim] += (groups * (narrow * a + (wide - st.ends) * master)
+                                       + roots * st.ends * root_dtype) / n_d
         c["reduce_scatter", dense_dim] += master * st.dense
     if n_e > 1:
-        c["all_gather", exp_dim] += m * 2 * experts * a / n_e
+        c["all_gather", exp_dim] += groups * experts * a / n_e
         c["reduce_scatter", exp_dim] += master * experts
     if s.tp > 1:
         c["all_reduce", "tp"] += master * replicated
