@@ -378,7 +378,10 @@ def test_plan_counts_mla_parameters_flops_and_kv_size():
     with FlopCounterMode(display=False) as counter:
         MLA(cfg.hidden, cfg.heads, cfg.mla, cfg.rope_theta)(torch.randn(B, S, cfg.hidden))
     h, L = shape.hidden, shape.layers
-    mlp_and_head = 6 * B * S * (L * 3 * h * (shape.topk * shape.expert_ffn + shape.shared_ffn) + h * shape.vocab)
+    moe_mlp = 3 * h * (shape.topk * shape.expert_ffn + shape.shared_ffn)
+    dense_mlp = 3 * h * cfg.ffn  # its first layer is dense
+    mlp_and_head = 6 * B * S * (shape.moe_layers * moe_mlp + shape.dense_layers * dense_mlp + h * shape.vocab)
+    assert shape.dense_layers == cfg.first_k_dense == 1
     assert shape.step_flops(B, S) == pytest.approx(3 * L * counter.get_total_flops() + mlp_and_head, rel=1e-12)
     v3 = MODELS["deepseek-v3-671b"]
     assert v3.kv_per_token == 512 + 64  # against 2 * 128 * (128 + 64) expanded

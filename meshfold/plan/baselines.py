@@ -4,12 +4,19 @@ Each strategy is a predicate over :class:`~meshfold.plan.cost.Layout`; its plann
 best layout the predicate admits (arXiv 2504.14960, section 5, Table 1):
 
 * ``fsdp``: pure data parallelism with fully sharded parameters (ZeRO-3); experts not split.
-* ``fsdp+ep``: FSDP for everything, experts additionally split by EP (``edp = world / ep``).
+  Planned as meshfold's FSDP2 (``sharding = "fsdp"``), which meshfold runs.
+* ``fsdp+ep``: FSDP for everything, experts additionally split by EP (``edp = world / ep``);
+  meshfold's FSDP2 too.
 * ``tp+ep+dp``: Megatron distributed optimizer, no PP, no CP, no folding (``etp = tp``, EP
   carved out of DP).
 * ``mcore``: 5-D parallelism without folding: ``etp = tp`` and EP a sub-dimension of DP x CP
   (with ``etp = tp`` the MoE view then reuses the attention layout, so ``ep | dp * cp``).
 * ``mcore+folding``: 5-D parallelism with ETP and EP free (MoE Parallel Folding).
+
+The last three are **Megatron-Core** runs (:data:`MEGATRON_STRATEGIES`): the distributed
+optimizer (``sharding = "zero1"``), vocabulary-parallel embeddings and Megatron's schedules,
+which meshfold does not have. They are planned only as comparison rows (``meshfold plan
+--compare`` labels them "Megatron-Core, not meshfold"), never proposed as a meshfold layout.
 
 Activation recomputation is a setting, not a parallel dimension, and the paper states it for no
 strategy. The three Megatron-native strategies (zero1) are taken to run with Megatron-Core's
@@ -30,17 +37,17 @@ from typing import Callable
 from meshfold.mesh import FoldSpec
 from meshfold.plan.cost import Layout
 
-__all__ = ["STRATEGIES", "STRATEGY_NAMES", "PaperRow", "PAPER_TABLE1", "paper_spec"]
+__all__ = ["STRATEGIES", "STRATEGY_NAMES", "MEGATRON_STRATEGIES", "PaperRow", "PAPER_TABLE1", "paper_spec"]
 
 
 def _fsdp(lay: Layout) -> bool:
     s = lay.spec
-    return lay.sharding == "zero3" and s.tp == s.cp == s.pp == s.ep == s.etp == 1
+    return lay.sharding == "fsdp" and s.tp == s.cp == s.pp == s.ep == s.etp == 1
 
 
 def _fsdp_ep(lay: Layout) -> bool:
     s = lay.spec
-    return lay.sharding == "zero3" and s.tp == s.cp == s.pp == s.etp == 1
+    return lay.sharding == "fsdp" and s.tp == s.cp == s.pp == s.etp == 1
 
 
 def _megatron(lay: Layout) -> bool:
@@ -67,6 +74,7 @@ STRATEGIES: dict[str, Callable[[Layout], bool]] = {
 }
 STRATEGY_NAMES = {"fsdp": "FSDP", "fsdp+ep": "FSDP+EP", "tp+ep+dp": "TP+EP+DP", "mcore": "MCore",
                   "mcore+folding": "MCore + folding"}
+MEGATRON_STRATEGIES = ("tp+ep+dp", "mcore", "mcore+folding")  # zero1: comparison rows, not meshfold
 
 
 @dataclass(frozen=True)

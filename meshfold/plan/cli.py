@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshfold.plan.baselines import PAPER_TABLE1, STRATEGIES, STRATEGY_NAMES
-from meshfold.plan.cost import TIME_TERMS, Estimate
+from meshfold.plan.baselines import MEGATRON_STRATEGIES, PAPER_TABLE1, STRATEGIES, STRATEGY_NAMES
+from meshfold.plan.cost import MEGATRON_SHARDINGS, TIME_TERMS, Estimate
 from meshfold.plan.hardware import GIB, HARDWARE, hardware
 from meshfold.plan.models import MODELS, model_shape
 from meshfold.plan.search import plan
@@ -39,7 +39,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gbs", default=256, type=_positive_int, help="global batch in sequences (default 256)")
     parser.add_argument("--top", default=10, type=_positive_int, help="how many folds to print (default 10)")
     parser.add_argument("--compare", action="store_true",
-                        help="also print the paper's strategies (FSDP, FSDP+EP, TP+EP+DP, MCore, MCore + folding)")
+                        help="also print the paper's strategies (FSDP, FSDP+EP on meshfold's FSDP2; TP+EP+DP, "
+                             "MCore, MCore + folding as Megatron-Core runs them, for comparison)")
     parser.add_argument("--cp1", action="store_true",
                         help="only folds with cp=1 (the setting of the paper's Table 1)")
 
@@ -51,13 +52,14 @@ def _fold(e: Estimate) -> str:
 
 def format_table(rows: list[tuple[str, Estimate]], extra: dict[str, str] | None = None) -> str:
     """A plain-text table: label, fold (CP/TP/EP/PP/ETP), knobs, memory, time terms, MFU."""
-    head = ["", "fold CP/TP/EP/PP/ETP", "mbs", "vpp", "rc", "shard", "mem GiB"] + \
+    head = ["", "fold CP/TP/EP/PP/ETP", "mbs", "vpp", "sched", "rc", "shard", "mem GiB"] + \
         [f"{t} s" for t in TIME_TERMS] + ["step s", "MFU"] + (["paper"] if extra else [])
     body = []
     for label, e in rows:
         lay = e.layout
-        cells = [label, _fold(e), str(lay.mbs), str(lay.vpp), {"none": "-", "selective": "sel", "full": "full"}[lay.recompute], lay.sharding,
-                 f"{e.memory_total / GIB:.1f}"]
+        sched = "-" if lay.spec.pp == 1 else {"interleaved-1f1b": "i1f1b"}.get(lay.schedule, lay.schedule)
+        rc = {"none": "-", "selective": "sel", "full": "full"}[lay.recompute]
+        cells = [label, _fold(e), str(lay.mbs), str(lay.vpp), sched, rc, lay.sharding, f"{e.memory_total / GIB:.1f}"]
         cells += [f"{e.time[t]:.2f}" for t in TIME_TERMS]
         cells += [f"{e.step_time:.2f}", f"{100 * e.mfu:.1f}%" if e.feasible else "OOM"]
         if extra:
@@ -74,6 +76,8 @@ def main(args: argparse.Namespace) -> int:
         shape, hw = model_shape(args.model), hardware(args.gpu)
         where = (lambda lay: lay.spec.cp == 1) if getattr(args, "cp1", False) else None
         results = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where)
+        megatron = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where,
+                        shardings=MEGATRON_SHARDINGS) if args.compare else []
     except ValueError as err:
         print(f"meshfold plan: error: {err}", file=sys.stderr)
         return 2
@@ -83,6 +87,8 @@ def main(args: argparse.Namespace) -> int:
           f"{hw.usable_bytes / GIB:.1f} GiB")
     if feasible:
         print(format_table([(f"#{i + 1}", e) for i, e in enumerate(feasible[:args.top])]))
+        best = feasible[0].layout
+        print(f"run #1: meshfold train --set {' --set '.join(best.train_overrides(shape.name, args.seq, args.gbs))}")
     else:
         print("no layout fits in memory; closest:")
         for e in results[:3]:
@@ -91,15 +97,17 @@ def main(args: argparse.Namespace) -> int:
         rows, paper = [], {}
         row = PAPER_TABLE1.get(shape.name)
         for key, keep in STRATEGIES.items():
-            best = next((e for e in results if keep(e.layout)), None)
+            pool = megatron if key in MEGATRON_STRATEGIES else results
+            best = next((e for e in pool if keep(e.layout)), None)
             if best is None:
                 continue
-            label = STRATEGY_NAMES[key]
+            label = STRATEGY_NAMES[key] + (" [Megatron]" if key in MEGATRON_STRATEGIES else "")
             rows.append((label, best))
             if row is not None and row.gpus == args.gpus and args.seq == 4096 and args.gbs == 256:
                 v = row.mfu[key]
                 paper[label] = "OOM" if v is None else f"{100 * v:.1f}%"
-        print("\nbaseline strategies (best layout each strategy admits):")
+        print("\nthe paper's strategies (best layout each admits; [Megatron] rows are Megatron-Core's distributed "
+              f"optimizer {MEGATRON_SHARDINGS[0]} and schedules, not meshfold; FSDP rows are meshfold's FSDP2):")
         print(format_table(rows, paper or None))
         for label, e in rows:
             if not e.feasible:

@@ -6,7 +6,7 @@ states each with its source. Legend (per rank, per micro-batch unless said other
     B = global batch, b = micro-batch, s = sequence, m = B / (dp b) micro-batches per step
     T  = b s / cp       tokens of one attention rank (its context-parallel chunk)
     Tr = T / tp         tokens one rank holds between blocks (sequence parallel)
-    Ls = L / pp         layers per pipeline stage
+    Ls                  layers of the pipeline rank holding most (L / pp when pp * vpp divides L)
     M_e = Tr k etp ep / E   rows of each local expert's GEMM (balanced routing)
     a = 2               bytes per bf16 element
 
@@ -21,17 +21,23 @@ Step = (m + (pp - 1) / vpp) * t_microbatch(slowest stage) + exposed data-paralle
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from meshfold.mesh import VIEWS, FoldSpec
 from meshfold.plan.hardware import GIB, Hardware
+from meshfold.plan.memory import memory_terms, stage_layers
 from meshfold.plan.models import ModelShape
 
-__all__ = ["Layout", "Estimate", "estimate", "check_layout", "RECOMPUTE", "SHARDINGS", "TIME_TERMS", "MEMORY_TERMS"]
+__all__ = ["Layout", "Estimate", "estimate", "check_layout", "RECOMPUTE", "SHARDINGS", "MEGATRON_SHARDINGS",
+           "SCHEDULES", "TIME_TERMS", "MEMORY_TERMS"]
 
 BF16 = 2  # bytes
 RECOMPUTE = ("none", "selective", "full")  # meshfold.models.recompute.RECOMPUTE (a test checks)
-SHARDINGS = ("zero1", "zero3")  # Megatron distributed optimizer | fully sharded (FSDP)
+# What meshfold runs (transformer_parallel.DATA_PARALLEL, pipeline.SCHEDULES; a test checks):
+SHARDINGS = ("fsdp", "allreduce")  # FSDP2 fully sharded | whole replicas, gradients all-reduced
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# The paper's Megatron-Core distributed optimizer: comparison rows only, meshfold does not have it.
+MEGATRON_SHARDINGS = ("zero1",)
 TIME_TERMS = ("compute", "tp", "cp", "ep", "etp", "dp", "pp", "bubble")
 MEMORY_TERMS = ("params", "grads", "optimizer", "buffers", "activations")
 
@@ -43,25 +49,52 @@ class Layout:
     Args:
         spec: the rank layout (attention ``tp, cp, dp, pp``; MoE ``etp, ep, edp, pp``).
         mbs: micro-batch size (sequences per micro-batch per data-parallel rank).
-        vpp: virtual pipeline stages per rank (interleaved 1F1B); 1 = plain 1F1B.
+        vpp: model chunks per pipeline rank (``train.virtual``); > 1 = interleaved 1F1B.
         recompute: activation recomputation as ``meshfold train`` runs it (``train.recompute``):
             ``"none"``; ``"selective"`` (keep each layer's input, weight-GEMM outputs and routing;
             recompute norms, RoPE, the attention core, SwiGLU, the combine, and reissue the
             layer's collectives); ``"full"`` (keep each layer's input and routing).
-        sharding: ``"zero1"`` = Megatron distributed optimizer (optimizer state sharded over the
-            data-parallel group, bf16 params and fp32 grads replicated); ``"zero3"`` = FSDP
-            (params, grads and optimizer state sharded; each layer gathered when used).
+        sharding: data parallelism as meshfold runs it (``parallelize(data_parallel=...)``):
+            ``"fsdp"`` = FSDP2 (params, grads and AdamW state sharded over dp x cp / edp, each
+            block gathered when used; ``meshfold train``'s); ``"allreduce"`` = whole replicas,
+            gradients all-reduced. ``"zero1"`` = the paper's Megatron-Core distributed optimizer
+            (bf16 params and fp32 grads replicated, optimizer state sharded), which meshfold does
+            not have: only for the comparison rows (:mod:`meshfold.plan.baselines`).
+        schedule: the pipeline schedule (``train.schedule``) with pp > 1: ``"1f1b"``, ``"gpipe"``
+            (meshfold's choice where micro-batches < pp, which 1F1B cannot run) or
+            ``"interleaved-1f1b"`` (set automatically when vpp > 1).
+
+    Runs on meshfold as ``meshfold train`` with :meth:`train_overrides` (bf16 compute over fp32
+    master weights; ``train.data_parallel = sharding``).
     """
 
     spec: FoldSpec
     mbs: int = 1
     vpp: int = 1
     recompute: str = "none"
-    sharding: str = "zero1"
+    sharding: str = "fsdp"
+    schedule: str = "1f1b"
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Layout.recompute = {self.recompute!r}; valid: {list(RECOMPUTE)}")
+        if self.vpp > 1 and self.schedule != "interleaved-1f1b":
+            object.__setattr__(self, "schedule", "interleaved-1f1b")
+
+    @property
+    def megatron(self) -> bool:
+        """A comparison row (the paper's Megatron-Core), not something meshfold runs."""
+        return self.sharding in MEGATRON_SHARDINGS
+
+    def train_overrides(self, model: str, seq: int, global_batch: int) -> list[str]:
+        """``meshfold train --set`` overrides that run this layout (bf16 compute over fp32 masters)."""
+        s = self.spec
+        m = global_batch // (s.dp * self.mbs)
+        return [f"model.name={model}", f"fold.world_size={s.world_size}", f"fold.tp={s.tp}", f"fold.cp={s.cp}",
+                f"fold.pp={s.pp}", f"fold.ep={s.ep}", f"fold.etp={s.etp}", f"train.batch={global_batch}",
+                f"train.seq={seq}", f"train.microbatches={m}", f"train.schedule={self.schedule}",
+                f"train.virtual={self.vpp}", f"train.recompute={self.recompute}",
+                f"train.data_parallel={self.sharding}", "train.dtype=bfloat16"]
 
     def paper_config(self) -> str:
         """The paper's notation CP/TP/EP/PP/ETP, e.g. ``1/2/8/8/1``."""
@@ -72,7 +105,8 @@ class Layout:
         """Compact one-line form: attention view | MoE view | knobs."""
         s = self.spec
         rc = {"none": "", "selective": " rc-sel", "full": " rc"}[self.recompute]
-        knobs = f"mbs{self.mbs} vpp{self.vpp}{rc} {self.sharding}"
+        sched = f" {self.schedule}" if s.pp > 1 else ""
+        knobs = f"mbs{self.mbs} vpp{self.vpp}{rc} {self.sharding}{sched}"
         return f"tp{s.tp} cp{s.cp} dp{s.dp} pp{s.pp} | ep{s.ep} etp{s.etp} edp{s.edp} | {knobs}"
 
 
@@ -82,7 +116,8 @@ class Estimate:
 
     ``memory`` has the terms of :data:`MEMORY_TERMS` for the pipeline stage that needs most;
     ``time`` has :data:`TIME_TERMS`, summing to ``step_time``. ``feasible`` is False when the
-    memory exceeds the usable memory, and ``reason`` then says by how much.
+    memory exceeds the usable memory, and ``reason`` then says by how much. ``collectives``: the
+    bytes of every collective one step issues, per (kind, mesh dim).
     """
 
     layout: Layout
@@ -93,6 +128,20 @@ class Estimate:
     feasible: bool
     reason: str = ""
     detail: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @cached_property
+    def collectives(self) -> dict[tuple[str, str], float]:
+        """``{(kind, dim): bytes per step}`` of global rank 0 (pipeline rank 0), in ``meshfold
+        dryrun``'s format (:func:`meshfold.plan.collectives.collective_bytes`; every pipeline
+        rank: :attr:`collectives_per_rank`). Computed on first use: the search does not need it."""
+        return self.collectives_per_rank[0]
+
+    @cached_property
+    def collectives_per_rank(self) -> list[dict[tuple[str, str], float]]:
+        from meshfold.plan.collectives import collective_bytes
+
+        d = self.detail
+        return collective_bytes(d["model"], self.layout, d["seq"], d["global_batch"])
 
     @property
     def memory_total(self) -> float:
@@ -106,26 +155,57 @@ class Estimate:
 def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int) -> str:
     """Why ``layout`` cannot run ``model`` at all (empty string when it can).
 
-    These are divisibility rules of the implementation (Megatron-Core's, which meshfold follows),
-    not cost: heads and KV groups split over tp, experts over ep, expert FFN over etp, layers over
-    pp * vpp, sequence over cp, and the global batch over dp * mbs.
+    meshfold's rules (``TrainConfig.validate``, ``check_fold``, ``check_pipeline``; a test runs
+    every proposed layout through them): heads, KV groups, the dense and shared-expert ffn over
+    tp, experts over ep, expert ffn over etp, the sequence over 2 cp tp (cp's load-balanced
+    chunks) or tp, the global batch over dp * mbs; pp * vpp chunks of at least one layer each;
+    1F1B with at least pp micro-batches, interleaved 1F1B with a multiple of pp; no recomputation
+    under a pipeline with FSDP2 and bf16 compute (``Pipeline`` refuses it). The Megatron
+    comparison rows (``zero1``) keep Megatron-Core's rules instead: pp * vpp divides the layers,
+    cp divides the sequence.
     """
     s = layout.spec
-    if layout.sharding not in SHARDINGS:
-        return f"sharding {layout.sharding!r} unknown; valid: {list(SHARDINGS)}"
-    rules = (
+    if layout.sharding not in SHARDINGS + MEGATRON_SHARDINGS:
+        return f"sharding {layout.sharding!r} unknown; valid: {list(SHARDINGS)} (Megatron, comparison only: zero1)"
+    if layout.schedule not in SCHEDULES:
+        return f"schedule {layout.schedule!r} unknown; valid: {list(SCHEDULES)}"
+    m = global_batch // (s.dp * layout.mbs) if global_batch % (s.dp * layout.mbs) == 0 else 0
+    chunks = s.pp * layout.vpp
+    split = 2 * s.cp * s.tp if s.cp > 1 else s.tp
+    common = (
         (model.heads % s.tp == 0 and model.kv_groups % s.tp == 0,
          f"tp={s.tp} must divide heads={model.heads} and kv_groups={model.kv_groups}"),
         (model.experts % s.ep == 0, f"ep={s.ep} must divide experts={model.experts}"),
         (model.expert_ffn % s.etp == 0, f"etp={s.etp} must divide expert_ffn={model.expert_ffn}"),
-        (model.layers % (s.pp * layout.vpp) == 0,
-         f"pp*vpp={s.pp * layout.vpp} must divide layers={model.layers}"),
-        (seq % s.cp == 0, f"cp={s.cp} must divide seq={seq}"),
         (global_batch % (s.dp * layout.mbs) == 0,
          f"dp*mbs={s.dp * layout.mbs} must divide global batch={global_batch}"),
-        (layout.vpp == 1 or (s.pp > 1 and (global_batch // (s.dp * layout.mbs)) % s.pp == 0),
-         f"vpp={layout.vpp} needs pp>1 and micro-batches a multiple of pp={s.pp}"),
     )
+    if layout.megatron:
+        rules = common + (
+            (model.layers % chunks == 0, f"pp*vpp={chunks} must divide layers={model.layers}"),
+            (seq % s.cp == 0, f"cp={s.cp} must divide seq={seq}"),
+            (layout.vpp == 1 or (s.pp > 1 and m % s.pp == 0),
+             f"vpp={layout.vpp} needs pp>1 and micro-batches a multiple of pp={s.pp}"),
+        )
+    else:
+        pipelined = s.pp > 1
+        rules = common + (
+            (model.shared_ffn % s.tp == 0, f"tp={s.tp} must divide shared_ffn={model.shared_ffn}"),
+            (not model.dense_layers or model.dense_ffn % s.tp == 0,
+             f"tp={s.tp} must divide dense_ffn={model.dense_ffn}"),
+            (seq % split == 0, f"seq={seq} must be divisible by {split} (cp={s.cp} gives 2*cp load-balanced "
+                               f"chunks, each split over tp={s.tp})"),
+            (chunks <= model.layers, f"pp*vpp={chunks} chunks but only layers={model.layers}"),
+            ((layout.schedule == "interleaved-1f1b") == (layout.vpp > 1),
+             f"schedule {layout.schedule!r} with vpp={layout.vpp}: interleaved-1f1b needs vpp >= 2, the others 1"),
+            (not pipelined or layout.schedule == "gpipe" or m >= s.pp,
+             f"{layout.schedule} needs micro-batches={m} >= pp={s.pp} (gpipe does not)"),
+            (not pipelined or layout.schedule != "interleaved-1f1b" or m % s.pp == 0,
+             f"interleaved-1f1b needs micro-batches={m} a multiple of pp={s.pp}"),
+            (not (pipelined and layout.sharding == "fsdp" and layout.recompute != "none"),
+             f"recompute={layout.recompute!r} with pp={s.pp} under FSDP2 and bf16 compute is refused by "
+             f"meshfold's Pipeline; valid: recompute='none', or sharding='allreduce'"),
+        )
     return next((why for ok, why in rules if not ok), "")
 
 
@@ -201,7 +281,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     m = global_batch // (dp * b)           # micro-batches per step
     T = b * s / cp                         # tokens of one attention rank's context chunk
     Tr = T / tp                            # tokens one rank holds between blocks (SP)
-    Ls = model.layers // pp                # layers per stage
+    Ls = max(len(ids) for ids in stage_layers(model.layers, pp, vpp))   # layers of the fullest rank
     M_e = Tr * k * etp * ep / E            # rows of each local expert GEMM (balanced routing)
     links = _Links(sp, hw)
 
@@ -268,16 +348,17 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     }
     x_pp = 2 * vpp * links.ring("attn", ("pp",), Tr * h * a) if pp > 1 else 0.0
 
-    # ---- parameters per stage ---------------------------------------------------------------------
-    P_dense = Ls * model.dense_layer_params / tp
-    P_exp = Ls * E * model.expert_params / (ep * etp)
-    P_emb = model.embedding_params / tp
-    P_ends = P_emb if pp > 1 else 2 * P_emb            # embedding on the first stage, head on the last
+    # ---- parameters per stage (meshfold.plan.memory: the rank with the most) -----------------------
+    memory, mem_detail = memory_terms(model, layout, seq, global_batch)
+    fullest = max(mem_detail["params_per_rank"], key=lambda st: st.total)
+    P_exp, P_ends = fullest.experts, fullest.ends
+    P_dense = fullest.dense - P_ends
 
     # ---- data-parallel communication --------------------------------------------------------------
     # Over dp x cp for dense weights and edp for expert weights: reduce-scatter fp32 gradients,
-    # all-gather bf16 parameters. zero1 does it once per step, zero3 (FSDP) gathers for forward and
-    # again for backward and reduce-scatters every micro-batch. No overlap with compute is assumed.
+    # all-gather bf16 parameters. zero1 does it once per step; fsdp (FSDP2) gathers for forward and
+    # again for backward every micro-batch and reduce-scatters once per step (gradient sync is off
+    # for all but the last backward); allreduce sums fp32 gradients once per step. No overlap.
     n_dense, n_edp = dp * cp, edp
     P_d_stage = P_dense + P_ends
 
@@ -287,8 +368,10 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
 
     if layout.sharding == "zero1":
         dp_step, fsdp_mb = gather(4) + gather(a), 0.0
+    elif layout.sharding == "allreduce":   # reduce_gradients: one fp32 ring all-reduce per step
+        dp_step, fsdp_mb = 2 * gather(4), 0.0
     else:
-        dp_step, fsdp_mb = 0.0, 2 * gather(a) + gather(4)
+        dp_step, fsdp_mb = gather(4), 2 * gather(a)
 
     # ---- step time ----------------------------------------------------------------------------------
     head = 3 * head_fwd
@@ -305,58 +388,15 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     flops = model.step_flops(global_batch, seq)
     mfu = flops / (step * sp.world_size * hw.peak_tflops * 1e12)
 
-    # ---- memory per GPU -------------------------------------------------------------------------
-    attn_act = a * (2 * Tr * h + T * (n * dq + g * (dq + dv)) / tp + T * n * dv / tp) + 4 * T * n / tp
-    moe_act = a * (2 * Tr * h + Tr * k * etp * h + 3 * Tr * k * f_e + Tr * k * h) + 4 * Tr * E
-    shared_act = a * (Tr * h + 3 * T * f_sh / tp) if f_sh else 0.0
-    full_layer = attn_act + moe_act + shared_act
-    # Kept per layer under recomputation (meshfold.models.recompute's policies): the layer input
-    # and the routing (fp32 top-k scores, int64 experts, the permute's int64 sort keys and order),
-    # and with selective every weight GEMM's output: Q K V, the output projection's tp-partial
-    # [T, h], the fp32 router logits, expert fc1 [2 f_e] and fc2 (etp-partial h) rows, shared fc1
-    # and fc2.
-    routing = 28 * Tr * k
-    kept = {
-        "none": full_layer,
-        "selective": (a * (Tr * h + T * (n * dq + g * (dq + dv)) / tp + T * h) + 4 * Tr * E
-                      + a * (2 * Tr * k * f_e + Tr * k * etp * h) + routing
-                      + (a * (2 * T * f_sh / tp + T * h) if f_sh else 0.0)),
-        "full": a * Tr * h + routing,
-    }
-    stored_layer = kept[layout.recompute]
-    working = full_layer if layout.recompute != "none" else 0.0    # one layer rematerialized
-    if pp == 1:
-        in_flight = 1.0
-    elif vpp == 1:
-        in_flight = float(min(pp, m))
-    else:
-        in_flight = pp * (1 + (pp - 1) / (pp * vpp))     # Korthikanti et al. 2022, sec. 4.2.3
-    logits = T * V / tp * (a + 4)                        # bf16 logits + fp32 copy for the loss
-    acts = {"first": in_flight * Ls * stored_layer + working + (logits if pp == 1 else 0.0),
-            "last": Ls * stored_layer + working + logits}
-
-    def states(P_d: float) -> dict[str, float]:
-        if layout.sharding == "zero1":
-            return {"params": a * (P_d + P_exp), "grads": 4 * (P_d + P_exp),
-                    "optimizer": 12 * (P_d / n_dense + P_exp / n_edp), "buffers": 0.0}
-        unit = max(model.dense_layer_params / tp + E * model.expert_params / (ep * etp), P_emb)
-        return {"params": a * (P_d / n_dense + P_exp / n_edp), "grads": 4 * (P_d / n_dense + P_exp / n_edp),
-                "optimizer": 12 * (P_d / n_dense + P_exp / n_edp),
-                "buffers": unit * (2 * a + 4)}   # two gathered layers (bf16) + one layer of fp32 grads
-
-    worst, memory = -1.0, {}
-    for stage in ("first", "last"):
-        mem = states(P_dense + P_ends)
-        mem["activations"] = acts[stage]
-        if sum(mem.values()) > worst:
-            worst, memory = sum(mem.values()), mem
+    # ---- memory per GPU (meshfold.plan.memory) ---------------------------------------------------
+    worst = sum(memory.values())
     usable = hw.usable_bytes
     feasible = worst <= usable
     reason = "" if feasible else (
         f"out of memory: needs {worst / GIB:.1f} GiB per GPU > {usable / GIB:.1f} GiB usable on {hw.name} ("
         + ", ".join(f"{t} {memory[t] / GIB:.1f}" for t in MEMORY_TERMS) + ")")
     detail = {"tokens": global_batch * seq, "microbatches": m, "flops": flops, "rows_per_expert": M_e,
-              "in_flight": in_flight}
+              "model": model, "seq": seq, "global_batch": global_batch, **mem_detail}
     # the time model's kernel rates at this layout (meshfold.plan.curves reports them)
     core_flops = 3.5 * sum(f for f, _, _ in core_calls)   # forward + 2.5x backward, executed
     peak = hw.peak_tflops * 1e12

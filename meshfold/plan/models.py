@@ -1,26 +1,55 @@
 """Model shapes the planner reasons about: sizes only, no weights and no code.
 
 A :class:`ModelShape` is the handful of numbers that set parameter count, FLOPs, activation size
-and communication volume of a MoE transformer whose every layer is attention + MoE (optionally with
-a shared expert). :meth:`ModelShape.from_config` reads them off any config object (meshfold's model
-configs, a Hugging Face config, a Megatron args namespace), so full model configs plug in later.
+and communication volume of a MoE transformer: attention in every layer, then either an MoE layer
+(routed experts, optionally a shared expert) or, for the layers ``TransformerConfig`` makes dense
+(``first_k_dense``, ``moe_every``: DeepSeek-V3's first 3 layers, Qwen's ``decoder_sparse_step``),
+a dense SwiGLU MLP of ``dense_ffn``. :meth:`ModelShape.from_config` reads them off any config
+object (meshfold's model configs, a Hugging Face config, a Megatron args namespace).
+
+Parameters are counted as meshfold builds them (``tests/test_plan.py`` checks the count against
+``sum(p.numel())`` of every named config built on meta) and split by how ``parallelize`` lays them
+over ``tp`` (:meth:`ModelShape.layer_params`): replicated (norms, router, the shared expert's
+gate, MLA's latent down projections and norms, embeddings and head) or split by head / ffn.
 
 Legend: h = hidden size, L = layers, n = attention heads, g = KV groups, d = head dim (kv_channels),
-E = experts, k = top-k, f_e = expert FFN size, f_sh = shared-expert FFN size, V = vocabulary.
-MLA (multi-head latent attention, DeepSeek-V2/V3; ``kv_lora_rank`` > 0): rq = q_lora_rank (0: a
-plain q projection), rkv = kv_lora_rank, dn / dr / dv = qk_nope / qk_rope / v head dims.
+E = experts, k = top-k, f_e = expert FFN size, f_sh = shared-expert FFN size, f_d = dense-layer FFN
+size, V = vocabulary. MLA (multi-head latent attention, DeepSeek-V2/V3; ``kv_lora_rank`` > 0):
+rq = q_lora_rank (0: a plain q projection), rkv = kv_lora_rank, dn / dr / dv = qk_nope / qk_rope /
+v head dims.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelShape", "MODELS", "model_shape", "shape_of_config"]
+__all__ = ["ModelShape", "LayerParams", "MODELS", "model_shape", "shape_of_config"]
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one layer by placement over attention ``tp`` and the MoE view:
+    ``replicated`` (every tp rank holds them whole), ``tp_split`` (split over tp), ``experts``
+    (the routed experts, split over ep x etp)."""
+
+    replicated: int
+    tp_split: int
+    experts: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.replicated + self.tp_split + self.experts
+
+    def per_rank(self, tp: int, ep_etp: int) -> float:
+        """Parameters one rank holds before data-parallel sharding."""
+        return self.replicated + self.tp_split / tp + self.experts / ep_etp
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Shape of a MoE transformer (SwiGLU experts, GQA attention, untied embedding and head)."""
+    """Shape of a MoE transformer (SwiGLU experts, GQA or MLA attention, RMSNorm, untied head
+    unless ``tie_embeddings``). Layer ``i`` is MoE iff ``i >= first_k_dense`` and
+    ``(i - first_k_dense) % moe_every == 0`` (``TransformerConfig.is_moe_layer``)."""
 
     name: str
     hidden: int             # h
@@ -38,9 +67,17 @@ class ModelShape:
     qk_nope_head_dim: int = 0   # dn
     qk_rope_head_dim: int = 0   # dr
     v_head_dim: int = 0     # dv
+    first_k_dense: int = 0  # the first layers with a dense MLP (DeepSeek's first_k_dense_replace)
+    moe_every: int = 1      # after them, every moe_every-th layer is MoE, the others dense
+    dense_ffn: int = 0      # f_d, the dense layers' SwiGLU size
+    shared_gate: bool = True    # the shared expert is sigmoid-gated by a [1, h] linear (Qwen2; not DeepSeek)
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2)
+    qk_norm: bool = False   # per-head RMSNorm of q and k (Qwen3, OLMoE)
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for f in ("hidden", "layers", "heads", "kv_groups", "experts", "topk", "expert_ffn", "vocab"):
+        for f in ("hidden", "layers", "heads", "kv_groups", "experts", "topk", "expert_ffn", "vocab",
+                  "moe_every"):
             v = getattr(self, f)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"ModelShape.{f} must be a positive integer, got {v!r}")
@@ -48,8 +85,28 @@ class ModelShape:
             raise ValueError(f"heads = {self.heads} is not a multiple of kv_groups = {self.kv_groups}")
         if self.topk > self.experts:
             raise ValueError(f"topk = {self.topk} exceeds experts = {self.experts}")
+        if not 0 <= self.first_k_dense < self.layers:
+            raise ValueError(f"ModelShape.first_k_dense = {self.first_k_dense} must be in 0..{self.layers - 1} "
+                             f"(layers = {self.layers}: at least one MoE layer)")
+        if self.dense_layers and self.dense_ffn < 1:
+            raise ValueError(f"ModelShape.dense_ffn = {self.dense_ffn} but {self.dense_layers} layers are "
+                             f"dense (first_k_dense = {self.first_k_dense}, moe_every = {self.moe_every}); "
+                             f"valid: a positive dense_ffn")
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    # ---- which layers are MoE ---------------------------------------------------------------------
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense and (i - self.first_k_dense) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    @property
+    def dense_layers(self) -> int:
+        """Layers with a dense MLP instead of an MoE layer (DeepSeek-V3: 3 of 61)."""
+        return self.layers - self.moe_layers
 
     # ---- parameters -----------------------------------------------------------------------------
     @property
@@ -77,13 +134,41 @@ class ModelShape:
         """Attention weights of one layer: Q and O are h x n*d, K and V are h x g*d each. MLA:
         q (h rq + rq n (dn+dr), or h n (dn+dr)), kv down h (rkv + dr), kv up rkv n (dn + dv),
         o n dv h (latent norms not counted)."""
+        return sum(self._attn_split())
+
+    def _attn_split(self) -> tuple[int, int]:
+        """Attention weights (no norms, no biases) as (replicated over tp, split over tp):
+        MLA's down projections to the latents are replicated (``mla_parallel.MLA_LAYOUT``)."""
         h, n, g, d = self.hidden, self.heads, self.kv_groups, self.head_dim
+        if not self.mla:
+            return 0, 2 * h * n * d + 2 * h * g * d
+        rq, rkv, dn, dr, dv = (self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
+                               self.qk_rope_head_dim, self.v_head_dim)
+        down = h * rq + h * (rkv + dr)              # wq_a, wkv_a
+        up = (rq if rq else h) * n * (dn + dr) + rkv * n * (dn + dv) + n * dv * h   # wq_b | wq, wkv_b, wo
+        return down, up
+
+    def layer_params(self, moe: bool) -> LayerParams:
+        """One layer's parameters by placement (:class:`LayerParams`): an MoE layer (``moe``)
+        or a dense one. Replicated over tp: the two layer norms, q/k norms, MLA's latent down
+        projections and latent norms, the router, the shared expert's gate. Split over tp:
+        attention heads (and their biases), the dense MLP, the shared expert."""
+        h, n, g, d = self.hidden, self.heads, self.kv_groups, self.head_dim
+        rep, split = self._attn_split()
+        rep += 2 * h                                        # attn_norm, mlp_norm
         if self.mla:
-            rq, rkv, dn, dr, dv = (self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
-                                   self.qk_rope_head_dim, self.v_head_dim)
-            q = h * rq + rq * n * (dn + dr) if rq else h * n * (dn + dr)
-            return q + h * (rkv + dr) + rkv * n * (dn + dv) + n * dv * h
-        return 2 * h * n * d + 2 * h * g * d
+            rep += self.q_lora_rank + self.kv_lora_rank     # q_norm, kv_norm
+        if self.qk_norm:
+            rep += 2 * d
+        if self.qkv_bias:
+            split += n * d + 2 * g * d
+        if not moe:
+            return LayerParams(rep, split + 3 * h * self.dense_ffn)
+        rep += self.experts * h                             # router (its expert bias is a buffer)
+        if self.shared_ffn:
+            split += 3 * h * self.shared_ffn
+            rep += h if self.shared_gate else 0
+        return LayerParams(rep, split, self.experts * self.expert_params)
 
     @property
     def expert_params(self) -> int:
@@ -92,21 +177,24 @@ class ModelShape:
 
     @property
     def dense_layer_params(self) -> int:
-        """Weights of one layer that are not experts: attention, shared expert, router, norms."""
-        h = self.hidden
-        shared = 3 * h * self.shared_ffn + (h if self.shared_ffn else 0)  # + sigmoid gate
-        return self.attn_params + shared + h * self.experts + 2 * h
+        """Weights of one MoE layer that are not routed experts: attention, shared expert,
+        router, norms (the name predates dense layers; see :meth:`layer_params`)."""
+        p = self.layer_params(True)
+        return p.replicated + p.tp_split
 
     @property
     def embedding_params(self) -> int:
-        """Input embedding (the output head has as many again): V * h."""
+        """Input embedding (the output head has as many again unless tied): V * h."""
         return self.vocab * self.hidden
 
     @property
     def total_params(self) -> int:
-        """All parameters: L * (dense + E * expert) + embedding + head + final norm."""
-        L, E = self.layers, self.experts
-        return L * (self.dense_layer_params + E * self.expert_params) + 2 * self.embedding_params + self.hidden
+        """All parameters, as ``sum(p.numel())`` of the built model: every layer (MoE or
+        dense), embedding, head (unless tied) and final norm."""
+        moe, dense = self.layer_params(True), self.layer_params(False)
+        heads = 1 if self.tie_embeddings else 2
+        return (self.moe_layers * moe.total + self.dense_layers * dense.total
+                + heads * self.embedding_params + self.hidden)
 
     # ---- FLOPs ----------------------------------------------------------------------------------
     def step_flops(self, global_batch: int, seq: int) -> float:
@@ -114,14 +202,17 @@ class ModelShape:
 
         ``12 B s L h^2 [ (1 + g/n + s/h)(d n / h) + 1.5 k f_e / h + 1.5 f_sh / h + V / (2 L h) ]``
         with the full (non-causal) ``s^2`` attention term, the count the paper's MFU uses
-        (REFERENCE.md section 1). Router and norms are not counted.
+        (REFERENCE.md section 1), over the MoE layers; a dense layer has ``1.5 f_d / h`` in place
+        of the two MLP terms. Router and norms are not counted.
         """
         B, s, L, h = global_batch, seq, self.layers, self.hidden
         n, g, d, k = self.heads, self.kv_groups, self.head_dim, self.topk
         attn = (1 + g / n + s / h) * (d * n / h)
         if self.mla:  # the same count: projections 6 * params, scores and values 6 s n (d_qk + d_v)
             attn = (self.attn_params + s * n * (self.qk_dim + self.value_dim)) / (2 * h * h)
-        mlp = 1.5 * k * self.expert_ffn / h + 1.5 * self.shared_ffn / h
+        moe_mlp = 1.5 * k * self.expert_ffn / h + 1.5 * self.shared_ffn / h
+        dense_mlp = 1.5 * self.dense_ffn / h
+        mlp = (self.moe_layers * moe_mlp + self.dense_layers * dense_mlp) / L
         return 12 * B * s * L * h * h * (attn + mlp + self.vocab / (2 * L * h))
 
     # ---- from any config --------------------------------------------------------------------------
@@ -136,10 +227,14 @@ class ModelShape:
         ``num_experts_per_tok`` | ``moe_router_topk``; expert FFN ``expert_ffn`` |
         ``moe_intermediate_size`` | ``moe_ffn_hidden_size`` | ``intermediate_size`` |
         ``ffn_hidden_size``; shared FFN ``shared_ffn`` | ``shared_expert_intermediate_size`` |
-        ``moe_shared_expert_intermediate_size`` (default 0); vocab ``vocab_size``; head dim
-        ``head_dim`` | ``kv_channels`` (optional); MLA ``kv_lora_rank``, ``q_lora_rank``,
-        ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim`` (optional, Hugging Face names;
-        DeepSeek-V3's ``n_routed_experts`` and ``n_shared_experts`` too).
+        ``moe_shared_expert_intermediate_size`` (default 0; gated, as Qwen2's); vocab
+        ``vocab_size``; head dim ``head_dim`` | ``kv_channels`` (optional); MLA ``kv_lora_rank``,
+        ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim`` (optional,
+        Hugging Face names; DeepSeek's ``n_routed_experts`` and ``n_shared_experts``, ungated,
+        too); dense layers ``first_k_dense`` | ``first_k_dense_replace`` and ``moe_every`` |
+        ``moe_layer_freq`` | ``decoder_sparse_step`` (default 0 and 1), their FFN ``dense_ffn``,
+        else ``intermediate_size`` where the experts' size has its own name; ``qkv_bias``,
+        ``qk_norm``, ``tie_word_embeddings`` (default False).
         """
         def pick(*names: str, default: object = ...) -> object:
             for a in names:
@@ -157,8 +252,19 @@ class ModelShape:
                                                           "qk_rope_head_dim", "v_head_dim")}
         shared = pick("shared_ffn", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
                       default=None)
+        gate = bool(pick("shared_gate", default=True))
         if shared is None:
-            shared = int(pick("n_shared_experts", default=0) or 0) * expert_ffn
+            shared, gate = int(pick("n_shared_experts", default=0) or 0) * expert_ffn, False
+        own_name = pick("moe_intermediate_size", "moe_ffn_hidden_size", default=None) is not None
+        dense_ffn = pick("dense_ffn", default=None)
+        if dense_ffn is None:
+            dense_ffn = pick("intermediate_size", "ffn_hidden_size", default=0) if own_name else 0
+        moe_every = int(pick("moe_every", "moe_layer_freq", "decoder_sparse_step", default=1))
+        # Qwen's decoder_sparse_step s makes layers s-1, 2s-1, ... MoE
+        sparse_step = pick("moe_every", "moe_layer_freq", default=None) is None and \
+            pick("decoder_sparse_step", default=None) is not None
+        first_k_dense = int(pick("first_k_dense", "first_k_dense_replace",
+                                 default=moe_every - 1 if sparse_step else 0))
         return cls(
             name=name or str(pick("name", "model_name", default=type(cfg).__name__)),
             hidden=pick("hidden_size", "hidden"),
@@ -171,6 +277,12 @@ class ModelShape:
             vocab=pick("vocab_size", "vocab"),
             shared_ffn=shared,
             head_dim=pick("head_dim", "kv_channels", default=None),
+            first_k_dense=first_k_dense, moe_every=moe_every,
+            dense_ffn=int(dense_ffn),
+            shared_gate=gate,
+            qkv_bias=bool(pick("qkv_bias", default=False)),
+            qk_norm=bool(pick("qk_norm", default=False)),
+            tie_embeddings=bool(pick("tie_embeddings", "tie_word_embeddings", default=False)),
             **mla,
         )
 
@@ -182,7 +294,7 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("mixtral-8x22b", hidden=6144, layers=56, heads=48, kv_groups=8, experts=8, topk=2,
                expert_ffn=16384, vocab=32000),
     ModelShape("qwen2-57b-a14b", hidden=3584, layers=28, heads=28, kv_groups=4, experts=64, topk=8,
-               expert_ffn=2560, shared_ffn=20480, vocab=151936),
+               expert_ffn=2560, shared_ffn=20480, vocab=151936, qkv_bias=True),
     ModelShape("mixtral-8x22b-g8t8", hidden=6144, layers=56, heads=48, kv_groups=8, experts=64, topk=8,
                expert_ffn=2048, vocab=32000),
     ModelShape("llama3-8x70b", hidden=8192, layers=80, heads=64, kv_groups=8, experts=8, topk=2,
@@ -191,31 +303,35 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("mixtral-8x7b", hidden=4096, layers=32, heads=32, kv_groups=8, experts=8, topk=2,
                expert_ffn=14336, vocab=32000),
     ModelShape("olmoe-1b-7b", hidden=2048, layers=16, heads=16, kv_groups=16, experts=64, topk=8,
-               expert_ffn=1024, vocab=50304),
+               expert_ffn=1024, vocab=50304, qk_norm=True),
     ModelShape("tiny-moe", hidden=512, layers=4, heads=8, kv_groups=2, experts=8, topk=2,
                expert_ffn=1024, vocab=1024),
     # the rest of meshfold.models.configs.CONFIGS, so `plan --model` and `train model.name` take
-    # the same names (tests/test_plan.py checks both lists and every shape against its config).
-    # The shape counts every layer as MoE, which the tiny Qwen variants' dense layers are not.
+    # the same names (tests/test_train_settings.py checks both lists and every shape against its
+    # config; tests/test_plan.py every parameter count against the built model).
     ModelShape("qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_groups=4, experts=128, topk=8,
-               expert_ffn=768, vocab=151936, head_dim=128),
+               expert_ffn=768, vocab=151936, head_dim=128, qk_norm=True),
     ModelShape("tiny-mixtral", hidden=64, layers=2, heads=4, kv_groups=2, experts=4, topk=2,
                expert_ffn=128, vocab=256),
     ModelShape("tiny-qwen2-moe", hidden=64, layers=4, heads=4, kv_groups=2, experts=8, topk=4,
-               expert_ffn=32, shared_ffn=48, vocab=256),
+               expert_ffn=32, shared_ffn=48, vocab=256, first_k_dense=1, moe_every=2, dense_ffn=96,
+               qkv_bias=True),
     ModelShape("tiny-qwen3-moe", hidden=64, layers=3, heads=4, kv_groups=2, experts=8, topk=2,
-               expert_ffn=32, vocab=256, head_dim=32),
-    # DeepSeek-V3 / V2-Lite (deepseek-ai config.json files; see meshfold.models.configs). Counted as
-    # every layer MoE: DeepSeek-V3's 3 dense layers (ffn 18432) count as MoE layers (703.8B params, +4.9%).
+               expert_ffn=32, vocab=256, head_dim=32, first_k_dense=1, dense_ffn=96, qk_norm=True),
+    # DeepSeek-V3 / V2-Lite (deepseek-ai config.json files; see meshfold.models.configs): dense first
+    # layers (first_k_dense_replace), ungated shared experts.
     ModelShape("deepseek-v3-671b", hidden=7168, layers=61, heads=128, kv_groups=128, experts=256, topk=8,
                expert_ffn=2048, shared_ffn=2048, vocab=129280, head_dim=56, kv_lora_rank=512,
-               q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+               q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+               first_k_dense=3, dense_ffn=18432, shared_gate=False),
     ModelShape("deepseek-v2-lite", hidden=2048, layers=27, heads=16, kv_groups=16, experts=64, topk=6,
                expert_ffn=1408, shared_ffn=2816, vocab=102400, head_dim=128, kv_lora_rank=512,
-               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense=1,
+               dense_ffn=10944, shared_gate=False),
     ModelShape("tiny-deepseek-v3", hidden=64, layers=3, heads=4, kv_groups=4, experts=8, topk=4,
                expert_ffn=32, shared_ffn=32, vocab=256, head_dim=16, kv_lora_rank=16, q_lora_rank=24,
-               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense=1, dense_ffn=96,
+               shared_gate=False),
 )}
 
 
@@ -225,10 +341,13 @@ def shape_of_config(name: str, cfg) -> ModelShape:
     mla = {} if a is None else dict(kv_lora_rank=a.kv_lora_rank, q_lora_rank=a.q_lora_rank or 0,
                                     qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
                                     v_head_dim=a.v_head_dim)
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.layers))
     return ModelShape(name, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
                       kv_groups=cfg.kv_heads or cfg.heads, experts=moe.num_experts, topk=moe.topk,
                       expert_ffn=moe.ffn, vocab=cfg.vocab, shared_ffn=moe.shared_ffn, head_dim=cfg.head_dim,
-                      **mla)
+                      first_k_dense=cfg.first_k_dense, moe_every=cfg.moe_every, dense_ffn=cfg.ffn if dense else 0,
+                      shared_gate=not moe.shared_ffn or moe.shared_kind == "qwen2", qkv_bias=cfg.qkv_bias,
+                      qk_norm=cfg.qk_norm, tie_embeddings=cfg.tie_embeddings, **mla)
 
 
 def model_shape(model: str | ModelShape | object) -> ModelShape:

@@ -1,9 +1,18 @@
 """Which layouts to try, and in which order to show them.
 
-:func:`candidates` walks every FoldSpec of the GPU count that the model's shapes allow (tp divides
-heads and KV groups, ep divides experts, etp divides the expert FFN, pp divides layers, cp divides
-the sequence, dp divides the global batch) and, for each, every micro-batch size, virtual-pipeline
-size and DP sharding. :func:`plan` estimates them all and ranks the feasible ones by MFU.
+:func:`candidates` walks every FoldSpec of the GPU count that the model's shapes allow and, for
+each, every micro-batch size, virtual-pipeline size, pipeline schedule and data-parallel
+sharding that meshfold runs (:func:`~meshfold.plan.cost.check_layout` holds meshfold's rules;
+tests/test_plan.py runs every proposed layout through ``meshfold train``'s own validation).
+:func:`plan` estimates them all and ranks the feasible ones by MFU.
+
+Knobs, as meshfold names them: ``sharding`` = ``parallelize(data_parallel=...)`` (``fsdp``,
+``allreduce``); ``mbs`` sets ``train.microbatches`` = B / (dp mbs); ``vpp`` = ``train.virtual``;
+``schedule`` = ``train.schedule`` (1f1b, or gpipe where micro-batches < pp, which 1F1B cannot
+run; interleaved-1f1b with vpp > 1); ``recompute`` = ``train.recompute``. Pipeline chunks may be
+uneven (``Pipeline`` cuts L layers into pp * vpp chunks of ``L // n`` or one more), so pp need not
+divide L; virtual stages are tried only where pp * vpp divides L. The paper's Megatron-Core
+sharding (``zero1``) is searched only when asked for (``shardings``), for the comparison rows.
 
 Pruning never drops a layout that could rank first: full recomputation only saves memory and
 costs a forward pass, so it is tried only where the same layout without it does not fit (and
@@ -15,7 +24,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from meshfold.mesh import FoldSpec
-from meshfold.plan.cost import SHARDINGS, Estimate, Layout, estimate
+from meshfold.plan.cost import MEGATRON_SHARDINGS, SHARDINGS, Estimate, Layout, check_layout, estimate
 from meshfold.plan.hardware import Hardware, hardware
 from meshfold.plan.models import ModelShape, model_shape
 
@@ -38,7 +47,7 @@ def candidates(model: ModelShape, gpus: int, seq: int, global_batch: int,
                max_vpp: int = 8) -> Iterator[Layout]:
     """Every layout (without recomputation) that can run ``model`` on ``gpus`` ranks."""
     for pp in _divisors(gpus):
-        if model.layers % pp:
+        if pp > model.layers:
             continue
         stage = gpus // pp
         for tp in _divisors(stage):
@@ -46,7 +55,7 @@ def candidates(model: ModelShape, gpus: int, seq: int, global_batch: int,
                 continue
             for cp in _divisors(stage // tp):
                 dp = stage // (tp * cp)
-                if seq % cp or global_batch % dp:
+                if global_batch % dp:
                     continue
                 mbs_choices = [b for b in _divisors(global_batch // dp) if b <= max_mbs]
                 for etp in _divisors(stage):
@@ -59,10 +68,15 @@ def candidates(model: ModelShape, gpus: int, seq: int, global_batch: int,
                         for sharding in shardings:
                             for mbs in mbs_choices:
                                 m = global_batch // (dp * mbs)
-                                for vpp in _divisors(model.layers // pp):
-                                    if vpp > max_vpp or (vpp > 1 and (pp == 1 or m % pp)):
+                                for vpp in range(1, max_vpp + 1):
+                                    if vpp > 1 and (pp == 1 or model.layers % (pp * vpp)):
                                         continue
-                                    yield Layout(spec, mbs=mbs, vpp=vpp, sharding=sharding)
+                                    # gpipe only where 1F1B cannot run (it holds all m in flight)
+                                    schedule = "gpipe" if (pp > 1 and m < pp and sharding not in
+                                                           MEGATRON_SHARDINGS) else "1f1b"
+                                    lay = Layout(spec, mbs=mbs, vpp=vpp, sharding=sharding, schedule=schedule)
+                                    if not check_layout(model, lay, seq, global_batch):
+                                        yield lay
 
 
 def _rank_key(e: Estimate) -> tuple:
@@ -79,7 +93,8 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
         gpus: world size. hw: a name of ``HARDWARE`` or a :class:`Hardware`.
         seq, global_batch: sequence length and sequences per step.
         where: keep only layouts for which this returns True (e.g. a baseline strategy).
-        shardings: DP shardings to try (``"zero1"``, ``"zero3"``).
+        shardings: data-parallel shardings to try: meshfold's ``"fsdp"``, ``"allreduce"``
+            (the default, both); add ``"zero1"`` for the paper's Megatron comparison rows.
 
     Returns feasible estimates by decreasing MFU, then infeasible ones (out of memory, with
     ``reason``) by increasing memory. Recomputation is tried for a layout only where the layout
@@ -89,9 +104,9 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
     """
     shape, hw = model_shape(model), hardware(hw)
     validate_request(gpus, seq, global_batch)
-    bad = [s for s in shardings if s not in SHARDINGS]
+    bad = [s for s in shardings if s not in SHARDINGS + MEGATRON_SHARDINGS]
     if bad:
-        raise ValueError(f"unknown sharding {bad}; valid: {list(SHARDINGS)}")
+        raise ValueError(f"unknown sharding {bad}; valid: {list(SHARDINGS + MEGATRON_SHARDINGS)}")
     out = []
     for layout in candidates(shape, gpus, seq, global_batch, shardings, max_mbs):
         if where is not None and not where(layout):
@@ -101,8 +116,8 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
         for mode in ("selective", "full"):  # cheaper recomputation first, each only if still out of memory
             if e.feasible:
                 break
-            rc = Layout(layout.spec, layout.mbs, layout.vpp, mode, layout.sharding)
-            if where is not None and not where(rc):
+            rc = Layout(layout.spec, layout.mbs, layout.vpp, mode, layout.sharding, layout.schedule)
+            if (where is not None and not where(rc)) or check_layout(shape, rc, seq, global_batch):
                 break
             e = estimate(shape, hw, rc, seq, global_batch)
             out.append(e)
@@ -112,6 +127,6 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
             + (" under the given constraint" if where is not None else "")
             + f": the global batch must be divisible by some dp = gpus / (tp*cp*pp) (divisors of {gpus}:"
             f" {_divisors(gpus)}), tp must divide heads={shape.heads} and kv_groups={shape.kv_groups},"
-            f" pp must divide layers={shape.layers}, cp must divide seq")
+            f" pp must be at most layers={shape.layers}, 2*cp*tp (or tp) must divide seq")
     out.sort(key=_rank_key)
     return out

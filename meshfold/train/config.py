@@ -172,6 +172,9 @@ class TrainSettings:
                               optional=True)
     peak_tflops: float | None = setting(None, float, "peak TFLOP/s per rank for MFU, instead of train.gpu's",
                                         low=0, open_low=True, optional=True)
+    data_parallel: str = setting("fsdp", str, "data parallelism: fsdp (FSDP2: parameters, gradients and AdamW "
+                                 "state sharded over dp x cp, experts over edp) or allreduce (whole replicas, "
+                                 "gradients all-reduced once per step)", choices=("fsdp", "allreduce"))
     schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
                             choices=("gpipe", "1f1b", "interleaved-1f1b"))
     virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
@@ -334,6 +337,14 @@ class TrainConfig:
         if spec.pp == 1 and t.microbatches and (t.batch // spec.dp) % t.microbatches:
             raise ValueError(f"train.batch / dp = {t.batch // spec.dp} sequences per rank is not "
                              f"divisible by train.microbatches = {t.microbatches}")
+        if t.init_from is not None and t.data_parallel != "fsdp":
+            raise ValueError(f"train.data_parallel = {t.data_parallel!r} with train.init_from: a checkpoint is "
+                             f"loaded into FSDP2's layout; valid: 'fsdp'")
+        if spec.pp > 1 and t.recompute != "none" and t.data_parallel == "fsdp" and t.dtype != t.master_dtype:
+            raise ValueError(f"train.recompute = {t.recompute!r} with fold.pp = {spec.pp}, FSDP2 and train.dtype = "
+                             f"{t.dtype} over {t.master_dtype} masters is refused by the pipeline; valid: "
+                             f"recompute = 'none', train.data_parallel = 'allreduce', or train.dtype = "
+                             f"{t.master_dtype}")
         if spec.pp > 1 and t.init_from is not None:
             raise ValueError(f"train.init_from with fold.pp = {spec.pp}: pipeline stages do not load Hugging "
                              f"Face checkpoints yet; use pp = 1")

@@ -148,9 +148,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")  # master weights
         if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
             model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual,
-                             compute_dtype=compute, recompute=t.recompute)
+                             data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
         else:
-            parallelize(model, folded, compute_dtype=compute, recompute=t.recompute)
+            parallelize(model, folded, data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                             betas=(0.9, 0.95), foreach=False)
     from meshfold.data import load_corpus

@@ -1,0 +1,188 @@
+"""Memory per GPU of one layout: what each pipeline rank holds, under meshfold's real shardings.
+
+The planner's memory model (docs/plan.md, *Memory*), per pipeline rank ``r`` of a layout:
+
+* **which layers** it holds: ``Pipeline`` cuts the L layers into ``n = pp * vpp`` contiguous
+  chunks ``[i L // n, (i + 1) L // n)`` (uneven when n does not divide L) and rank r holds chunks
+  ``r, r + pp, ...``; the first chunk has the embedding, the last the final norm and head.
+  DeepSeek's dense first layers therefore sit on rank 0.
+* **parameters** (:func:`stage_params`): by ``parallelize``'s layout, per layer kind
+  (:meth:`~meshfold.plan.models.ModelShape.layer_params`): tp-replicated weights whole,
+  tp-split ones / tp, routed experts / (ep etp); embedding and head replicated over tp (meshfold
+  has no vocabulary-parallel embedding). Dense-side weights are data-parallel over ``dp x cp``,
+  experts over ``edp``.
+* **states** by data-parallel sharding, for bf16 compute over fp32 master weights
+  (``train.dtype = bfloat16``, ``train.master_dtype`` unset = float32; AdamW):
+
+  ``fsdp`` (FSDP2, ``parallelize``'s default and ``meshfold train``'s): fp32 parameters, their
+  fp32 gradients and AdamW's two fp32 moments all sharded, 4 + 4 + 8 bytes / n. With gradient
+  accumulation (m > 1 without pp) or under a pipeline schedule, gradient sync is off until the
+  last backward and FSDP2 keeps *unsharded* fp32 gradients (4 bytes per local parameter) instead;
+  under a pipeline schedule it also keeps each group's bf16 parameters unsharded after its first
+  backward (``reshard_after_backward=False``, torch.distributed.pipelining), 2 bytes per local
+  parameter. Otherwise the gathered working set: two groups' bf16 parameters (one computing, one
+  prefetched) and one group's bf16 gradient with its fp32 copy for the reduce-scatter. The root
+  group (embedding, final norm, head) stays gathered from forward to backward, in fp32 when
+  tp > 1 (``fully_shard_folded`` gathers tp-replicated weights in the master dtype).
+
+  ``allreduce`` (``parallelize(data_parallel="allreduce")``): whole fp32 replicas, 4 + 4 + 8
+  bytes per local parameter, plus the bf16 copy of each weight the parametrization casts for
+  compute, kept by autograd for backward in every micro-batch in flight (inside a recomputed
+  block it is recomputed instead), and the 16 MiB fp32 gradient bucket of ``reduce_gradients``
+  twice (the bucket and its concatenation).
+
+  ``zero1`` (the paper's Megatron-Core distributed optimizer, for comparison only; meshfold does
+  not have it): bf16 parameters and fp32 gradients replicated, fp32 master and Adam moments
+  sharded, 2 + 4 + 12 / n bytes; vocabulary-parallel embedding and head.
+* **activations**: micro-batches in flight (:func:`in_flight`) times what each layer keeps for
+  backward (:func:`layer_activations`), plus one layer rematerialized under recomputation and the
+  logits on the rank with the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshfold.plan.models import ModelShape
+
+__all__ = ["StageParams", "stage_layers", "stage_params", "in_flight", "layer_activations", "memory_terms",
+           "REDUCE_BUCKET_BYTES"]
+
+BF16, FP32 = 2, 4  # bytes
+REDUCE_BUCKET_BYTES = 16 * 2**20  # meshfold.models.data_parallel.REDUCE_BUCKET_BYTES (a test checks)
+
+
+def stage_layers(layers: int, pp: int, vpp: int) -> list[list[int]]:
+    """Layer ids each pipeline rank holds, as ``meshfold.models.pipeline.chunk_layers`` cuts them
+    (rank r: chunks r, r + pp, ...; a test compares the two)."""
+    n = pp * vpp
+    chunks = [list(range(i * layers // n, (i + 1) * layers // n)) for i in range(n)]
+    return [[i for c in chunks[r::pp] for i in c] for r in range(pp)]
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank of pipeline rank ``rank`` holds before data-parallel sharding:
+    ``dense`` (attention-mesh weights: layers' non-expert weights, and ``ends``), ``experts``
+    (MoE-mesh weights), ``ends`` (embedding, head, final norm on this rank), ``head`` (the head
+    alone), the layer ids, and whether it holds the last chunk (the head and the loss)."""
+
+    rank: int
+    layers: tuple[int, ...]
+    dense: float
+    experts: float
+    ends: float
+    head: float
+    last: bool
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.experts
+
+
+def stage_params(model: ModelShape, layout) -> list[StageParams]:
+    """Per pipeline rank, the parameters one of its ranks holds under ``layout``'s tp / ep / etp
+    (before dp x cp / edp sharding): the numbers ``parallelize`` gives every rank's local tensors,
+    ``to_local().numel()`` summed (tests/test_plan.py checks it on gloo)."""
+    s = layout.spec
+    vocab_parallel = layout.sharding == "zero1"  # Megatron's; meshfold replicates them over tp
+    moe, dense = model.layer_params(True), model.layer_params(False)
+    n = s.pp * layout.vpp
+    out = []
+    for r, ids in enumerate(stage_layers(model.layers, s.pp, layout.vpp)):
+        kinds = [moe if model.is_moe_layer(i) else dense for i in ids]
+        emb = model.embedding_params / (s.tp if vocab_parallel else 1)
+        first, last = r == 0, (n - 1) % s.pp == r
+        head = emb if last and not model.tie_embeddings else 0.0
+        ends = (emb if first else 0.0) + head + (model.hidden if last else 0.0)
+        layer_dense = sum(p.replicated + p.tp_split / s.tp for p in kinds)
+        experts = sum(p.experts for p in kinds) / (s.ep * s.etp)
+        out.append(StageParams(r, tuple(ids), layer_dense + ends, experts, ends, head, last))
+    return out
+
+
+def in_flight(layout, microbatches: int, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of all
+    of its layers: 1 without pp (accumulation runs them one after another); GPipe all m; 1F1B
+    ``min(pp - r, m)``; interleaved 1F1B ``((v - 1) pp + 2 (pp - 1 - r) + 1) / v`` chunks' worth
+    (torch's warm-up, = Korthikanti et al. 2022's ``pp (1 + (pp - 1) / (pp v))`` on rank 0)."""
+    pp, m, v = layout.spec.pp, microbatches, layout.vpp
+    if pp == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "1f1b":
+        return float(min(pp - rank, m))
+    return min(((v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v, float(m))
+
+
+def layer_activations(model: ModelShape, layout, seq: int, moe: bool) -> tuple[float, float]:
+    """(bytes one layer keeps for backward under ``layout.recompute``, bytes of the whole layer's
+    activations) for one micro-batch; docs/plan.md, *Memory*, derives each term."""
+    s, a = layout.spec, BF16
+    tp, etp = s.tp, s.etp
+    h, n, g, E, k = model.hidden, model.heads, model.kv_groups, model.experts, model.topk
+    f_e, f_sh, f_d = model.expert_ffn, model.shared_ffn, model.dense_ffn
+    dq, dv = model.qk_dim, model.value_dim
+    T = layout.mbs * seq / s.cp
+    Tr = T / tp
+    attn = a * (2 * Tr * h + T * (n * dq + g * (dq + dv)) / tp + T * n * dv / tp) + 4 * T * n / tp
+    attn_sel = a * (Tr * h + T * (n * dq + g * (dq + dv)) / tp + T * h)
+    if moe:
+        mlp = a * (2 * Tr * h + Tr * k * etp * h + 3 * Tr * k * f_e + Tr * k * h) + 4 * Tr * E
+        mlp += a * (Tr * h + 3 * T * f_sh / tp) if f_sh else 0.0
+        # routing: fp32 top-k scores, int64 experts, the permute's int64 sort keys and order
+        routing = 28 * Tr * k
+        mlp_sel = (4 * Tr * E + a * (2 * Tr * k * f_e + Tr * k * etp * h) + routing
+                   + (a * (2 * T * f_sh / tp + T * h) if f_sh else 0.0))
+    else:  # the dense SwiGLU MLP under sequence parallelism: gathered input, fc1, SwiGLU out
+        mlp = a * (Tr * h + T * h + 3 * T * f_d / tp)
+        routing = 0.0
+        mlp_sel = a * (2 * T * f_d / tp + T * h)
+    full = attn + mlp
+    kept = {"none": full, "selective": attn_sel + mlp_sel, "full": a * Tr * h + routing}[layout.recompute]
+    return kept, full
+
+
+def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tuple[dict[str, float], dict]:
+    """The memory terms (params, grads, optimizer, buffers, activations; bytes per GPU) of the
+    pipeline rank that needs most, and details: ``params_per_rank`` (the :class:`StageParams`
+    of every pipeline rank) and ``worst_rank``."""
+    s, a = layout.spec, BF16
+    m = global_batch // (s.dp * layout.mbs)
+    n_dense, n_exp = s.dp * s.cp, s.edp
+    acts = {kind: layer_activations(model, layout, seq, kind) for kind in (True, False)}
+    logits = layout.mbs * seq / s.cp / s.tp * model.vocab * (a + 4)   # bf16 logits + fp32 copy for the loss
+    unit = max(model.layer_params(kind).per_rank(s.tp, s.ep * s.etp) for kind in (True, False))
+    worst, best = -1.0, ({}, {})
+    stages = stage_params(model, layout)
+    for st in stages:
+        kinds = [model.is_moe_layer(i) for i in st.layers]
+        stored = sum(acts[kind][0] for kind in kinds)
+        working = max(acts[kind][1] for kind in kinds) if layout.recompute != "none" else 0.0
+        flight = in_flight(layout, m, st.rank)
+        mem = {"activations": flight * stored + working + (logits if st.last else 0.0)}
+        sharded = st.dense / n_dense + st.experts / n_exp
+        if layout.sharding == "zero1":
+            mem.update(params=a * st.total, grads=FP32 * st.total, optimizer=12 * sharded, buffers=0.0)
+        elif layout.sharding == "fsdp":
+            accumulating = s.pp > 1 or m > 1
+            root = st.ends * (FP32 if s.tp > 1 else a)          # stays gathered forward to backward
+            if s.pp > 1:   # every group stays unsharded after its first backward
+                gathered = a * (st.total - st.ends) + root
+            else:          # two groups' bf16 weights, one group's bf16 gradient + fp32 copy
+                gathered = unit * (2 * a + (0 if accumulating else a + FP32)) + root
+            mem.update(params=FP32 * sharded, grads=FP32 * (st.total if accumulating else sharded),
+                       optimizer=8 * sharded, buffers=gathered)
+        else:  # allreduce
+            layers = st.total - st.ends
+            kept_copies = flight * a * (st.head + (layers if layout.recompute == "none" else 0.0))
+            working_copy = a * unit if layout.recompute != "none" else 0.0
+            mem.update(params=FP32 * st.total, grads=FP32 * st.total, optimizer=8 * st.total,
+                       buffers=kept_copies + working_copy + 2 * REDUCE_BUCKET_BYTES)
+        total = sum(mem.values())
+        if total > worst:
+            worst, best = total, (mem, {"worst_rank": st.rank})
+    mem, detail = best
+    detail["params_per_rank"] = stages
+    return {t: mem[t] for t in ("params", "grads", "optimizer", "buffers", "activations")}, detail
