@@ -96,6 +96,20 @@ def test_resharded_resume_continues_with_the_same_loss(tmp_path):
     assert abs(losses(a)[4]["loss"] - losses(b)[4]["loss"]) < 1e-9 * losses(a)[4]["loss"]
 
 
+def test_allreduce_data_parallel_trains_the_same_losses_as_fsdp(tmp_path):
+    # meshfold plan often proposes train.data_parallel=allreduce: it must be the same training
+    fp64 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "fold.world_size=2", "--set", "fold.tp=1",
+            "--set", "fold.ep=1"]  # attn dp2, moe edp2: both data-parallel reductions
+    runs = {}
+    for mode in ("fsdp", "allreduce"):
+        out = tmp_path / mode
+        proc = meshfold("train", "--steps", "3", "--out-dir", str(out), *fp64, "--set", f"train.data_parallel={mode}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = [losses(out)[s]["loss"] for s in (1, 2, 3)]
+    assert runs["fsdp"] == pytest.approx(runs["allreduce"], rel=1e-9, abs=0)
+    assert runs["fsdp"][2] != runs["fsdp"][0]  # the steps did change the model
+
+
 def test_pipeline_run_checkpoint_resumes_without_pp_with_the_same_loss(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     fp64 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "train.ckpt_every=3", "--set", "model.layers=4"]
