@@ -4,12 +4,20 @@
 every simulated rank at once: each tensor is a ``LocalTensor`` holding one shard per rank, and
 each host int that differs between ranks (a mesh coordinate, a split size read with
 ``.tolist()``) is a ``SymInt`` over a ``LocalIntNode``, one int per rank. Arithmetic on those
-works, but Python cannot index a list or slice a plain tensor with them, and the c10d
-all-to-all it simulates takes one list of split sizes for every rank. So the few places where
-meshfold's host logic depends on the rank call :func:`per_rank` (a pure function run once per
-simulated rank, its results recombined), and the variable-size all-to-all, whose splits differ
-per rank, runs :func:`all_to_all_single`. Outside the mode both are the plain call: real
-multi-process runs do not change.
+works, but Python cannot index a list or slice a tensor with them, nor branch on them, and the
+c10d all-to-all it simulates takes one list of split sizes for every rank. So:
+
+* the few places where meshfold's host logic depends on the rank call :func:`per_rank` (a pure
+  function run once per simulated rank, its results recombined) or :func:`pick` (``seq[i]``);
+  :func:`per_rank_op` does the same for a differentiable local op (the expert kernels);
+* the collectives torch simulates with one split list, or wrongly (its list ``all_gather`` with
+  several groups), or not at all without threads (send / recv) are done here on the shards:
+  :func:`all_to_all_single`, :func:`all_gather`, :func:`ring_shift`.
+
+Outside the mode each is the plain call: real multi-process runs do not change. This leans on
+torch 2.13's private LocalTensor internals (``_local_tensors``, how the fake process group's
+partitions are laid out), as LocalTensorMode itself is private.
+:func:`meshfold.testing.simulated_world` sets the mode up; ``tests/test_large_folds.py`` uses it.
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed._local_tensor import (LocalIntNode, LocalTensor, _map_to_rank_local_val,
+                                             enabled_local_tensor_mode)
+from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["simulated_ranks", "per_rank", "per_rank_op", "pick", "all_to_all_single", "all_gather", "ring_shift"]
 
@@ -27,8 +39,6 @@ _R = TypeVar("_R")
 
 def simulated_ranks() -> frozenset[int] | None:
     """The ranks an active ``LocalTensorMode`` simulates, else None (a real process per rank)."""
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
-
     mode = enabled_local_tensor_mode()
     return None if mode is None else mode.ranks
 
@@ -43,8 +53,6 @@ def per_rank(fn: Callable[..., _R]) -> Callable[..., _R]:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        from torch.distributed._local_tensor import enabled_local_tensor_mode
-
         mode = enabled_local_tensor_mode()
         if mode is None:
             return fn(*args, **kwargs)
@@ -66,8 +74,6 @@ def per_rank_op(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def run(*args, **kwargs):
         if simulated_ranks() is None:
             return fn(*args, **kwargs)
-        from torch.utils._pytree import tree_flatten
-
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         return _PerRankOp.apply(fn, spec, flat, where, *(flat[i] for i in where))
@@ -82,9 +88,6 @@ def _shard_of(t: torch.Tensor, rank: int) -> torch.Tensor:
 class _PerRankOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, spec, flat, where, *tensors):
-        from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
-        from torch.utils._pytree import tree_unflatten
-
         mode = enabled_local_tensor_mode()
         wants = ctx.needs_input_grad[4:]
         ctx.runs = {}
@@ -100,8 +103,6 @@ class _PerRankOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
-
         mode = enabled_local_tensor_mode()
         wants = ctx.needs_input_grad[4:]
         grads = [dict() if w else None for w in wants]
@@ -118,16 +119,10 @@ class _PerRankOp(torch.autograd.Function):
 
 
 def _on_rank(tree, rank: int):
-    from torch.distributed._local_tensor import _map_to_rank_local_val
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda v: _map_to_rank_local_val(v, rank), tree)
 
 
 def _combine(results: dict):
-    from torch.distributed._local_tensor import LocalIntNode, LocalTensor
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
     flat = {r: tree_flatten(v) for r, v in results.items()}
     specs = {str(spec) for _, spec in flat.values()}
     if len(specs) > 1:
@@ -172,8 +167,6 @@ def all_to_all_single(out: torch.Tensor, x: torch.Tensor, output_split_sizes: Se
     if simulated_ranks() is None:
         return dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes,
                                       input_split_sizes=input_split_sizes, group=group, async_op=async_op)
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
-
     mode = enabled_local_tensor_mode()
     with mode.disable():
         for members in _partition(group):
@@ -196,8 +189,6 @@ def all_gather(parts: list[torch.Tensor], x: torch.Tensor, group) -> None:
     if simulated_ranks() is None:
         dist.all_gather(parts, x, group=group)
         return
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
-
     with enabled_local_tensor_mode().disable():
         for members in _partition(group):
             for part, i in zip(parts, members):
@@ -210,8 +201,6 @@ def ring_shift(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
     (cyclically) holds them, i.e. each rank sends to the next. What the point-to-point
     ``batch_isend_irecv`` of :func:`meshfold.placements.ring.ring_shift` does, whose peers are
     per-rank ints that torch's simulated send / recv cannot take."""
-    from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
-
     with enabled_local_tensor_mode().disable():
         received = []
         for t in tensors:
@@ -226,7 +215,5 @@ def ring_shift(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
 def _partition(group) -> list[list[int]]:
     """Every group of ranks of the partition ``group`` belongs to, under LocalTensorMode's fake
     process group (whose one real process holds only the group of rank 0)."""
-    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
-
     ranks, offsets, _ = _prepare_collective_groups(group)
     return [[o + r for r in ranks] for o in offsets]
