@@ -22,6 +22,8 @@ Not simulated, for reasons in torch 2.13, not in meshfold:
   rank per thread, and meshfold's simulated collectives limited to the thread's ranks.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -29,6 +31,7 @@ from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec, fold, valid_folds
 from meshfold.models import MoEConfig
+from meshfold.models.configs import get_config
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients, shard_batch, single_device_name
 from meshfold.testing import rank_values, reference_transformer, simulated_world
@@ -45,9 +48,13 @@ def _config(spec, shared: bool, qk_norm: bool, aux: float):
 
 
 def _check(spec, B, S, seed, shared=True, qk_norm=True, aux=0.01):
-    """Build the model once, run it on one device and on ``spec``'s simulated ranks, and compare
-    every rank's loss, every full gradient and the gradient norm with the single device's."""
-    cfg = _config(spec, shared, qk_norm, aux)
+    _check_config(_config(spec, shared, qk_norm, aux), spec, B, S, seed)
+
+
+def _check_config(cfg, spec, B, S, seed):
+    """Build the model of ``cfg`` once, run it on one device and on ``spec``'s simulated ranks,
+    and compare every rank's loss, every full gradient and the gradient norm with the single
+    device's."""
     ref, tokens, targets = reference_transformer(cfg, seed, B, S)
     ref_loss = ref.loss(tokens, targets)
     ref_loss.backward()
@@ -100,6 +107,15 @@ def _fits(spec) -> bool:
 
 
 LARGE_FOLDS = [s for w in (16, 32, 64) for s in valid_folds(w, pp=[1]) if _fits(s)]
+
+
+def test_deepseek_v3_on_the_16_rank_fold_equals_single_device():
+    """MLA (its compressed latent travels the cp ring), group-limited sigmoid routing with the
+    expert bias and a shared expert, on the issue's 16-rank fold."""
+    cfg = get_config("tiny-deepseek-v3")
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, router_dtype=torch.float64))
+    spec = FoldSpec(16, tp=2, cp=2, dp=4, ep=8, edp=2)
+    _check_config(cfg, spec, *_batch(spec, chunks=2), seed=3)
 
 
 @st.composite
