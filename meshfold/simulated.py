@@ -169,7 +169,7 @@ def all_to_all_single(out: torch.Tensor, x: torch.Tensor, output_split_sizes: Se
                                       input_split_sizes=input_split_sizes, group=group, async_op=async_op)
     mode = enabled_local_tensor_mode()
     with mode.disable():
-        for members in _partition(group):
+        for members in _partition(group, mode.ranks):
             pieces = {i: torch.split(x._local_tensors[i], _on_rank(list(input_split_sizes), i)) for i in members}
             for pos, j in enumerate(members):
                 expected = _on_rank(list(output_split_sizes), j)
@@ -189,8 +189,9 @@ def all_gather(parts: list[torch.Tensor], x: torch.Tensor, group) -> None:
     if simulated_ranks() is None:
         dist.all_gather(parts, x, group=group)
         return
-    with enabled_local_tensor_mode().disable():
-        for members in _partition(group):
+    mode = enabled_local_tensor_mode()
+    with mode.disable():
+        for members in _partition(group, mode.ranks):
             for part, i in zip(parts, members):
                 for j in members:
                     part._local_tensors[j].copy_(x._local_tensors[i])
@@ -201,19 +202,22 @@ def ring_shift(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
     (cyclically) holds them, i.e. each rank sends to the next. What the point-to-point
     ``batch_isend_irecv`` of :func:`meshfold.placements.ring.ring_shift` does, whose peers are
     per-rank ints that torch's simulated send / recv cannot take."""
-    with enabled_local_tensor_mode().disable():
+    mode = enabled_local_tensor_mode()
+    with mode.disable():
         received = []
         for t in tensors:
             shifted = {}
-            for members in _partition(group):
+            for members in _partition(group, mode.ranks):
                 for pos, j in enumerate(members):
                     shifted[j] = t._local_tensors[members[pos - 1]].clone()
             received.append(LocalTensor(shifted))
     return received
 
 
-def _partition(group) -> list[list[int]]:
+def _partition(group, simulated: frozenset[int]) -> list[list[int]]:
     """Every group of ranks of the partition ``group`` belongs to, under LocalTensorMode's fake
-    process group (whose one real process holds only the group of rank 0)."""
+    process group (whose one real process holds only the group of rank 0), among the
+    ``simulated`` ranks (a mode over one pipeline stage's ranks sees that stage's groups only)."""
     ranks, offsets, _ = _prepare_collective_groups(group)
-    return [[o + r for r in ranks] for o in offsets]
+    groups = [[o + r for r in ranks] for o in offsets]
+    return [g for g in groups if all(r in simulated for r in g)]

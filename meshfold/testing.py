@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from meshfold.mesh import FoldSpec
 
 __all__ = ["cached_fold", "checkpoint_reads", "divisors", "fold_specs", "invalid_fold_kwargs", "placements",
-           "ragged_shards", "split_sizes", "LiveTensors", "simulated_world", "rank_values", "reference_transformer"]
+           "ragged_shards", "split_sizes", "LiveTensors", "simulated_process_group", "simulated_world", "rank_values", "reference_transformer"]
 
 
 _FOLDS: dict = {}
@@ -94,30 +94,39 @@ def reference_transformer(cfg, seed: int, B: int, S: int):
 
 
 @contextmanager
-def simulated_world(world_size: int):
-    """``world_size`` ranks simulated in this one process (:mod:`meshfold.simulated`): a fake
-    default process group (this process is rank 0 of it) and torch's ``LocalTensorMode`` over
-    every rank, which it yields; inside, :func:`meshfold.mesh.fold` and everything built on it
-    runs all ranks at once (``mode.rank_map(lambda r: ...)`` makes per-rank inputs, tensors made
-    inside are LocalTensors). Reaches folds that spawned processes cannot on a small machine;
-    FSDP2 and pipeline parallelism excepted (tests/test_large_folds.py says why). Torch runs
-    single-threaded inside: meshfold's CPU kernel pool would otherwise run LocalTensor ops on
-    threads outside the mode. The process must have no process group of its own."""
+def simulated_process_group(world_size: int):
+    """A fake default process group of ``world_size`` ranks (this process is rank 0 of it), for
+    torch's ``LocalTensorMode`` to simulate them (:func:`simulated_world`, or one mode per
+    pipeline stage over that stage's ranks: modes over different rank sets do not nest). Torch
+    runs single-threaded inside: meshfold's CPU kernel pool would otherwise run LocalTensor ops
+    on threads outside the mode. The process must have no process group of its own."""
     import torch.distributed as dist
-    from torch.distributed._local_tensor import LocalTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("simulated_world: this process already has a default process group")
+        raise RuntimeError("simulated_process_group: this process already has a default process group")
     threads = torch.get_num_threads()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     torch.set_num_threads(1)
     try:
-        with LocalTensorMode(world_size) as mode:
-            yield mode
+        yield
     finally:
         torch.set_num_threads(threads)
         dist.destroy_process_group()
+
+
+@contextmanager
+def simulated_world(world_size: int):
+    """``world_size`` ranks simulated in this one process (:mod:`meshfold.simulated`): a
+    :func:`simulated_process_group` and torch's ``LocalTensorMode`` over every rank, which it
+    yields; inside, :func:`meshfold.mesh.fold` and everything built on it runs all ranks at once
+    (``mode.rank_map(lambda r: ...)`` makes per-rank inputs, tensors made inside are
+    LocalTensors). Reaches folds that spawned processes cannot on a small machine; FSDP2 and
+    meshfold's Pipeline excepted (tests/test_large_folds.py says why)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    with simulated_process_group(world_size), LocalTensorMode(world_size) as mode:
+        yield mode
 
 
 def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:

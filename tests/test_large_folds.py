@@ -12,29 +12,34 @@ Not simulated, for reasons in torch 2.13, not in meshfold:
 * FSDP2: its reshard frees the unsharded parameter with ``untyped_storage().resize_(0)``, which a
   LocalTensor (a wrapper without storage) refuses (``test_fsdp2_does_not_run_simulated``), so
   data parallelism here is the all-reduce path (``data_parallel="allreduce"``).
-* Pipeline parallelism: every pp stage runs a different program (its own chunks, the schedule's
+* meshfold's Pipeline: every pp stage runs a different program (its own chunks, the schedule's
   sends and receives), while LocalTensorMode runs one program for all its ranks. In it,
   ``Pipeline`` reads its stage from ``get_local_rank("pp")``, a per-rank int, so ``stage == 0``
   holds on no rank and no chunk gets the embeddings; and ``torch.distributed.pipelining``'s
   ``PipelineStage`` addresses its sends with ``dist.get_rank(pp group)``, a plain int of the one
-  real process (0 for every simulated rank). It would need one LocalTensorMode per stage, each
-  on a thread of torch's ``LocalRunnerMode`` (which passes send / recv between them), a group
-  rank per thread, and meshfold's simulated collectives limited to the thread's ranks.
+  real process (0 for every simulated rank). Running it would need one LocalTensorMode per
+  stage on a thread of torch's ``LocalRunnerMode`` (which passes send / recv between them) and a
+  group rank per thread. What runs instead (``test_pipeline_fold_on_32_ranks_equals_single_device``):
+  the model's ModelChunks, each under a LocalTensorMode over its stage's ranks (modes over
+  different rank sets do not nest, so the fold is built outside any), with the activations and
+  their gradients handed between stages by the test.
 """
 
 import dataclasses
 
 import pytest
 import torch
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec, fold, valid_folds
 from meshfold.models import MoEConfig
 from meshfold.models.configs import get_config
-from meshfold.models.transformer import MoETransformer, TransformerConfig
+from meshfold.models.pipeline import ModelChunk, chunk_layers
+from meshfold.models.transformer import MoETransformer, TransformerConfig, cross_entropy_sum
 from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients, shard_batch, single_device_name
-from meshfold.testing import rank_values, reference_transformer, simulated_world
+from meshfold.testing import rank_values, reference_transformer, simulated_process_group, simulated_world
 
 TOL = dict(rtol=1e-9, atol=1e-11)
 EXPERTS = 16
@@ -130,6 +135,66 @@ def large_cases(draw):
 @given(large_cases())
 def test_drawn_large_folds_equal_single_device(case):
     _check(*case)
+
+
+def _handed_over(t, spec, step: int):
+    """Stage activations as the next (step 1) or previous (step -1) pipeline stage receives
+    them: each rank's tensor moves to the rank with the same coordinates one stage on (what
+    PipelineStage's send / recv do)."""
+    def peer(r):
+        c = spec.coords(r)["attn"]
+        return spec.rank("attn", **{**c, "pp": c["pp"] + step})
+
+    return LocalTensor({peer(r): v.detach() for r, v in rank_values(t).items()})
+
+
+def test_pipeline_fold_on_32_ranks_equals_single_device():
+    """Issue 19's pp2 x tp2 x cp2 x dp4 | ep16 on 32 ranks: the model cut into its two
+    ModelChunks, each parallelized on its stage of the 32-rank fold and run under a
+    LocalTensorMode over that stage's 16 ranks, the activations and their gradients handed
+    between the stages here (one microbatch). Pipeline itself (its schedule and sends) does
+    not run simulated; the module docstring says why."""
+    spec = FoldSpec(32, pp=2, tp=2, cp=2, dp=4, ep=16)
+    cfg = _config(spec, True, True, 0.01)
+    B, S = _batch(spec, chunks=2)
+    ref, tokens, targets = reference_transformer(cfg, 5, B, S)
+    ref_loss = ref.loss(tokens, targets)
+    ref_loss.backward()
+    model = MoETransformer(cfg, dtype=torch.float64)
+    model.load_state_dict(ref.state_dict())
+    layers = chunk_layers(cfg.layers, spec.pp)
+    chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == 1) for s in range(2)]
+    stages = [LocalTensorMode(frozenset(g)) for g in spec.groups("attn", ("dp", "cp", "tp"))]
+    grads = {}
+    with simulated_process_group(spec.world_size):
+        folded = fold(spec)  # outside any mode: its meshes hold plain tensors, usable by both
+        with stages[0] as mode:
+            parallelize(chunks[0], folded, data_parallel="allreduce")
+            chunks[0].positions = mode.rank_map(lambda r: shard_batch(tokens, spec, r)[1])
+            hidden = chunks[0](mode.rank_map(lambda r: shard_batch(tokens, spec, r)[0]))  # [b, s, H]
+        with stages[1] as mode:
+            parallelize(chunks[1], folded, data_parallel="allreduce")
+            chunks[1].positions = mode.rank_map(lambda r: shard_batch(tokens, spec, r)[1])
+            received = _handed_over(hidden, spec, 1).requires_grad_()
+            total, count = cross_entropy_sum(chunks[1](received),
+                                             mode.rank_map(lambda r: shard_batch(targets, spec, r)[0]))
+            loss = chunks[1].reduce_loss(total, count)  # the global mean over the last stage's ranks
+            loss.backward()
+        with stages[0]:
+            hidden.backward(_handed_over(received.grad, spec, -1))
+        for stage, chunk in zip(stages, chunks):
+            with stage:
+                reduce_gradients(chunk)
+                grads.update({single_device_name(n): rank_values(p.grad.full_tensor())
+                              for n, p in chunk.named_parameters()})
+    for rank, value in rank_values(loss.detach()).items():
+        torch.testing.assert_close(value, ref_loss.detach(), **TOL, msg=lambda m: f"rank {rank}: {m}")
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    assert set(grads) == set(ref_grads)
+    for name, per_rank in grads.items():
+        assert len(per_rank) == spec.world_size // spec.pp
+        for rank, grad in per_rank.items():
+            torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m: f"{name} on rank {rank}: {m}")
 
 
 def test_fsdp2_does_not_run_simulated():

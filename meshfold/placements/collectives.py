@@ -116,7 +116,11 @@ def _group(mesh, dim: str):
     itself (not in a global table, which would keep discarded meshes alive, nor keyed by mesh
     equality, which two folds of one spec share while owning different groups): DeviceMesh
     lookups cost microseconds that add up on a per-layer hot path."""
+    # simulated ranks: keyed by the ranks too, as a mode over one pipeline stage's ranks sees
+    # the same mesh object with other coordinates than a mode over all of them
     cache = mesh.__dict__.setdefault("_meshfold_groups", {})
+    if simulated.simulated_ranks() is not None:
+        cache = cache.setdefault(simulated.simulated_ranks(), {})
     if dim not in cache:
         names = mesh.mesh_dim_names or ()
         if dim not in names:
