@@ -5,7 +5,7 @@ Spawned gloo worlds stop at 8 ranks on this machine, so large folds (issue 19's
 ``LocalTensorMode`` (:func:`meshfold.testing.simulated_world`): one SPMD program for every rank,
 each tensor holding one shard per rank, each rank-dependent host int (mesh coordinates, the MoE
 dispatch's split sizes) one int per rank. :mod:`meshfold.simulated` says what meshfold does
-differently there (nothing outside it).
+differently there (outside the mode, nothing).
 
 Not simulated, for reasons in torch 2.13, not in meshfold:
 
