@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from meshfold.mesh import FoldSpec
 
 __all__ = ["cached_fold", "checkpoint_reads", "divisors", "fold_specs", "invalid_fold_kwargs", "placements",
-           "ragged_shards", "split_sizes", "LiveTensors"]
+           "ragged_shards", "split_sizes", "LiveTensors", "simulated_process_group", "simulated_world", "rank_values", "reference_transformer"]
 
 
 _FOLDS: dict = {}
@@ -72,6 +72,69 @@ def checkpoint_reads():
         yield read
     finally:
         hf._Checkpoint.slice = original
+
+
+def reference_transformer(cfg, seed: int, B: int, S: int):
+    """``(model, tokens, targets)``: a single-device fp64 MoETransformer of ``cfg`` drawn from
+    ``seed``, its norms and q/k/v biases moved off their initial values (so their gradients are
+    checked too), and a global [B, S] batch of tokens and targets from ``seed + 1``: what the
+    folded equality tests compare against."""
+    from meshfold.models.transformer import MoETransformer
+
+    torch.manual_seed(seed)
+    model = MoETransformer(cfg, dtype=torch.float64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith((".bq", ".bk", ".bv")):
+                p.add_(0.1 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, cfg.vocab, (B, S), generator=g)
+    targets = torch.randint(0, cfg.vocab, (B, S), generator=g)
+    return model, tokens, targets
+
+
+@contextmanager
+def simulated_process_group(world_size: int):
+    """A fake default process group of ``world_size`` ranks (this process is rank 0 of it), for
+    torch's ``LocalTensorMode`` to simulate them (:func:`simulated_world`, or one mode per
+    pipeline stage over that stage's ranks: modes over different rank sets do not nest). Torch
+    runs single-threaded inside: meshfold's CPU kernel pool would otherwise run LocalTensor ops
+    on threads outside the mode. The process must have no process group of its own."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("simulated_process_group: this process already has a default process group")
+    threads = torch.get_num_threads()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
+
+
+@contextmanager
+def simulated_world(world_size: int):
+    """``world_size`` ranks simulated in this one process (:mod:`meshfold.simulated`): a
+    :func:`simulated_process_group` and torch's ``LocalTensorMode`` over every rank, which it
+    yields; inside, :func:`meshfold.mesh.fold` and everything built on it runs all ranks at once
+    (``mode.rank_map(lambda r: ...)`` makes per-rank inputs, tensors made inside are
+    LocalTensors). Reaches folds that spawned processes cannot on a small machine; FSDP2 and
+    meshfold's Pipeline excepted (tests/test_large_folds.py says why)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    with simulated_process_group(world_size), LocalTensorMode(world_size) as mode:
+        yield mode
+
+
+def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
+    """``{rank: that simulated rank's value}`` of a LocalTensor made in :func:`simulated_world`."""
+    local = getattr(t, "_local_tensors", None)
+    if local is None:
+        raise TypeError(f"rank_values: a {type(t).__name__} holds no per-rank values (valid: a LocalTensor)")
+    return dict(sorted(local.items()))
 
 
 def divisors(n: int) -> list[int]:

@@ -13,7 +13,7 @@ from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.models.moe_parallel import local_slices
 from meshfold.models.transformer_parallel import (full_state_dict, single_device_name, grad_norm, local_positions,
                                                   param_layouts, parallelize, reduce_gradients, shard_batch)
-from meshfold.testing import cached_fold, checkpoint_reads, fold_specs
+from meshfold.testing import cached_fold, checkpoint_reads, fold_specs, reference_transformer
 
 pytestmark = pytest.mark.multirank
 
@@ -32,15 +32,7 @@ def _config(spec, qkv_bias, qk_norm, tie, aux):
 def _run(rank, world_size, case, data_parallel="fsdp"):
     spec, B, S, seed, qkv_bias, qk_norm, tie, aux = case
     cfg = _config(spec, qkv_bias, qk_norm, tie, aux)
-    torch.manual_seed(seed)
-    ref = MoETransformer(cfg, dtype=torch.float64)
-    with torch.no_grad():  # non-trivial norms and biases, so their gradients are checked too
-        for name, p in ref.named_parameters():
-            if "norm" in name or name.endswith((".bq", ".bk", ".bv")):
-                p.add_(0.1 * torch.randn_like(p))
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, cfg.vocab, (B, S), generator=g)
-    targets = torch.randint(0, cfg.vocab, (B, S), generator=g)
+    ref, tokens, targets = reference_transformer(cfg, seed, B, S)
 
     model = MoETransformer(cfg, dtype=torch.float64)
     model.load_state_dict(ref.state_dict())

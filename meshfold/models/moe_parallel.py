@@ -62,6 +62,7 @@ from meshfold.placements import (Routed, all_gather_v, combine, dispatch, gather
                                   reduce_scatter_v, sum_statistic)
 from meshfold.placements.collectives import debug_checks_enabled
 from meshfold.placements.token_dispatch import block_counts, dispatch_start, rows_sent
+from meshfold.simulated import per_rank
 
 __all__ = ["MOE_LAYOUT", "LocalComm", "FoldedComm", "parallelize_moe"]
 
@@ -255,7 +256,8 @@ def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = No
     checkpoint), assembled from the shards without any rank holding the whole (``param`` may then
     be on the meta device)."""
     if local is None:
-        local = param.detach()[local_slices(param.shape, mesh, placements)].clone()
+        sl = local_slices(param.shape, mesh, placements)
+        local = _shard(param.detach(), [s.start for s in sl], [s.stop for s in sl])
     stride = torch.empty(param.shape, device="meta").stride()
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=stride)
     out = torch.nn.Parameter(dt, requires_grad=param.requires_grad)
@@ -264,6 +266,11 @@ def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = No
         # earlier fold; FSDP2 groups parameters by mesh identity, so pin ours
         out._spec = dataclasses.replace(out._spec, mesh=mesh)
     return out
+
+
+@per_rank  # under LocalTensorMode the slices differ by simulated rank
+def _shard(full: torch.Tensor, starts: list[int], stops: list[int]) -> torch.Tensor:
+    return full[tuple(slice(a, b) for a, b in zip(starts, stops))].clone()
 
 
 def local_slices(shape, mesh, placements) -> tuple[slice, ...]:

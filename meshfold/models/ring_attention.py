@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 
 from meshfold.placements.ring import ring_shift
+from meshfold.simulated import per_rank
 
 __all__ = ["KERNELS", "ring_attention", "rank_chunks", "block_plan", "load_balanced"]
 
@@ -155,6 +156,31 @@ def _keys_values(expand, travel, weights):
     return tuple(travel) if expand is None else expand(*travel, *weights)
 
 
+# One ring step's blocks on this rank. Which blocks a step computes depends on the rank, so under
+# LocalTensorMode (many simulated ranks in one process) each runs once per rank (per_rank).
+@per_rank
+def _forward_step(acc, qs, ks, vs, me, i, cp, fwd):
+    """Fold the blocks of ring step ``i`` (keys ``ks`` / values ``vs`` of cp rank ``me - i``)
+    into the running (out, lse) ``acc`` of this rank's two query chunks ``qs``."""
+    acc = list(acc)
+    for a, b, causal in block_plan(rank_chunks(me, cp), rank_chunks((me - i) % cp, cp)):
+        acc[a] = _merge(acc[a], *fwd(qs[a], ks[b], vs[b], causal))
+    return acc
+
+
+@per_rank
+def _backward_step(grads, saved, kv, me, i, cp, bwd):
+    """Add the gradients of ring step ``i``'s blocks, in place, to ``grads`` = (dq chunks,
+    d keys chunks, d values chunks) from ``saved`` = (d out, q, out, lse chunks) and ``kv`` =
+    (key chunks, value chunks)."""
+    (dqs, dks, dvs), (dos, qs, outs, lses), (ks, vs) = grads, saved, kv
+    for a, b, causal in block_plan(rank_chunks(me, cp), rank_chunks((me - i) % cp, cp)):
+        gq, gk, gv = bwd(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a], causal)
+        dqs[a].add_(gq)
+        dks[b].add_(gk)
+        dvs[b].add_(gv)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mesh, dim, kernels, expand, *weights):
@@ -167,9 +193,7 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp):
             wait = ring_shift(travel, mesh, dim) if i < cp - 1 else None  # the next block travels meanwhile
             keys, values = _keys_values(expand, travel, weights)  # one block's at a time, never kept
-            ks, vs = keys.split(n, dim=2), values.split(n, dim=2)
-            for a, b, causal in block_plan(rank_chunks(me, cp), rank_chunks((me - i) % cp, cp)):
-                acc[a] = _merge(acc[a], *fwd(qs[a], ks[b], vs[b], causal))
+            acc = _forward_step(acc, qs, keys.split(n, dim=2), values.split(n, dim=2), me, i, cp, fwd)
             if wait is not None:
                 travel = wait()
         out = torch.cat([o for o, _ in acc], dim=2).to(q.dtype)  # [B, h, 2n, dv]
@@ -203,13 +227,8 @@ class _RingAttention(torch.autograd.Function):
                     keys, values = expand(*leaves)
                 dkeys = torch.zeros(keys.shape, dtype=work, device=keys.device)
                 dvalues = torch.zeros(values.shape, dtype=work, device=values.device)
-            ks, vs = keys.split(n, 2), values.split(n, 2)
-            dks, dvs = dkeys.split(n, 2), dvalues.split(n, 2)
-            for a, b, causal in block_plan(rank_chunks(me, cp), rank_chunks((me - i) % cp, cp)):
-                gq, gk, gv = bwd(dos[a], qs[a], ks[b], vs[b], outs[a], lses[a], causal)
-                dqs[a].add_(gq)
-                dks[b].add_(gk)
-                dvs[b].add_(gv)
+            _backward_step((dqs, dkeys.split(n, 2), dvalues.split(n, 2)), (dos, qs, outs, lses),
+                           (keys.split(n, 2), values.split(n, 2)), me, i, cp, bwd)
             if expand is not None:
                 grads = torch.autograd.grad((keys, values), leaves, (dkeys.to(keys.dtype), dvalues.to(values.dtype)),
                                             allow_unused=True)

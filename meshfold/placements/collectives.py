@@ -69,6 +69,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from meshfold import simulated
+from meshfold.simulated import pick
+
 __all__ = ["all_to_all_v", "all_gather_v", "all_gather_replicated", "reduce_scatter_v", "sum_partial",
            "exchange_splits", "sum_statistic", "sum_in_place", "gather_equal", "all_agree", "on_dim",
            "set_debug_checks", "debug_checks_enabled", "set_collective_path", "collective_path",
@@ -113,7 +116,11 @@ def _group(mesh, dim: str):
     itself (not in a global table, which would keep discarded meshes alive, nor keyed by mesh
     equality, which two folds of one spec share while owning different groups): DeviceMesh
     lookups cost microseconds that add up on a per-layer hot path."""
+    # simulated ranks: keyed by the ranks too, as a mode over one pipeline stage's ranks sees
+    # the same mesh object with other coordinates than a mode over all of them
     cache = mesh.__dict__.setdefault("_meshfold_groups", {})
+    if simulated.simulated_ranks() is not None:
+        cache = cache.setdefault(simulated.simulated_ranks(), {})
     if dim not in cache:
         names = mesh.mesh_dim_names or ()
         if dim not in names:
@@ -124,7 +131,7 @@ def _group(mesh, dim: str):
 
 def _check_splits(name: str, splits: Sequence[int], group_size: int, total: int | None,
                   what: str) -> list[int]:
-    splits = [int(s) for s in splits]
+    splits = [s if isinstance(s, torch.SymInt) else int(s) for s in splits]  # SymInt: simulated ranks'
     if len(splits) != group_size:
         raise ValueError(f"{name}: {what} has {len(splits)} entries but the mesh dim has "
                          f"{group_size} ranks: {splits}")
@@ -141,15 +148,14 @@ def _gather_meta(values: list[int], group, group_size: int) -> list[list[int]]:
     if dist.get_backend(group) == "nccl":
         t = t.cuda()
     out = [torch.empty_like(t) for _ in range(group_size)]
-    dist.all_gather(out, t, group=group)
+    simulated.all_gather(out, t, group)
     return [o.tolist() for o in out]
 
 
 def _a2a(x: torch.Tensor, input_splits: list[int], output_splits: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=output_splits,
-                           input_split_sizes=input_splits, group=group)
+    simulated.all_to_all_single(out, x, output_splits, input_splits, group)
     return out
 
 
@@ -167,7 +173,8 @@ class _AllToAllV(torch.autograd.Function):
 
 
 def _even(sizes: list[int]) -> bool:
-    return all(s == sizes[0] for s in sizes)
+    # sizes that differ by simulated rank (SymInt) take the all-to-all, which handles them
+    return all(isinstance(s, int) and s == sizes[0] for s in sizes)
 
 
 def _native_gather(sizes: list[int]) -> bool:
@@ -184,29 +191,31 @@ def _gather_v(x, sizes, rank, group):
     G = len(sizes)
     x = x.contiguous()
     out = x.new_empty((sum(sizes), *x.shape[1:]))
-    if not out.numel():
+    if out.numel() == 0:
         return out  # every rank sees the same sizes, so every rank skips together
     if _native_gather(sizes):
         dist.all_gather_single(out, x, group=group)
         return out
     # Send my rows to every rank: input_splits = [n_me] * G, output_splits = sizes.
-    send = x.unsqueeze(0).expand(G, *x.shape).reshape(G * x.shape[0], *x.shape[1:])
-    return _a2a(send, [sizes[rank]] * G, sizes, group)
+    send = x.repeat(G, *[1] * (x.dim() - 1))  # one copy (an expand's reshape would be a view per rank
+    # under LocalTensorMode, which fails on ranks whose row count makes the strides differ)
+    return _a2a(send, [pick(sizes, rank)] * G, sizes, group)
 
 
 def _scatter_v(x, sizes, rank, group):
     G = len(sizes)
     half = x.dtype in _HALF
-    if not x.numel():
-        return x.new_zeros((sizes[rank], *x.shape[1:]))
+    if x.numel() == 0:
+        return x.new_zeros((pick(sizes, rank), *x.shape[1:]))
     if _native_scatter(sizes, x.dtype, group):
         src = x.float() if half else x.contiguous()  # half precision: sum in fp32, round once
         out = src.new_empty((sizes[rank], *x.shape[1:]))
         dist.reduce_scatter_single(out, src, group=group)
         return out.to(x.dtype) if half else out
     # Send rows sizes[j] to rank j, receive G copies of my slice, sum them in rank order.
-    pieces = _a2a(x, sizes, [sizes[rank]] * G, group)
-    pieces = pieces.reshape(G, sizes[rank], *x.shape[1:])
+    mine = pick(sizes, rank)
+    pieces = _a2a(x, sizes, [mine] * G, group)
+    pieces = pieces.reshape(G, mine, *x.shape[1:])
     if half:
         return pieces.float().sum(0).to(x.dtype)
     return pieces.sum(0)
@@ -288,8 +297,7 @@ class InFlight:
 def _a2a_async(x, ins, outs, group):
     x = x.contiguous()
     out = x.new_empty((sum(outs), *x.shape[1:]))
-    work = dist.all_to_all_single(out, x, output_split_sizes=outs, input_split_sizes=ins, group=group,
-                                  async_op=True)
+    work = simulated.all_to_all_single(out, x, outs, ins, group, async_op=True)
     return work, x, out
 
 
@@ -351,8 +359,8 @@ def all_gather_v(x: torch.Tensor, sizes: Sequence[int], mesh, dim: str) -> torch
     rank: -> [sum(sizes), ...]. Backward is :func:`reduce_scatter_v`."""
     group, G, me = _group(mesh, dim)
     sizes = _check_splits("all_gather_v", sizes, G, None, "sizes")
-    if x.shape[0] != sizes[me]:
-        raise ValueError(f"all_gather_v: sizes[{me}] = {sizes[me]} but this rank's tensor has "
+    if x.shape[0] != pick(sizes, me):
+        raise ValueError(f"all_gather_v: sizes[{me}] = {pick(sizes, me)} but this rank's tensor has "
                          f"{x.shape[0]} rows (dim 0); sizes = {sizes}")
     if _DEBUG:
         _check_agreement("all_gather_v", dim, sizes, group, G, me)
@@ -407,7 +415,7 @@ class _GatherReplicated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, sizes, mesh, dim, me):
-        ctx.meta = (sum(sizes[:me]), sizes[me])
+        ctx.meta = (pick([sum(sizes[:i]) for i in range(len(sizes))], me), pick(sizes, me))
         return all_gather_v(x.detach(), sizes, mesh, dim)
 
     @staticmethod
@@ -466,7 +474,7 @@ def gather_equal(t: torch.Tensor, mesh, dim: str) -> torch.Tensor:
     if G == 1:
         return t.unsqueeze(0)
     parts = [torch.empty_like(t) for _ in range(G)]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    simulated.all_gather(parts, t.contiguous(), group)
     return torch.stack(parts)
 
 

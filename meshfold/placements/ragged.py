@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshfold.placements.collectives import all_gather_replicated, on_dim, sum_partial
+from meshfold.simulated import pick
 
 __all__ = ["RaggedShard", "RaggedTensor", "chunk_sizes", "explicit_shards"]
 
@@ -48,7 +49,7 @@ class RaggedShard:
     sizes: tuple[int, ...]
 
     def __init__(self, dim: int, sizes: Sequence[int]):
-        sizes = tuple(int(s) for s in sizes)
+        sizes = tuple(s if isinstance(s, torch.SymInt) else int(s) for s in sizes)  # SymInt: simulated ranks'
         if any(s < 0 for s in sizes):
             raise ValueError(f"RaggedShard sizes must be non-negative, got {sizes}")
         if not sizes:
@@ -115,9 +116,9 @@ class RaggedTensor:
                     raise ValueError(f"{p!r} has {len(p.sizes)} sizes but mesh dim "
                                      f"{mesh.mesh_dim_names[i]!r} has {mesh.size(i)} ranks")
                 me = mesh.get_local_rank(i)
-                if local.shape[p.dim] != p.sizes[me]:
+                if local.shape[p.dim] != pick(p.sizes, me):
                     raise ValueError(f"{p!r}: this rank (position {me} of mesh dim "
-                                     f"{mesh.mesh_dim_names[i]!r}) should hold {p.sizes[me]} rows "
+                                     f"{mesh.mesh_dim_names[i]!r}) should hold {pick(p.sizes, me)} rows "
                                      f"but its local tensor has {local.shape[p.dim]} "
                                      f"(shape {tuple(local.shape)})")
         self.local = local

@@ -39,6 +39,7 @@ from torch.distributed.tensor import Partial, Replicate
 from meshfold.placements.collectives import (_group, all_gather_v, all_to_all_v, all_to_all_v_start, gather_equal,
                                              reduce_scatter_v)
 from meshfold.placements.ragged import RaggedShard, RaggedTensor
+from meshfold.simulated import per_rank
 
 __all__ = ["Routed", "DispatchInFlight", "block_counts", "dispatch", "dispatch_start", "combine"]
 
@@ -71,6 +72,7 @@ class Routed:
         return RaggedTensor(y_MH, self.tokens.mesh, placements)
 
 
+@per_rank  # i_me and M differ by rank under LocalTensorMode
 def _expert_major_order(C_QIE: torch.Tensor, i_me: int, El: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order_M, offsets_El) for the M rows ep rank ``i_me`` receives, stored as chunks (q, i, e)
     (etp rank q's all-gathered piece, holding the chunks (i, e) of its all-to-all), where chunk
@@ -116,7 +118,33 @@ def block_counts(counts_E: torch.Tensor, mesh, ep: str = "ep", etp: str = "etp")
 
 def rows_sent(C: list, mesh, ep: str = "ep", etp: str = "etp") -> int:
     """How many rows this rank sends, from the host counts C of :func:`block_counts`."""
-    return sum(C[_group(mesh, etp)[2]][_group(mesh, ep)[2]])
+    return _rows_sent(C, _group(mesh, etp)[2], _group(mesh, ep)[2])
+
+
+# The host arithmetic on the block counts C[q][i][e], with this rank's coordinates (q_me, i_me)
+# as arguments: under LocalTensorMode (simulated ranks) both differ by rank, so each runs once
+# per rank (per_rank); in a real run it is a plain call.
+@per_rank
+def _rows_sent(C, q_me, i_me):
+    return sum(C[q_me][i_me])
+
+
+@per_rank
+def _a2a_splits(C, q_me, i_me, El, n_ep):
+    """(rows this rank sends to each ep rank, rows it receives from each)."""
+    mine = C[q_me]  # my etp slice of the block: mine[i] = ep rank i's counts
+    send = [sum(mine[i_me][d * El:(d + 1) * El]) for d in range(n_ep)]
+    recv = [sum(mine[i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)]
+    return send, recv
+
+
+@per_rank
+def _etp_sizes(C, i_me, El, n_ep, n_etp):
+    """(rows each etp rank contributes to the etp gather, rows each ep rank's experts get)."""
+    gather = [sum(sum(C[q][i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)) for q in range(n_etp)]
+    per_ep_rank = [sum(sum(C[q][i][d * El:(d + 1) * El]) for q in range(n_etp) for i in range(n_ep))
+                   for d in range(n_ep)]
+    return gather, per_ep_rank
 
 
 def dispatch(x_NH: torch.Tensor, counts_E: torch.Tensor, mesh, ep: str = "ep", etp: str = "etp",
@@ -150,15 +178,13 @@ class DispatchInFlight:
         _, n_ep, i_me = _group(mesh, ep)
         _, n_etp, _ = _group(mesh, etp)
         El = self.C_QIE.shape[2] // n_ep
-        gather_sizes = None
+        gather_sizes, per_ep_rank = _etp_sizes(C, i_me, El, n_ep, n_etp)
         if n_etp > 1:
-            gather_sizes = [sum(sum(C[q][i][i_me * El:(i_me + 1) * El]) for i in range(n_ep))
-                            for q in range(n_etp)]
             x = all_gather_v(x, gather_sizes, mesh, etp)  # rows ordered (q, i, e)
+        else:
+            gather_sizes = None
         order_M, offsets_El = _expert_major_order(self.C_QIE, i_me, El, x.shape[0])
         rows_MH = _PermuteRows.apply(x, order_M)
-        per_ep_rank = [sum(sum(C[q][i][d * El:(d + 1) * El]) for q in range(n_etp) for i in range(n_ep))
-                       for d in range(n_ep)]
         placements = [None, None]
         placements[mesh.mesh_dim_names.index(ep)] = RaggedShard(0, per_ep_rank)
         placements[mesh.mesh_dim_names.index(etp)] = Replicate()
@@ -177,9 +203,7 @@ def dispatch_start(x_NH: torch.Tensor, counts_E: torch.Tensor, mesh, ep: str = "
     El = counts_E.numel() // n_ep
     # counts of every rank in the block: C[q][i][e] host ints (the one sync)
     C_QIE, C = block_counts(counts_E, mesh, ep, etp) if block is None else block
-    mine = C[q_me]  # my etp slice of the block: mine[i] = ep rank i's counts
-    send = [sum(mine[i_me][d * El:(d + 1) * El]) for d in range(n_ep)]
-    recv = [sum(mine[i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)]
+    send, recv = _a2a_splits(C, q_me, i_me, El, n_ep)
     if asynchronous:
         flight = all_to_all_v_start(x_NH, send, recv, mesh, ep)
     else:
