@@ -10,8 +10,8 @@ One training step (forward, backward) of a small MoE transformer on ``cp`` gloo 
 each S, cp and ``recompute`` mode the code under test offers (a checkout without
 ``parallelize(recompute=)`` runs ``none`` only, so the same script measures the code before and
 after). A dispatch mode (:class:`StoragePeak`) follows every storage the step creates until it is
-freed, exact and independent of the allocator, so ratios between runs mean something at any
-load. It splits them into model state (what FSDP2 gathers, reshards and reduce-scatters: weights
+freed (``benchmarks/storage_peak.py``), exact and independent of the allocator, so ratios
+between runs mean something at any load. It splits them into model state (what FSDP2 gathers, reshards and reduce-scatters: weights
 and their gradients, which do not shrink with cp) and activations (everything else). Per rank:
 
 * ``activation MiB``: the largest sum of activation bytes alive at once during the step (what
@@ -25,8 +25,10 @@ and their gradients, which do not shrink with cp) and activations (everything el
   the end of the step), and ``model state at peak``.
 * ``largest tensor``: the biggest single allocation, in elements (JSON only).
 * ``rss MiB``: the resident set the timed step added at its peak (``peak_rss``, JSON only).
-* ``step s``: wall time of the second step (the first one warms caches), on a machine shared
-  with other tenants: compare within one run only.
+* ``step s``: wall time of the second step (the first one warms caches), worst rank, on a
+  machine shared with other tenants: compare within one run only. ``step CPU s``: the CPU time
+  the rank's process spent in that step (one compute thread), which other tenants' load
+  inflates far less than the wall time: the recompute modes' cost is read from it.
 
 The JSON (``benchmarks/results/long_context_<label>.json``) also holds, per point, each rank's
 activation MiB and the largest groups (op, shape) alive at the worst rank's activation peak.
@@ -45,170 +47,14 @@ import os
 import platform
 import sys
 import time
-import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from storage_peak import StoragePeak  # noqa: E402
+
 MODES = ("none", "selective", "full")
 MIB = 2 ** 20
-
-
-class StoragePeak:
-    """A dispatch mode tracking the bytes of every storage created under it until it is freed, and
-    which of them are model state.
-
-    FSDP2 frees an unsharded weight by shrinking its storage to 0 bytes (``resize_``, no op the
-    mode sees), so the mode also follows ``FSDPParam.free_unsharded_param``; without that a
-    gathered weight would count as alive from its all-gather to the end of the step. *Model
-    state* is what FSDP2 allocates while it gathers, reshards or reduce-scatters weights and
-    gradients (its all-gather and reduce-scatter buffers, the unsharded weights) and the unsharded
-    gradients it reduce-scatters; everything else created in the step is *activation*: what the
-    forward keeps for backward, the working set of each op, and the gradients of activations.
-    A weight's gradient is recognised when autograd hands it to the unsharded weight (a hook on
-    each of ``model``'s FSDP2 weights), right after the op that made it; the reduce-scatter
-    marks any left. ``activation_peak`` is the largest activation total, exact up to one weight
-    gradient that an op made together with an activation gradient (a matmul's backward makes
-    both) and not yet handed over. Allocation ids (not data pointers, which are reused) name
-    storages.
-    """
-
-    def __init__(self, model):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        tracker = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                tracker._record(func, out)
-                return out
-
-        self.mode = _Mode()
-        self.live = {}  # storage data_ptr -> allocation id
-        self.info = []  # allocation id -> [bytes, op name, shape, model state?]
-        self.now = self.peak = 0
-        self.at_peak = ()  # allocation ids alive at the peak
-        self.in_fsdp = 0  # > 0 while FSDP2 moves model state
-        self.largest = 0
-        self.model = model
-        self.act_now = self.act_peak = 0
-        self.at_act_peak = ()  # allocation ids alive at the activation peak
-
-    def _record(self, func, out):
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            local = getattr(t, "_local_tensor", t)
-            if local.device.type == "meta":
-                continue
-            st = local.untyped_storage()
-            key = st.data_ptr()
-            if key in self.live or st.nbytes() == 0:
-                continue
-            self.live[key] = len(self.info)
-            self.info.append([st.nbytes(), str(func), tuple(local.shape), self.in_fsdp > 0])
-            self.now += st.nbytes()
-            if self.now > self.peak:
-                self.peak, self.at_peak = self.now, tuple(self.live.values())
-            if not self.in_fsdp:
-                self.act_now += st.nbytes()
-                if self.act_now > self.act_peak:
-                    self.act_peak, self.at_act_peak = self.act_now, tuple(self.live.values())
-            self.largest = max(self.largest, local.numel())
-            weakref.finalize(st, self._free, key)
-
-    def _free(self, key):
-        i = self.live.pop(key, None)
-        if i is not None:
-            self.now -= self.info[i][0]
-            if not self.info[i][3]:
-                self.act_now -= self.info[i][0]
-
-    def _mark_state(self, tensors):
-        for t in tensors:
-            t = getattr(t, "_local_tensor", t)  # a DTensor gradient: its shard's storage
-            i = None if t is None else self.live.get(t.untyped_storage().data_ptr())
-            if i is not None and not self.info[i][3]:
-                self.info[i][3] = True
-                self.act_now -= self.info[i][0]
-
-    def snapshot(self) -> tuple:
-        """Allocation ids alive now."""
-        return tuple(self.live.values())
-
-    def split(self, ids) -> tuple[int, int]:
-        """(activation bytes, model-state bytes) of allocation ids."""
-        act = sum(self.info[i][0] for i in ids if not self.info[i][3])
-        return act, sum(self.info[i][0] for i in ids) - act
-
-    def top(self, ids, n=8) -> list:
-        """The ``n`` largest (MiB, count, op, shape, model state?) groups of allocation ids."""
-        groups = {}
-        for i in ids:
-            nbytes, op, shape, state = self.info[i]
-            g = groups.setdefault((op, shape, state), [0, 0])
-            g[0] += nbytes
-            g[1] += 1
-        rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:n]
-        return [(round(b / 2 ** 20, 2), c, op, list(shape), state) for (op, shape, state), (b, c) in rows]
-
-    def _patches(self):
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-        tracker = self
-
-        def moving_state(fn, mark_grads=False):
-            def wrapped(group, *args, **kwargs):
-                if mark_grads:  # the unsharded gradients it is about to reduce-scatter
-                    tracker._mark_state(g for p in group.fsdp_params if hasattr(p, "_unsharded_param")
-                                        for g in (p.unsharded_accumulated_grad, p._unsharded_param.grad))
-                tracker.in_fsdp += 1
-                try:
-                    return fn(group, *args, **kwargs)
-                finally:
-                    tracker.in_fsdp -= 1
-            return wrapped
-
-        def freeing(fn):
-            def wrapped(param):
-                for t in (*param.all_gather_outputs, *param._unsharded_inner_tensors):
-                    tracker._free(t.untyped_storage().data_ptr())
-                return fn(param)
-            return wrapped
-
-        return [(FSDPParamGroup, name, moving_state(getattr(FSDPParamGroup, name), name == "post_backward"))
-                for name in ("unshard", "wait_for_unshard", "reshard", "post_backward")] + \
-            [(FSDPParam, "free_unsharded_param", freeing(FSDPParam.free_unsharded_param))]
-
-    def activation_peak(self) -> int:
-        """Bytes of activation at the activation peak (labels as known at the end)."""
-        return self.split(self.at_act_peak)[0]
-
-    def __enter__(self):
-        from torch.distributed.fsdp import FSDPModule
-
-        self._hooks = [fp._unsharded_param.register_hook(lambda g: self._mark_state([g]))
-                       for m in self.model.modules() if isinstance(m, FSDPModule)
-                       for group in [m._get_fsdp_state()._fsdp_param_group] if group is not None
-                       for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
-        self._saved = []
-        for cls, name, fn in self._patches():
-            self._saved.append((cls, name, getattr(cls, name)))
-            setattr(cls, name, fn)
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-        for cls, name, fn in self._saved:
-            setattr(cls, name, fn)
-        for h in self._hooks:
-            h.remove()
 
 
 def _config():
@@ -241,9 +87,9 @@ def _rank(rank, world_size, S, recompute, ep):
         model.loss(local, local, pos).backward()
 
     def timed():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        box["seconds"] = time.perf_counter() - t0
+        box["seconds"], box["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
 
     box = {}
     step()  # warm-up; gradients stay allocated, as in a training step after the first
@@ -257,6 +103,7 @@ def _rank(rank, world_size, S, recompute, ep):
     return {"tracked_mib": tracked.peak / MIB, "activation_mib": tracked.activation_peak() / MIB,
             "state_at_peak_mib": state / MIB,
             "kept_mib": kept / MIB, "largest": tracked.largest, "rss_mib": rss, "step_s": box["seconds"],
+            "step_cpu_s": box["cpu_seconds"],
             "top_at_activation_peak": tracked.top(tracked.at_act_peak)}
 
 
@@ -291,7 +138,8 @@ def main() -> None:
                        "tracked_mib": max(r["tracked_mib"] for r in ranks),
                        "activation_mean_mib": sum(r["activation_mib"] for r in ranks) / cp,
                        "activation_per_rank_mib": [r["activation_mib"] for r in ranks],
-                       "step_s": max(r["step_s"] for r in ranks), "wall_s": time.perf_counter() - t0,
+                       "step_s": max(r["step_s"] for r in ranks),
+                       "step_cpu_s": max(r["step_cpu_s"] for r in ranks), "wall_s": time.perf_counter() - t0,
                        "load": os.getloadavg()[0]}
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "top_at_activation_peak"}, flush=True)
@@ -302,8 +150,8 @@ def main() -> None:
     base = {(r["S"], r["cp"], r["recompute"]): r for r in rows}
     print(f"\n{args.label} (load {os.getloadavg()[0]:.1f}):")
     print("| S | cp | recompute | activation MiB, worst rank (x cp=1) (x none) | rank mean (x cp=1) | kept MiB "
-          "| step peak MiB | model state at peak | step s (x none) (x cp=1) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| step peak MiB | model state at peak | step s (x none) (x cp=1) | step CPU s (x none) (x cp=1) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         one = base.get((r["S"], 1, r["recompute"]), {})
         none = base.get((r["S"], r["cp"], "none"), {})
@@ -311,8 +159,10 @@ def main() -> None:
             + _ratio(r["activation_mib"], none.get("activation_mib"))
         mean = f"{r['activation_mean_mib']:.0f}" + _ratio(r["activation_mean_mib"], one.get("activation_mean_mib"))
         t = f"{r['step_s']:.2f}" + _ratio(r["step_s"], none.get("step_s")) + _ratio(r["step_s"], one.get("step_s"))
+        c = f"{r['step_cpu_s']:.2f}" + _ratio(r["step_cpu_s"], none.get("step_cpu_s")) \
+            + _ratio(r["step_cpu_s"], one.get("step_cpu_s"))
         print(f"| {r['S']} | {r['cp']} | {r['recompute']} | {act} | {mean} | {r['kept_mib']:.0f} | "
-              f"{r['tracked_mib']:.0f} | {r['state_at_peak_mib']:.1f} | {t} |")
+              f"{r['tracked_mib']:.0f} | {r['state_at_peak_mib']:.1f} | {t} | {c} |")
 
 
 def _cpu() -> str:
