@@ -33,7 +33,7 @@ and their gradients, which do not shrink with cp) and activations (everything el
 The JSON (``benchmarks/results/long_context_<label>.json``) also holds, per point, each rank's
 activation MiB and the largest groups (op, shape) alive at the worst rank's activation peak.
 
-Model: vocab 256, hidden 256, 2 layers, 8 query heads over 2 key/value heads (GQA) of dim 32,
+Model: vocab 256, hidden 256, 2 layers (``--layers``), 8 query heads over 2 key/value heads (GQA) of dim 32,
 qk-norm, 8 experts of ffn 256, top-2, dropless. Prints a markdown table.
 """
 
@@ -57,15 +57,15 @@ MODES = ("none", "selective", "full")
 MIB = 2 ** 20
 
 
-def _config():
+def _config(layers: int = 2):
     from meshfold.models import MoEConfig
     from meshfold.models.transformer import TransformerConfig
 
-    return TransformerConfig(vocab=256, hidden=256, layers=2, heads=8, kv_heads=2, head_dim=32, qk_norm=True,
+    return TransformerConfig(vocab=256, hidden=256, layers=layers, heads=8, kv_heads=2, head_dim=32, qk_norm=True,
                              moe=MoEConfig(hidden=256, ffn=256, num_experts=8, topk=2))
 
 
-def _rank(rank, world_size, S, recompute, ep):
+def _rank(rank, world_size, S, recompute, ep, layers=2):
     import torch
 
     from meshfold.mesh import FoldSpec, fold
@@ -77,7 +77,7 @@ def _rank(rank, world_size, S, recompute, ep):
     torch.set_num_threads(1)
     spec = FoldSpec(world_size, cp=world_size, ep=world_size if ep == "cp" else int(ep))
     folded = fold(spec, "cpu")
-    cfg = _config()
+    cfg = _config(layers)
     kwargs = {"recompute": recompute} if recompute != "none" else {}
     model = parallelize(MoETransformer(cfg, device="meta", seed=0), folded, **kwargs)
     tokens = torch.randint(0, cfg.vocab, (1, S), generator=torch.Generator().manual_seed(0))
@@ -119,6 +119,9 @@ def main() -> None:
     ap.add_argument("--ep", default="cp", choices=["cp", "1"],
                     help="experts over ep = cp ranks (default), or replicated (ep = 1, edp = cp): "
                          "every rank then computes exactly its own tokens' experts")
+    ap.add_argument("--layers", type=int, default=2,
+                    help="transformer blocks (default 2); with L blocks full recompute keeps L block inputs "
+                         "and, in backward, one block's working set, so its peak falls towards 1/L of none's")
     ap.add_argument("--label", default="after")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -132,9 +135,10 @@ def main() -> None:
         for cp in args.cps:
             for mode in modes:
                 t0 = time.perf_counter()
-                ranks = spawn(_rank, cp, S, mode, args.ep, timeout=3600)
+                ranks = spawn(_rank, cp, S, mode, args.ep, args.layers, timeout=3600)
                 worst = max(ranks, key=lambda r: r["activation_mib"])
-                row = {"S": S, "cp": cp, "ep": cp if args.ep == "cp" else 1, "recompute": mode, **worst,
+                row = {"S": S, "cp": cp, "ep": cp if args.ep == "cp" else 1, "layers": args.layers,
+                       "recompute": mode, **worst,
                        "tracked_mib": max(r["tracked_mib"] for r in ranks),
                        "activation_mean_mib": sum(r["activation_mib"] for r in ranks) / cp,
                        "activation_per_rank_mib": [r["activation_mib"] for r in ranks],
@@ -167,8 +171,9 @@ def main() -> None:
 
 def _cpu() -> str:
     try:
-        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
-        return f"{info['model name'].strip()} (family {info['cpu family'].strip()}, model {info['model'].strip()}), " \
+        info = dict(map(str.strip, line.split(":", 1)) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ":" in line)
+        return f"{info['model name']} (family {info['cpu family']}, model {info['model']}), " \
                f"{os.cpu_count()} vCPU"
     except (OSError, KeyError):
         return platform.processor() or platform.machine()
