@@ -1,28 +1,40 @@
-"""Per-rank memory and step time against sequence length, context parallelism and recomputation.
+"""Per-rank activation memory, step peak and step time against sequence length, cp and recomputation.
 
     python benchmarks/bench_long_context.py                          # S 2k 8k 16k, cp 1 2 4, every recompute mode
     python benchmarks/bench_long_context.py --seqs 32768 --cps 4 --recompute full
+    python benchmarks/bench_long_context.py --ep 1 --recompute none   # experts replicated: cp alone
     PYTHONPATH=/path/to/old/checkout python benchmarks/bench_long_context.py --label before
 
 One training step (forward, backward) of a small MoE transformer on ``cp`` gloo ranks (fold
-``cp`` x ``ep = cp``, FSDP2, fp32, one sequence of S tokens), for each S, cp and
-``recompute`` mode the code under test offers (a checkout without ``parallelize(recompute=)``
-runs ``none`` only, so the same script measures the code before and after). Per rank, worst rank
-reported:
+``cp`` x ``ep = cp``, or ``ep = 1`` with ``--ep 1``; FSDP2, fp32, one sequence of S tokens), for
+each S, cp and ``recompute`` mode the code under test offers (a checkout without
+``parallelize(recompute=)`` runs ``none`` only, so the same script measures the code before and
+after). A dispatch mode (:class:`StoragePeak`) follows every storage the step creates until it is
+freed (``benchmarks/storage_peak.py``), exact and independent of the allocator, so ratios
+between runs mean something at any load. It splits them into model state (what FSDP2 gathers, reshards and reduce-scatters: weights
+and their gradients, which do not shrink with cp) and activations (everything else). Per rank:
 
-* ``tracked peak MiB``: the largest sum of bytes of the tensors the step allocated and still held
-  at once (a dispatch mode that follows every new storage until it is freed): activations saved
-  for backward, the working set of attention, the gathered parameters, the gradients. It is
-  exact and independent of the allocator, so ratios between runs are meaningful at any load.
-* ``largest tensor``: the biggest single allocation, in elements (a [S/cp, S] mask or score
-  tensor shows up here).
-* ``rss MiB``: the resident set the step added at its peak (``peak_rss``), for comparison.
-* ``step s``: wall time of the second step (the first one warms caches), on a machine shared
-  with other tenants: compare within one run only.
+* ``activation MiB``: the largest sum of activation bytes alive at once during the step (what
+  the forward keeps for backward, each op's working set, the gradients of activations): the
+  quantity issue 18's goals are about. Reported for the worst rank and as the mean over ranks
+  (with ``ep = cp`` the worst rank is the one whose experts the router favours: dropless
+  experts compute every token routed to them).
+* ``kept MiB``: activation bytes alive when the forward returns (saved for backward, the loss).
+* ``step peak MiB``: the largest sum of all tracked bytes (activations + model state) alive at
+  once, as the earlier ``tracked peak`` (which counted FSDP2's resharded weights as alive until
+  the end of the step), and ``model state at peak``.
+* ``largest tensor``: the biggest single allocation, in elements (JSON only).
+* ``rss MiB``: the resident set the timed step added at its peak (``peak_rss``, JSON only).
+* ``step s``: wall time of the second step (the first one warms caches), worst rank, on a
+  machine shared with other tenants: compare within one run only. ``step CPU s``: the CPU time
+  the rank's process spent in that step (one compute thread), which other tenants' load
+  inflates far less than the wall time: the recompute modes' cost is read from it.
 
-Model: vocab 256, hidden 256, 2 layers, 8 query heads over 2 key/value heads (GQA) of dim 32,
-qk-norm, 8 experts of ffn 256, top-2, dropless. Writes ``benchmarks/results/long_context_<label>.json``
-and prints a markdown table.
+The JSON (``benchmarks/results/long_context_<label>.json``) also holds, per point, each rank's
+activation MiB and the largest groups (op, shape) alive at the worst rank's activation peak.
+
+Model: vocab 256, hidden 256, 2 layers (``--layers``), 8 query heads over 2 key/value heads (GQA) of dim 32,
+qk-norm, 8 experts of ffn 256, top-2, dropless. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -35,73 +47,25 @@ import os
 import platform
 import sys
 import time
-import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from storage_peak import StoragePeak  # noqa: E402
+
 MODES = ("none", "selective", "full")
+MIB = 2 ** 20
 
 
-class StoragePeak:
-    """A dispatch mode tracking the bytes of every storage created under it until it is freed."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        tracker = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                tracker._record(out)
-                return out
-
-        self.mode = _Mode()
-        self.live = {}  # storage key -> bytes
-        self.now = self.peak = 0
-        self.largest = 0
-
-    def _record(self, out):
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            local = getattr(t, "_local_tensor", t)
-            if local.device.type == "meta":
-                continue
-            st = local.untyped_storage()
-            key = st.data_ptr()
-            if key in self.live or st.nbytes() == 0:
-                continue
-            self.live[key] = st.nbytes()
-            self.now += st.nbytes()
-            self.peak = max(self.peak, self.now)
-            self.largest = max(self.largest, local.numel())
-            weakref.finalize(st, self._free, key)
-
-    def _free(self, key):
-        self.now -= self.live.pop(key, 0)
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-
-
-def _config():
+def _config(layers: int = 2):
     from meshfold.models import MoEConfig
     from meshfold.models.transformer import TransformerConfig
 
-    return TransformerConfig(vocab=256, hidden=256, layers=2, heads=8, kv_heads=2, head_dim=32, qk_norm=True,
+    return TransformerConfig(vocab=256, hidden=256, layers=layers, heads=8, kv_heads=2, head_dim=32, qk_norm=True,
                              moe=MoEConfig(hidden=256, ffn=256, num_experts=8, topk=2))
 
 
-def _rank(rank, world_size, S, recompute):
+def _rank(rank, world_size, S, recompute, ep, layers=2):
     import torch
 
     from meshfold.mesh import FoldSpec, fold
@@ -111,9 +75,9 @@ def _rank(rank, world_size, S, recompute):
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: freed blocks leave the RSS
     torch.set_num_threads(1)
-    spec = FoldSpec(world_size, cp=world_size, ep=world_size)
+    spec = FoldSpec(world_size, cp=world_size, ep=world_size if ep == "cp" else int(ep))
     folded = fold(spec, "cpu")
-    cfg = _config()
+    cfg = _config(layers)
     kwargs = {"recompute": recompute} if recompute != "none" else {}
     model = parallelize(MoETransformer(cfg, device="meta", seed=0), folded, **kwargs)
     tokens = torch.randint(0, cfg.vocab, (1, S), generator=torch.Generator().manual_seed(0))
@@ -123,17 +87,28 @@ def _rank(rank, world_size, S, recompute):
         model.loss(local, local, pos).backward()
 
     def timed():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        box["seconds"] = time.perf_counter() - t0
+        box["seconds"], box["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
 
     box = {}
     step()  # warm-up; gradients stay allocated, as in a training step after the first
     rss = peak_rss_mib(timed)
-    with StoragePeak() as tracked:
-        step()
-    return {"tracked_mib": tracked.peak / 2 ** 20, "largest": tracked.largest, "rss_mib": rss,
-            "step_s": box["seconds"]}
+    with StoragePeak(model) as tracked:
+        loss = model.loss(local, local, pos)
+        kept, _ = tracked.split(tracked.snapshot())  # what the forward keeps for backward
+        loss.backward()
+        del loss
+    _, state = tracked.split(tracked.at_peak)
+    return {"tracked_mib": tracked.peak / MIB, "activation_mib": tracked.activation_peak() / MIB,
+            "state_at_peak_mib": state / MIB,
+            "kept_mib": kept / MIB, "largest": tracked.largest, "rss_mib": rss, "step_s": box["seconds"],
+            "step_cpu_s": box["cpu_seconds"],
+            "top_at_activation_peak": tracked.top(tracked.at_act_peak)}
+
+
+def _ratio(x, ref):
+    return f" ({x / ref:.2f}x)" if ref else ""
 
 
 def main() -> None:
@@ -141,6 +116,12 @@ def main() -> None:
     ap.add_argument("--seqs", nargs="+", type=int, default=[2048, 8192, 16384])
     ap.add_argument("--cps", nargs="+", type=int, default=[1, 2, 4])
     ap.add_argument("--recompute", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--ep", default="cp", choices=["cp", "1"],
+                    help="experts over ep = cp ranks (default), or replicated (ep = 1, edp = cp): "
+                         "every rank then computes exactly its own tokens' experts")
+    ap.add_argument("--layers", type=int, default=2,
+                    help="transformer blocks (default 2); with L blocks full recompute keeps L block inputs "
+                         "and, in backward, one block's working set, so its peak falls towards 1/L of none's")
     ap.add_argument("--label", default="after")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -153,26 +134,49 @@ def main() -> None:
     for S in args.seqs:
         for cp in args.cps:
             for mode in modes:
-                ranks = spawn(_rank, cp, S, mode, timeout=1800)
-                worst = max(ranks, key=lambda r: r["tracked_mib"])
-                row = {"S": S, "cp": cp, "recompute": mode, **worst,
-                       "step_s": max(r["step_s"] for r in ranks)}
+                t0 = time.perf_counter()
+                ranks = spawn(_rank, cp, S, mode, args.ep, args.layers, timeout=3600)
+                worst = max(ranks, key=lambda r: r["activation_mib"])
+                row = {"S": S, "cp": cp, "ep": cp if args.ep == "cp" else 1, "layers": args.layers,
+                       "recompute": mode, **worst,
+                       "tracked_mib": max(r["tracked_mib"] for r in ranks),
+                       "activation_mean_mib": sum(r["activation_mib"] for r in ranks) / cp,
+                       "activation_per_rank_mib": [r["activation_mib"] for r in ranks],
+                       "step_s": max(r["step_s"] for r in ranks),
+                       "step_cpu_s": max(r["step_cpu_s"] for r in ranks), "wall_s": time.perf_counter() - t0,
+                       "load": os.getloadavg()[0]}
                 rows.append(row)
-                print(row, flush=True)
-    out = {"label": args.label, "cpu": platform.processor() or platform.machine(),
-           "load": os.getloadavg(), "rows": rows}
-    Path(__file__).with_name("results").mkdir(exist_ok=True)
-    Path(__file__).with_name("results").joinpath(f"long_context_{args.label}.json").write_text(json.dumps(out, indent=1))
-    base = {(r["S"], r["cp"]): r for r in rows if r["recompute"] == "none"}
+                print({k: v for k, v in row.items() if k != "top_at_activation_peak"}, flush=True)
+    out = {"label": args.label, "cpu": _cpu(), "load": os.getloadavg(), "rows": rows}
+    results = Path(__file__).with_name("results")
+    results.mkdir(exist_ok=True)
+    results.joinpath(f"long_context_{args.label}.json").write_text(json.dumps(out, indent=1))
+    base = {(r["S"], r["cp"], r["recompute"]): r for r in rows}
     print(f"\n{args.label} (load {os.getloadavg()[0]:.1f}):")
-    print("| S | cp | recompute | tracked peak MiB (x cp=1 none) | largest tensor | rss MiB | step s (x none) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| S | cp | recompute | activation MiB, worst rank (x cp=1) (x none) | rank mean (x cp=1) | kept MiB "
+          "| step peak MiB | model state at peak | step s (x none) (x cp=1) | step CPU s (x none) (x cp=1) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ref = base.get((r["S"], 1))
-        same = base.get((r["S"], r["cp"]))
-        mem = f"{r['tracked_mib']:.0f}" + (f" ({r['tracked_mib'] / ref['tracked_mib']:.2f}x)" if ref else "")
-        t = f"{r['step_s']:.2f}" + (f" ({r['step_s'] / same['step_s']:.2f}x)" if same else "")
-        print(f"| {r['S']} | {r['cp']} | {r['recompute']} | {mem} | {r['largest']:,} | {r['rss_mib']:.0f} | {t} |")
+        one = base.get((r["S"], 1, r["recompute"]), {})
+        none = base.get((r["S"], r["cp"], "none"), {})
+        act = f"{r['activation_mib']:.0f}" + _ratio(r["activation_mib"], one.get("activation_mib")) \
+            + _ratio(r["activation_mib"], none.get("activation_mib"))
+        mean = f"{r['activation_mean_mib']:.0f}" + _ratio(r["activation_mean_mib"], one.get("activation_mean_mib"))
+        t = f"{r['step_s']:.2f}" + _ratio(r["step_s"], none.get("step_s")) + _ratio(r["step_s"], one.get("step_s"))
+        c = f"{r['step_cpu_s']:.2f}" + _ratio(r["step_cpu_s"], none.get("step_cpu_s")) \
+            + _ratio(r["step_cpu_s"], one.get("step_cpu_s"))
+        print(f"| {r['S']} | {r['cp']} | {r['recompute']} | {act} | {mean} | {r['kept_mib']:.0f} | "
+              f"{r['tracked_mib']:.0f} | {r['state_at_peak_mib']:.1f} | {t} | {c} |")
+
+
+def _cpu() -> str:
+    try:
+        info = dict(map(str.strip, line.split(":", 1)) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ":" in line)
+        return f"{info['model name']} (family {info['cpu family']}, model {info['model']}), " \
+               f"{os.cpu_count()} vCPU"
+    except (OSError, KeyError):
+        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

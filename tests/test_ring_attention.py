@@ -178,6 +178,42 @@ def test_context_hook_rings_the_layout_and_masks_other_positions(worlds, spec):
     assert worlds(4).run(_context_hook, spec, 3, 0, True) == [0] * 4  # arbitrary positions: generic path
 
 
+def _kept_by_attention(rank, world_size, spec, n):
+    """Bytes an Attention layer's forward keeps for backward (its output included) over this
+    rank's 2n tokens: on one device (positions 0..2n-1, SDPA) and with the ring over cp."""
+    from meshfold.models.attention import Attention, CausalMaskCache
+    from meshfold.models.transformer_parallel import _ContextAttention
+    from meshfold.testing import LiveTensors
+
+    gen = torch.Generator().manual_seed(0)
+    attn = Attention(32, 4, 2, 8, 10000.0, qk_norm=True, dtype=torch.float64)
+    for p in attn.parameters():
+        p.data.normal_(generator=gen)
+    x = torch.randn(1, 2 * n, 32, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def kept(pos):
+        with LiveTensors(exclude=[*attn.parameters()]) as live:
+            y = attn(x, pos)  # [1, 2n, 32]
+            nbytes = live.bytes()
+        y.sum().backward()
+        return nbytes
+
+    one_device = kept(torch.arange(2 * n))
+    attn.context = _ContextAttention(cached_fold(spec).stage("attn"), spec.cp, CausalMaskCache())
+    return one_device, kept(_chunk_positions(spec, rank, n))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("spec", [FoldSpec(2, cp=2), FoldSpec(4, cp=4)])
+def test_ring_keeps_no_more_for_backward_than_one_device_on_as_many_tokens(worlds, spec):
+    """Per rank, an attention layer under the ring keeps for backward no more bytes than the same
+    layer on one device over the same number of tokens: the ring's output, laid out as SDPA's,
+    is what the output projection saves (before, a transposed copy of it, [S/cp, h*d] per
+    layer, was kept beside it, so activation memory per token was higher under cp)."""
+    for one_device, ringed in worlds(spec.world_size).run(_kept_by_attention, spec, 16):
+        assert ringed <= one_device, (ringed, one_device)
+
+
 def test_attention_with_a_context_hook_accepts_positions_in_any_order():
     """Under cp a rank's positions need not increase (the generic path takes any); the module
     hands them to its ``context`` hook instead of rejecting them."""

@@ -196,7 +196,13 @@ class _RingAttention(torch.autograd.Function):
             acc = _forward_step(acc, qs, keys.split(n, dim=2), values.split(n, dim=2), me, i, cp, fwd)
             if wait is not None:
                 travel = wait()
-        out = torch.cat([o for o, _ in acc], dim=2).to(q.dtype)  # [B, h, 2n, dv]
+        B, h, dv = q.shape[0], q.shape[1], acc[0][0].shape[-1]
+        # [B, h, 2n, dv] laid out as [B, 2n, h, dv] (as SDPA's own output): the caller's
+        # transpose(1, 2).reshape(B, 2n, h * dv) before the output projection is then a view, so
+        # the projection saves this same tensor for backward instead of a second copy
+        out = q.new_empty(B, 2 * n, h, dv).transpose(1, 2)
+        for a, (o, _) in enumerate(acc):
+            out[:, :, a * n:(a + 1) * n] = o
         lse = torch.cat([l_ for _, l_ in acc], dim=2)  # [B, h, 2n]
         ctx.save_for_backward(q, k, v, out, lse, *weights)
         ctx.meta = (mesh, dim, kernels, expand, cp, me)
