@@ -183,6 +183,21 @@ def _routed_counts(routing, topk_of_layer, tokens_of_layer):
         yield
 
 
+@contextlib.contextmanager
+def _on_this_thread():
+    """Run the CPU kernels' thread-pool tasks on the calling thread: the fake mode is
+    thread-local, and the pool only schedules (its parts write disjoint, preallocated outputs)."""
+    from meshfold.kernels import cpu_grouped, cpu_pool
+
+    def inline(tasks):
+        for task in tasks:
+            task()
+
+    with mock.patch.object(cpu_pool, "run_tasks", inline), mock.patch.object(cpu_grouped, "run_tasks", inline), \
+            mock.patch.object(cpu_pool, "single_threaded", lambda fn, *args: fn(*args)):
+        yield
+
+
 def representative_ranks(spec) -> list[int]:
     """One rank per pipeline stage: the stage's first rank (see the module docstring)."""
     per_stage = spec.world_size // spec.pp
@@ -222,7 +237,7 @@ def dry_run_rank(cfg, rank: int, routing=None) -> RankReport:
 
         hook = register_module_forward_pre_hook(see_tokens)
         try:
-            with _routed_counts(routing, lambda: current["topk"], lambda: current["tokens"]):
+            with _routed_counts(routing, lambda: current["topk"], lambda: current["tokens"]), _on_this_thread():
                 return step_report(cfg, rank, folded, fake=fake)
         finally:
             hook.remove()

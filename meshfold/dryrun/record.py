@@ -56,20 +56,24 @@ aten = torch.ops.aten
 _READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 
 
-def dim_names(spec, rank: int) -> dict[frozenset, str]:
+def dim_names(spec, rank: int, prefer: str = "attn") -> dict[frozenset, str]:
     """``{ranks of a group containing rank: name}`` for every group of folded mesh dims.
 
     A name is one dim (``tp``) or several joined by ``+`` slowest first (``dp+cp``); dims of size
     1 are left out of joined names. Where several names span the same ranks (``etp`` when it
-    equals ``tp``; ``ep`` over the ranks of ``tp``), the first wins, in this order: attention
-    dims (``tp, cp, dp, pp``), MoE dims (``etp, ep, edp``), then joined attention dims, joined MoE
-    dims, fewest dims first."""
+    equals ``tp``; ``ep`` over the ranks of ``cp``), the first wins, in this order: the single
+    dims of the ``prefer`` view, then the other view's (attention ``tp, cp, dp, pp``, MoE ``etp,
+    ep, edp``), then joined dims in the same view order, fewest dims first.
+    :class:`CollectiveLog` prefers the MoE view for all-to-alls (the token dispatch's) and the
+    attention view for everything else."""
+    singles = {"attn": ("tp", "cp", "dp", "pp"), "moe": ("etp", "ep", "edp")}
+    views = (prefer, "moe" if prefer == "attn" else "attn")
     names: dict[frozenset, str] = {}
-    singles = [("attn", d) for d in ("tp", "cp", "dp", "pp")] + [("moe", d) for d in ("etp", "ep", "edp")]
-    for view, d in singles:
-        names.setdefault(frozenset(spec.group_of(rank, view, d)), d)
-    for view, dims in VIEWS.items():
-        big = [d for d in dims if getattr(spec, d) > 1]
+    for view in views:
+        for d in singles[view]:
+            names.setdefault(frozenset(spec.group_of(rank, view, d)), d)
+    for view in views:
+        big = [d for d in VIEWS[view] if getattr(spec, d) > 1]
         for n in range(2, len(big) + 1):
             for combo in combinations(big, n):  # layout order: slowest first
                 names.setdefault(frozenset(spec.group_of(rank, view, combo)), "+".join(combo))
@@ -101,20 +105,20 @@ class CollectiveLog(TorchDispatchMode):
 
     def __init__(self, spec, rank: int):
         super().__init__()
-        self.names = dim_names(spec, rank)
+        self.names = {"attn": dim_names(spec, rank, "attn"), "moe": dim_names(spec, rank, "moe")}
         self.records: list[dict] = []
-        self._ranks: dict[int, str] = {}
+        self._ranks: dict[tuple, str] = {}
 
-    def _dim(self, pg) -> str:
+    def _dim(self, pg, prefer: str) -> str:
         if not isinstance(pg, dist.ProcessGroup):  # a c10d op's argument: the TorchScript box
             pg = dist.ProcessGroup.unbox(pg)
-        key = id(pg)
+        key = (id(pg), prefer)
         if key not in self._ranks:
-            ranks = frozenset(dist.get_process_group_ranks(pg))
-            if ranks not in self.names:
+            ranks, names = frozenset(dist.get_process_group_ranks(pg)), self.names[prefer]
+            if ranks not in names:
                 raise ValueError(f"a collective over ranks {sorted(ranks)} spans no folded mesh dims "
-                                 f"of this rank (known groups: {sorted(self.names.values())})")
-            self._ranks[key] = self.names[ranks]
+                                 f"of this rank (known groups: {sorted(names.values())})")
+            self._ranks[key] = names[ranks]
         return self._ranks[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -122,7 +126,8 @@ class CollectiveLog(TorchDispatchMode):
         kind = _OPS.get(func._schema.name.split("::")[-1]) if func.namespace in ("c10d", "_c10d_functional") \
             else None
         if kind is not None:
-            self.records.append({"kind": kind, "dim": self._dim(_group_of(func, args, kwargs)),
+            prefer = "moe" if kind == "all_to_all" else "attn"
+            self.records.append({"kind": kind, "dim": self._dim(_group_of(func, args, kwargs), prefer),
                                  "bytes": _nbytes(_arg(func, args, kwargs, _INPUT_ARGS))})
         return func(*args, **kwargs)
 

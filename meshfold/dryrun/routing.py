@@ -8,9 +8,10 @@ answers that one read with host ints and everything downstream is sized from the
 a real run is sized from its read.
 
 * :class:`Balanced` (the default): every rank sends its ``pairs`` = tokens x top-k as evenly as
-  integers allow, ``pairs // E`` to each expert and one more to ``pairs % E`` of them, chosen
-  round-robin from a per-rank offset so that the extra rows spread over the experts (and ep
-  ranks) of the block instead of piling onto expert 0.
+  integers allow, ``pairs // E`` to each expert and one more to ``pairs % E`` of them: rank s of
+  the block takes the ``pairs % E`` experts that follow rank s - 1's around the ring of experts,
+  so the block's extra rows cover the experts evenly (any two experts receive within one row of
+  each other over the block, any two ep ranks within E / ep rows).
 * :class:`Zipf` (``s`` > 0): expert ``e`` gets a share proportional to ``(e + 1) ** -s`` on
   every rank (the same popularity order everywhere, expert 0 most popular, so ep rank 0 receives
   the most rows), rounded by largest remainder so each rank's counts still sum to its pairs.
@@ -48,7 +49,8 @@ class Balanced:
     def counts(self, pairs: int, num_experts: int, source: int) -> list[int]:
         """Rows rank ``source`` (its position in the dispatch block) sends to each expert."""
         base, extra = divmod(pairs, num_experts)
-        return [base + (1 if (e - source) % num_experts < extra else 0) for e in range(num_experts)]
+        start = source * extra  # source s takes the next `extra` experts of the ring after s - 1
+        return [base + (1 if (e - start) % num_experts < extra else 0) for e in range(num_experts)]
 
     def block(self, call: int, pairs: int, num_experts: int, n_ep: int, n_etp: int) -> list:
         """``C[q][i][e]``: counts of every rank (etp q, ep i) of the block, each sending ``pairs``."""
