@@ -185,16 +185,26 @@ def _routed_counts(routing, topk_of_layer, tokens_of_layer):
 
 @contextlib.contextmanager
 def _on_this_thread():
-    """Run the CPU kernels' thread-pool tasks on the calling thread: the fake mode is
-    thread-local, and the pool only schedules (its parts write disjoint, preallocated outputs)."""
-    from meshfold.kernels import cpu_grouped, cpu_pool
+    """The CPU kernels' row-wise work as one piece on the calling thread, as on an accelerator:
+    the fake mode is thread-local, and a fake op costs the same whatever its size, so the
+    CPU pool's thousands of cache-sized parts would only multiply the dry run's time. The pool
+    schedules and nothing else (its parts write disjoint parts of preallocated outputs)."""
+    from meshfold.kernels import combine, cpu_grouped, cpu_pool, ffn
 
     def inline(tasks):
         for task in tasks:
             task()
 
-    with mock.patch.object(cpu_pool, "run_tasks", inline), mock.patch.object(cpu_grouped, "run_tasks", inline), \
-            mock.patch.object(cpu_pool, "single_threaded", lambda fn, *args: fn(*args)):
+    def one_piece(part, length, size, device):
+        if length:
+            part(0, length)
+
+    with contextlib.ExitStack() as stack:
+        for module in (cpu_pool, ffn, combine):
+            stack.enter_context(mock.patch.object(module, "in_parts", one_piece))
+        for module in (cpu_pool, cpu_grouped):
+            stack.enter_context(mock.patch.object(module, "run_tasks", inline))
+        stack.enter_context(mock.patch.object(cpu_pool, "single_threaded", lambda fn, *args: fn(*args)))
         yield
 
 
