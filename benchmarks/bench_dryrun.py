@@ -53,6 +53,7 @@ def main() -> int:
         r0 = report["ranks"][0]
         rows.append({"case": f"{model} {ranks} ranks {fold}", "wall_s": wall, "cpu_s": cpu, "rss_mib": rss,
                      "peak_gib": r0["peak_bytes"] / 2 ** 30, "collectives": len(r0["collectives"]),
+                     **{k: r0[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")},
                      "dry_run_s": report["wall_s"]})
     print(f"{'case':<42} {'wall s':>8} {'CPU s':>7} {'CPU x base':>10} {'RSS MiB':>9} {'rank peak GiB':>14}")
     for r in rows:
