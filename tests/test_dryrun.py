@@ -181,3 +181,13 @@ def test_dim_names_of_the_docstring_example():
     spec = FoldSpec(8, cp=2, ep=2)  # cp and ep span the same pairs of ranks
     assert dim_names(spec, 0, "attn")[frozenset({0, 1})] == "cp"
     assert dim_names(spec, 0, "moe")[frozenset({0, 1})] == "ep"
+
+
+def test_under_zipf_routing_the_stages_first_rank_receives_most_and_peaks_highest():
+    """The representative rank of a stage (its first, ep rank 0) is its worst case under skew."""
+    cfg = _cfg({"world_size": 8, "tp": 2, "ep": 4}, "float64", "none", 1)
+    first, last_ep = dry_run(cfg, Zipf(1.5), ranks=[0, 3])  # ep ranks 0 and 3 of stage 0
+    sent = [sum(r["bytes"] for r in rep.collectives if r["kind"] == "all_to_all" and r["dim"] == "ep")
+            for rep in (first, last_ep)]
+    assert sent[0] > sent[1]  # the combine sends back the rows its experts received
+    assert first.activation_peak_bytes > last_ep.activation_peak_bytes
