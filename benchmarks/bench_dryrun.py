@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-CASES = {  # ranks -> (model, fold CP/TP/EP/PP/ETP); pp = 1, the dry run's reach for now
+CASES = {  # ranks -> (model, fold CP/TP/EP/PP/ETP); pp = 1: one dry-run rank per case
     128: ("mixtral-8x22b", "1/2/8/1/1"),
     1024: ("mixtral-8x22b", "1/8/8/1/1"),  # dp = 128: the paper's global batch of 256 still divides
 }

@@ -1,6 +1,6 @@
 """meshfold dryrun: a fake step of one rank reports what the real step of that rank does.
 
-The real side is :func:`meshfold.dryrun.step_report` on a spawned gloo world (one world per
+The real side is :func:`meshfold.dryrun.step_report` (pp 1 or 2) on a spawned gloo world (one world per
 size, reused), recording the block counts it reads; the dry side runs the same rank on the fake
 backend in a fresh process, replaying those counts (:class:`~meshfold.dryrun.Replay`), so both
 route the same rows. Properties: parameter, gradient and optimizer bytes equal exactly, the
@@ -42,28 +42,39 @@ def _real_step(rank, world_size, fold, dtype, recompute, microbatches):
 
 @st.composite
 def tiny_folds(draw, world_size: int) -> dict:
-    """pp = 1 folds of ``world_size`` ranks that tiny-mixtral divides over."""
-    tp = draw(st.sampled_from([d for d in (1, 2) if world_size % d == 0]))
-    cp = draw(st.sampled_from([d for d in (1, 2) if (world_size // tp) % d == 0 and 16 % (2 * d * tp) == 0]))
-    etp = draw(st.sampled_from([1, 2]))
-    ep = draw(st.sampled_from([d for d in divisors(4) if (world_size // etp) % d == 0]))
-    return {"world_size": world_size, "tp": tp, "cp": cp, "ep": ep, "etp": etp}
+    """Folds of ``world_size`` ranks that tiny-mixtral (2 layers) divides over, pp 1 or 2."""
+    pp = draw(st.sampled_from([p for p in (1, 2) if world_size % p == 0]))
+    inner = world_size // pp
+    tp = draw(st.sampled_from([d for d in (1, 2) if inner % d == 0]))
+    cp = draw(st.sampled_from([d for d in (1, 2) if (inner // tp) % d == 0 and 16 % (2 * d * tp) == 0]))
+    etp = draw(st.sampled_from([d for d in (1, 2) if inner % d == 0]))
+    ep = draw(st.sampled_from([d for d in divisors(4) if (inner // etp) % d == 0]))
+    return {"world_size": world_size, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "etp": etp}
 
 
 def _check_same_step(worlds, data, world_size):
     fold = data.draw(tiny_folds(world_size), label="fold")
     dtype = data.draw(st.sampled_from(["float64", "bfloat16"]), label="dtype")
-    recompute = data.draw(st.sampled_from(["none", "full"]), label="recompute")
     spec = TrainConfig(fold=fold).fold_spec()
-    microbatches = data.draw(st.sampled_from([m for m in (1, 2) if (TINY["batch"] // spec.dp) % m == 0]),
-                             label="microbatches")
+    # Pipeline refuses recompute with pp, FSDP2 and a narrower compute dtype
+    recompute = data.draw(st.sampled_from(["none"] if spec.pp > 1 and dtype == "bfloat16" else ["none", "full"]),
+                          label="recompute")
+    microbatches = data.draw(st.sampled_from([m for m in (1, 2) if (TINY["batch"] // spec.dp) % m == 0
+                                              and m >= spec.pp]), label="microbatches")
     rank = data.draw(st.integers(0, world_size - 1), label="rank")
-    real, calls = worlds(world_size).run(_real_step, fold, dtype, recompute, microbatches)[rank]
+    _check_rank(worlds, fold, dtype, recompute, microbatches, rank)
+
+
+def _check_rank(worlds, fold, dtype, recompute, microbatches, rank):
+    spec = TrainConfig(fold=fold).fold_spec()
+    real, calls = worlds(fold["world_size"]).run(_real_step, fold, dtype, recompute, microbatches)[rank]
     (fake,) = dry_run(_cfg(fold, dtype, recompute, microbatches), Replay(calls), ranks=[rank])
     assert (fake.param_bytes, fake.grad_bytes, fake.optimizer_bytes) == \
         (real.param_bytes, real.grad_bytes, real.optimizer_bytes)
     assert real.param_bytes > 0 and real.optimizer_bytes >= 2 * real.param_bytes  # AdamW: two moments
     assert fake.collectives == real.collectives
+    if spec.pp > 1:  # activations and their gradients travel between stages
+        assert {r["kind"] for r in real.collectives if r["dim"] == "pp"} >= {"send", "recv"}
     if spec.ep > 1:  # the dispatch all-to-all is there, named after ep
         assert any(r["kind"] == "all_to_all" and r["dim"] == "ep" and r["bytes"] for r in real.collectives)
     assert abs(fake.activation_peak_bytes - real.activation_peak_bytes) <= 0.1 * real.activation_peak_bytes
@@ -82,6 +93,12 @@ def test_dry_run_reports_the_real_step_on_4_ranks(worlds, data):
 @given(data=st.data())
 def test_dry_run_reports_the_real_step_on_8_ranks(worlds, data):
     _check_same_step(worlds, data, 8)
+
+
+def test_dry_run_reports_the_real_pipeline_step_of_the_last_stage(worlds):
+    """pp = 2 always (the draws above reach it only sometimes): the last stage receives
+    activations, sends their gradients back and holds the head."""
+    _check_rank(worlds, {"world_size": 4, "pp": 2, "ep": 2}, "float64", "none", 2, 3)
 
 
 # ---- errors: the same one line as meshfold layout and meshfold train --------------------------

@@ -24,9 +24,11 @@ equal up to uneven FSDP2 shards; one rank per stage stands for the stage: its fi
 coordinates 0 in both views). It holds experts ``0 .. E/ep - 1``, which under :class:`Zipf`
 routing receive the most rows, so it is the stage's worst case there too.
 
-Pipeline parallelism (pp > 1) is not dry-run yet: its stages exchange activations point to point
-(``torch.distributed.pipelining``), whose receives carry no shapes under the fake backend;
-:func:`dry_run_rank` refuses such folds by name.
+Pipeline parallelism (pp > 1): the model is meshfold's :class:`~meshfold.models.pipeline.Pipeline`
+(the rank's chunks and schedule, as ``meshfold train`` builds it), with each ``PipelineStage``
+given its micro-batch's shapes (:func:`_static_stages`; torch's static mode) on both sides: a
+stage otherwise infers them from metadata the previous stage sends at the first step, which the
+fake backend never delivers. So the step is a steady-state one, without that first-step exchange.
 """
 
 from __future__ import annotations
@@ -98,10 +100,11 @@ def _optimizer_tensors(opt):
 
 
 def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport:
-    """Build ``cfg``'s model (a :class:`~meshfold.train.config.TrainConfig`, pp = 1) on
-    ``folded`` and run one training step on random tokens, recorded. ``fake``: the
+    """Build ``cfg``'s model (a :class:`~meshfold.train.config.TrainConfig`; with pp > 1 this
+    rank's pipeline chunks) on ``folded`` and run one training step on random tokens, recorded. ``fake``: the
     FakeTensorMode of a dry run (None: a real step). ``on_counts``: called with each host read
     of block counts ``C`` (real runs record them for :class:`~meshfold.dryrun.routing.Replay`)."""
+    from meshfold.models.pipeline import Pipeline
     from meshfold.models.transformer import MoETransformer
     from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients
     from meshfold.train.loop import DTYPES, _global_loss
@@ -115,7 +118,12 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
         if fake is not None:  # fake storage of each shard's size, nothing drawn
             stack.enter_context(mock.patch("meshfold.models.transformer_parallel.materialize",
                                            lambda module, *a, **k: _fake_materialize(module, fake)))
-        parallelize(model, folded, compute_dtype=DTYPES[t.dtype], recompute=t.recompute)
+        if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
+            stack.enter_context(_static_stages(cfg, spec, mcfg, fake))
+            model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual,
+                             compute_dtype=DTYPES[t.dtype], recompute=t.recompute)
+        else:
+            parallelize(model, folded, compute_dtype=DTYPES[t.dtype], recompute=t.recompute)
     for layer in model.moe_layers():
         layer.comm.experts_mesh  # a sub-mesh sliced under fake tensors would read fake coordinates
     gen = torch.Generator().manual_seed(t.seed)
@@ -130,15 +138,47 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
         stack.enter_context(reads)
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                                 betas=(0.9, 0.95), foreach=False)
-        with LivePeak(exclude=list(model.parameters()) + list(model.buffers())) as peak:
+        buffers = [b for _, b in model.named_buffers()]
+        with LivePeak(exclude=list(model.parameters()) + buffers) as peak:
             _global_loss(model, inputs, targets, spec, rank, backward=True, microbatches=t.microbatches or 1)
-        reduce_gradients(model)
+        for module in model.chunks if isinstance(model, Pipeline) else [model]:
+            reduce_gradients(module)  # a no-op under FSDP2, which reduce-scattered in backward
         grad_bytes = _local_bytes(p.grad for p in model.parameters())
         grad_norm(model).item()  # clipping reads the norm on the host (and scales in place)
         opt.step()
     return RankReport(rank, spec.coords(rank)["attn"]["pp"], _local_bytes(model.parameters()), grad_bytes,
                       _local_bytes(_optimizer_tensors(opt)), peak.peak, log.records, reads.reads,
                       time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _static_stages(cfg, spec, mcfg, fake):
+    """Pipeline stages built with their micro-batch's shapes (``PipelineStage``'s static mode):
+    tokens [b, s] into the first, hidden [b, s, H] between stages, logits [b, s, V] out of the
+    last, b = batch / dp / microbatches, s = seq / (cp tp). Without them a stage infers its
+    input shapes from the previous stage's first forward, metadata a fake process group never
+    delivers."""
+    import torch.distributed.pipelining as pipelining
+
+    from meshfold.train.loop import DTYPES
+
+    t = cfg.train
+    b, s = t.batch // spec.dp // (t.microbatches or spec.pp), t.seq // (spec.cp * spec.tp)
+    dtype = DTYPES[t.dtype]
+    real_stage = pipelining.PipelineStage
+
+    def stage(submodule, stage_index, num_stages, device, group=None):
+        with fake if fake is not None else contextlib.nullcontext():
+            hidden = torch.empty(b, s, mcfg.hidden, dtype=dtype, device=device, requires_grad=True)
+            first = torch.empty(b, s, dtype=torch.int64, device=device)
+            logits = torch.empty(b, s, mcfg.vocab, dtype=dtype, device=device)
+        inputs = first if stage_index == 0 else hidden
+        outputs = logits if stage_index == num_stages - 1 else hidden
+        return real_stage(submodule, stage_index, num_stages, device, input_args=inputs, output_args=outputs,
+                          group=group)
+
+    with mock.patch.object(pipelining, "PipelineStage", stage):
+        yield
 
 
 def _fake_materialize(module, fake) -> None:
@@ -226,9 +266,6 @@ def dry_run_rank(cfg, rank: int, routing=None) -> RankReport:
     from meshfold.models.moe import MoELayer
 
     spec, mcfg = cfg.validate()
-    if spec.pp > 1:
-        raise ValueError(f"fold.pp = {spec.pp}: the dry run covers pp = 1 only (pipeline stages' "
-                         f"point-to-point activations carry no shapes under the fake backend)")
     if mcfg.moe is not None and mcfg.moe.capacity_factor is not None:
         raise ValueError(f"moe.capacity_factor = {mcfg.moe.capacity_factor}: the dry run's routing "
                          f"models are dropless; use capacity_factor = None")
