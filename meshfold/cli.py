@@ -24,6 +24,8 @@ SUBCOMMANDS = {
                 "into an MoE one (Mixtral, Qwen2-MoE, DeepSeek-V3) equal to it at initialization", ""),
     "layout": ("meshfold.layout_cli", "print the attention and MoE views of a fold", ""),
     "plan": ("meshfold.plan.cli", "choose a folded layout for a cluster (cost and memory model)", ""),
+    "dryrun": ("meshfold.dryrun.cli", "run one training step of an N-rank job on fake tensors: per-rank "
+               "memory, collectives and host reads", ""),
 }
 
 

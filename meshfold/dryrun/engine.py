@@ -1,0 +1,280 @@
+"""One training step of meshfold's own model and layout code, real or fake, and its report.
+
+:func:`step_report` is the step both sides run: build the model on the meta device, lay it out
+with :func:`~meshfold.models.transformer_parallel.parallelize` (as ``meshfold train`` does),
+materialize this rank's shards, then forward, backward, gradient reduction, gradient norm and
+the AdamW step, while :mod:`meshfold.dryrun.record` watches. Under gloo it is a real step
+(tests compare the two); :func:`dry_run_rank` runs it for one rank of an N-rank job inside this
+process without allocating tensor data:
+
+* the default process group is PyTorch's ``fake`` backend over a ``FakeStore`` (the one
+  torchtitan's memory estimator uses): :func:`~meshfold.mesh.fold` builds both views as for a
+  real job, and every collective returns at once without touching its output;
+* tensors are :class:`~torch._subclasses.fake_tensor.FakeTensor`: shapes, dtypes and storage
+  sizes, no data. Materialization gives each parameter fake storage of its shard's size (the
+  init's values are skipped: there is nothing to fill);
+* the one host read of token counts per MoE layer forward
+  (:func:`meshfold.placements.token_dispatch.block_counts`) is answered by a routing model
+  (:mod:`meshfold.dryrun.routing`), after issuing the same two count all-gathers; every other
+  host read answers 1 (:class:`~meshfold.dryrun.record.HostReads`).
+
+Roles (:func:`representative_ranks`): ranks of one pipeline stage run the same code on the same
+shapes, and under balanced routing they send and receive the same rows, so their reports are
+equal up to uneven FSDP2 shards; one rank per stage stands for the stage: its first rank (all
+coordinates 0 in both views). It holds experts ``0 .. E/ep - 1``, which under :class:`Zipf`
+routing receive the most rows, so it is the stage's worst case there too.
+
+Pipeline parallelism (pp > 1) is not dry-run yet: its stages exchange activations point to point
+(``torch.distributed.pipelining``), whose receives carry no shapes under the fake backend;
+:func:`dry_run_rank` refuses such folds by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from meshfold.dryrun.record import CollectiveLog, HostReads, LivePeak, summary
+from meshfold.dryrun.routing import Balanced
+from meshfold.placements import token_dispatch
+
+__all__ = ["RankReport", "step_report", "dry_run_rank", "dry_run", "representative_ranks", "record_block_counts"]
+
+
+@dataclass
+class RankReport:
+    """One rank's step: state bytes, the forward/backward peak, its collectives and host reads.
+
+    ``param_bytes`` / ``grad_bytes`` / ``optimizer_bytes``: this rank's local storage of the
+    parameters, of their (reduced) gradients before the optimizer step, and of AdamW's state
+    after it. ``activation_peak_bytes``: :class:`~meshfold.dryrun.record.LivePeak` over forward
+    and backward (activations, temporaries, FSDP2's gathered weights, gradients as they form).
+    ``peak_bytes`` = parameters + optimizer state + that peak (gradients are inside the peak)."""
+
+    rank: int
+    stage: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_peak_bytes: int
+    collectives: list = field(default_factory=list)
+    host_reads: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.param_bytes + self.optimizer_bytes + self.activation_peak_bytes
+
+    def collective_summary(self) -> dict:
+        return summary(self.collectives)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "stage": self.stage, "param_bytes": self.param_bytes,
+                "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+                "activation_peak_bytes": self.activation_peak_bytes, "peak_bytes": self.peak_bytes,
+                "collectives": self.collectives,
+                "collective_summary": [{"kind": k, "dim": d, "bytes": n}
+                                       for (k, d), n in sorted(self.collective_summary().items())],
+                "host_reads": [{"what": w, "where": s} for w, s in self.host_reads],
+                "seconds": round(self.seconds, 3)}
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = getattr(t, "_local_tensor", t)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _optimizer_tensors(opt):
+    return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport:
+    """Build ``cfg``'s model (a :class:`~meshfold.train.config.TrainConfig`, pp = 1) on
+    ``folded`` and run one training step on random tokens, recorded. ``fake``: the
+    FakeTensorMode of a dry run (None: a real step). ``on_counts``: called with each host read
+    of block counts ``C`` (real runs record them for :class:`~meshfold.dryrun.routing.Replay`)."""
+    from meshfold.models.transformer import MoETransformer
+    from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients
+    from meshfold.train.loop import DTYPES, _global_loss
+
+    t0 = time.perf_counter()
+    spec, mcfg = cfg.validate()
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")
+    with contextlib.ExitStack() as stack:
+        if fake is not None:  # fake storage of each shard's size, nothing drawn
+            stack.enter_context(mock.patch("meshfold.models.transformer_parallel.materialize",
+                                           lambda module, *a, **k: _fake_materialize(module, fake)))
+        parallelize(model, folded, compute_dtype=DTYPES[t.dtype], recompute=t.recompute)
+    for layer in model.moe_layers():
+        layer.comm.experts_mesh  # a sub-mesh sliced under fake tensors would read fake coordinates
+    gen = torch.Generator().manual_seed(t.seed)
+    tokens = torch.randint(0, mcfg.vocab, (t.batch, t.seq + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    log, reads = CollectiveLog(spec, rank), HostReads(answer=fake is not None)
+    with contextlib.ExitStack() as stack:
+        if fake is not None:
+            stack.enter_context(fake)
+        stack.enter_context(_counting_reads(reads, on_counts))
+        stack.enter_context(log)
+        stack.enter_context(reads)
+        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                                betas=(0.9, 0.95), foreach=False)
+        with LivePeak(exclude=list(model.parameters()) + list(model.buffers())) as peak:
+            _global_loss(model, inputs, targets, spec, rank, backward=True, microbatches=t.microbatches or 1)
+        reduce_gradients(model)
+        grad_bytes = _local_bytes(p.grad for p in model.parameters())
+        grad_norm(model).item()  # clipping reads the norm on the host (and scales in place)
+        opt.step()
+    return RankReport(rank, spec.coords(rank)["attn"]["pp"], _local_bytes(model.parameters()), grad_bytes,
+                      _local_bytes(_optimizer_tensors(opt)), peak.peak, log.records, reads.reads,
+                      time.perf_counter() - t0)
+
+
+def _fake_materialize(module, fake) -> None:
+    with fake:
+        module.to_empty(device="cpu")
+
+
+@contextlib.contextmanager
+def _counting_reads(reads: HostReads, on_counts):
+    """Record each host read of block counts, handing ``C`` to ``on_counts``; under a dry run
+    the counts come from the routing model installed by :func:`_routed_counts` instead."""
+    original = token_dispatch.block_counts
+
+    def counted(counts_E, mesh, ep="ep", etp="etp"):
+        C_QIE, C = original(counts_E, mesh, ep, etp)
+        reads.record("block_counts")
+        if on_counts is not None:
+            on_counts(C)
+        return C_QIE, C
+
+    with mock.patch.object(token_dispatch, "block_counts", counted), \
+            mock.patch("meshfold.models.moe_parallel.block_counts", counted):
+        yield
+
+
+@contextlib.contextmanager
+def _routed_counts(routing, topk_of_layer, tokens_of_layer):
+    """Replace the ``.tolist()`` of :func:`~meshfold.placements.token_dispatch.block_counts` by
+    the routing model's answer (the two count all-gathers still run, as in a real run)."""
+    from meshfold.placements.collectives import _group, gather_equal
+
+    calls = [0]
+
+    def routed(counts_E, mesh, ep="ep", etp="etp"):
+        C_QIE = gather_equal(gather_equal(counts_E.to(torch.int64), mesh, ep), mesh, etp)
+        n_ep, n_etp = _group(mesh, ep)[1], _group(mesh, etp)[1]
+        C = routing.block(calls[0], tokens_of_layer() * topk_of_layer(), counts_E.numel(), n_ep, n_etp)
+        calls[0] += 1
+        return C_QIE, C
+
+    with mock.patch.object(token_dispatch, "block_counts", routed):
+        yield
+
+
+@contextlib.contextmanager
+def _on_this_thread():
+    """The CPU kernels' row-wise work as one piece on the calling thread, as on an accelerator:
+    the fake mode is thread-local, and a fake op costs the same whatever its size, so the
+    CPU pool's thousands of cache-sized parts would only multiply the dry run's time. The pool
+    schedules and nothing else (its parts write disjoint parts of preallocated outputs)."""
+    from meshfold.kernels import combine, cpu_grouped, cpu_pool, ffn
+
+    def inline(tasks):
+        for task in tasks:
+            task()
+
+    def one_piece(part, length, size, device):
+        if length:
+            part(0, length)
+
+    with contextlib.ExitStack() as stack:
+        for module in (cpu_pool, ffn, combine):
+            stack.enter_context(mock.patch.object(module, "in_parts", one_piece))
+        for module in (cpu_pool, cpu_grouped):
+            stack.enter_context(mock.patch.object(module, "run_tasks", inline))
+        stack.enter_context(mock.patch.object(cpu_pool, "single_threaded", lambda fn, *args: fn(*args)))
+        yield
+
+
+def representative_ranks(spec) -> list[int]:
+    """One rank per pipeline stage: the stage's first rank (see the module docstring)."""
+    per_stage = spec.world_size // spec.pp
+    return [s * per_stage for s in range(spec.pp)]
+
+
+def dry_run_rank(cfg, rank: int, routing=None) -> RankReport:
+    """:func:`step_report` for ``rank`` of ``cfg``'s fold, on the fake backend in this process
+    (which must have no process group yet; it has none again afterwards)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshfold.mesh import fold
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from meshfold.models.moe import MoELayer
+
+    spec, mcfg = cfg.validate()
+    if spec.pp > 1:
+        raise ValueError(f"fold.pp = {spec.pp}: the dry run covers pp = 1 only (pipeline stages' "
+                         f"point-to-point activations carry no shapes under the fake backend)")
+    if mcfg.moe is not None and mcfg.moe.capacity_factor is not None:
+        raise ValueError(f"moe.capacity_factor = {mcfg.moe.capacity_factor}: the dry run's routing "
+                         f"models are dropless; use capacity_factor = None")
+    if dist.is_initialized():
+        raise RuntimeError("dry_run_rank needs a process without a process group (it starts the fake one)")
+    routing = Balanced() if routing is None else routing
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.world_size)
+    try:
+        folded = fold(spec, "cpu")
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        current = {"tokens": 0, "topk": mcfg.moe.topk if mcfg.moe else 1}
+
+        def see_tokens(module, args):  # the MoE layer's tokens, whatever micro-batch or recompute
+            if isinstance(module, MoELayer):
+                current["tokens"] = args[0].numel() // args[0].shape[-1]
+
+        hook = register_module_forward_pre_hook(see_tokens)
+        try:
+            with _routed_counts(routing, lambda: current["topk"], lambda: current["tokens"]), _on_this_thread():
+                return step_report(cfg, rank, folded, fake=fake)
+        finally:
+            hook.remove()
+    finally:
+        dist.destroy_process_group()
+
+
+
+def dry_run(cfg, routing=None, ranks=None) -> list[RankReport]:
+    """:func:`dry_run_rank` for each rank of ``ranks`` (default :func:`representative_ranks`),
+    each in a fresh process: DTensor caches dispatch plans by mesh equality (in C++ too), so a
+    second fold of the same spec in one process would run on the first one's destroyed groups."""
+    import concurrent.futures
+    import multiprocessing
+
+    cfg.validate()  # the settings' one-line errors, before any process starts
+    chosen = representative_ranks(cfg.fold_spec()) if ranks is None else list(ranks)
+    ctx = multiprocessing.get_context("spawn")
+    out = []
+    for r in chosen:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            out.append(pool.submit(dry_run_rank, cfg, r, routing).result())
+    return out
+
+
+def record_block_counts():
+    """``(calls, on_counts)``: pass ``on_counts`` to a real :func:`step_report`; ``calls`` then
+    holds its block counts in read order (for :class:`~meshfold.dryrun.routing.Replay`)."""
+    calls: list = []
+    return calls, calls.append

@@ -1,0 +1,204 @@
+"""What a step does, recorded the same way for a real run and a dry run: its collectives, its
+host reads and its memory peak.
+
+Each recorder is a :class:`~torch.utils._python_dispatch.TorchDispatchMode`, so it sees the ops a
+step dispatches whatever their tensors are (real CPU tensors under gloo, fake ones under the fake
+backend), and the same Python code gives the same records on both sides.
+
+* :class:`CollectiveLog`: every c10d / functional collective as ``{"kind", "dim", "bytes"}``.
+  ``kind`` is one of :data:`KINDS`; ``dim`` names the folded mesh dims the group spans
+  (:func:`dim_names`); ``bytes`` is the size of this rank's *input*: the local shard of an
+  all-gather, the whole input of a reduce-scatter, everything sent by an all-to-all, the tensor
+  of an all-reduce, send, recv or broadcast.
+* :class:`HostReads`: every read of device data on the host (``.item()``, ``.tolist()``, a
+  tensor's truth value, ``torch.equal``) with the source line that made it. Under a fake tensor
+  there is no value to read, so in a dry run it answers ``True`` (1), which keeps host checks
+  (increasing positions, the ring's layout) on their normal path and makes a loss or norm read 1.
+* :class:`LivePeak`: the peak bytes of the storages created while it is active and still alive
+  (each storage once, views included), i.e. the step's activations, temporaries, gathered
+  weights and the gradients as they form; a fake tensor's storage has the real one's size.
+"""
+
+from __future__ import annotations
+
+import traceback
+import weakref
+from itertools import combinations
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from meshfold.mesh import VIEWS
+
+__all__ = ["KINDS", "CollectiveLog", "HostReads", "LivePeak", "dim_names", "summary"]
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv", "broadcast")
+
+# op name (c10d and _c10d_functional) -> kind; ops not listed (barrier, wait_tensor) are not logged
+_OPS = {
+    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+}
+_INPUT_ARGS = ("input", "input_tensor", "input_tensors", "inputs", "tensors")
+
+aten = torch.ops.aten
+_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+
+
+def dim_names(spec, rank: int, prefer: str = "attn") -> dict[frozenset, str]:
+    """``{ranks of a group containing rank: name}`` for every group of folded mesh dims.
+
+    A name is one dim (``tp``) or several joined by ``+`` slowest first (``dp+cp``); dims of size
+    1 are left out of joined names. Where several names span the same ranks (``etp`` when it
+    equals ``tp``; ``ep`` over the ranks of ``cp``), the first wins, in this order: the single
+    dims of the ``prefer`` view, then the other view's (attention ``tp, cp, dp, pp``, MoE ``etp,
+    ep, edp``), then joined dims in the same view order, fewest dims first.
+    :class:`CollectiveLog` prefers the MoE view for all-to-alls (the token dispatch's) and the
+    attention view for everything else."""
+    singles = {"attn": ("tp", "cp", "dp", "pp"), "moe": ("etp", "ep", "edp")}
+    views = (prefer, "moe" if prefer == "attn" else "attn")
+    names: dict[frozenset, str] = {}
+    for view in views:
+        for d in singles[view]:
+            names.setdefault(frozenset(spec.group_of(rank, view, d)), d)
+    for view in views:
+        big = [d for d in VIEWS[view] if getattr(spec, d) > 1]
+        for n in range(2, len(big) + 1):
+            for combo in combinations(big, n):  # layout order: slowest first
+                names.setdefault(frozenset(spec.group_of(rank, view, combo)), "+".join(combo))
+    return names
+
+
+def _arg(func, args, kwargs, names):
+    schema = func._schema.arguments
+    for i, a in enumerate(schema):
+        if a.name in names:
+            return args[i] if i < len(args) else kwargs.get(a.name)
+    raise KeyError(f"{func} has none of the arguments {names}")
+
+
+def _group_of(func, args, kwargs):
+    if func.namespace == "_c10d_functional":
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(_arg(func, args, kwargs, ("group_name", "tag")))
+    return _arg(func, args, kwargs, ("process_group",))
+
+
+def _nbytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(x) if isinstance(t, torch.Tensor))
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Records every collective this rank issues while active (``records``, in issue order)."""
+
+    def __init__(self, spec, rank: int):
+        super().__init__()
+        self.names = {"attn": dim_names(spec, rank, "attn"), "moe": dim_names(spec, rank, "moe")}
+        self.records: list[dict] = []
+        self._ranks: dict[tuple, str] = {}
+
+    def _dim(self, pg, prefer: str) -> str:
+        if not isinstance(pg, dist.ProcessGroup):  # a c10d op's argument: the TorchScript box
+            pg = dist.ProcessGroup.unbox(pg)
+        key = (id(pg), prefer)
+        if key not in self._ranks:
+            ranks, names = frozenset(dist.get_process_group_ranks(pg)), self.names[prefer]
+            if ranks not in names:
+                raise ValueError(f"a collective over ranks {sorted(ranks)} spans no folded mesh dims "
+                                 f"of this rank (known groups: {sorted(names.values())})")
+            self._ranks[key] = names[ranks]
+        return self._ranks[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _OPS.get(func._schema.name.split("::")[-1]) if func.namespace in ("c10d", "_c10d_functional") \
+            else None
+        if kind is not None:
+            prefer = "moe" if kind == "all_to_all" else "attn"
+            self.records.append({"kind": kind, "dim": self._dim(_group_of(func, args, kwargs), prefer),
+                                 "bytes": _nbytes(_arg(func, args, kwargs, _INPUT_ARGS))})
+        return func(*args, **kwargs)
+
+
+def summary(records: list[dict]) -> dict[tuple[str, str], int]:
+    """``{(kind, dim): total bytes}`` of a collective log."""
+    out: dict[tuple[str, str], int] = {}
+    for r in records:
+        out[(r["kind"], r["dim"])] = out.get((r["kind"], r["dim"]), 0) + r["bytes"]
+    return out
+
+
+def _where() -> str:
+    """The innermost source line on the stack in meshfold (outside this package) or torch's
+    optimizers, where most host reads of a step come from."""
+    for frame in reversed(traceback.extract_stack()):
+        name = frame.filename
+        if ("/meshfold/" in name and "/dryrun/" not in name) or "/torch/optim/" in name:
+            return f"{name.rsplit('/meshfold/', 1)[-1] if '/meshfold/' in name else name.rsplit('/torch/', 1)[-1]}:{frame.lineno}"
+    return "?"
+
+
+class HostReads(TorchDispatchMode):
+    """Records host reads of device data (``reads``: ``(what, source line)``). ``answer``: under
+    fake tensors, reply ``True`` instead of reading (see the module docstring)."""
+
+    def __init__(self, answer: bool = False):
+        super().__init__()
+        self.answer = answer
+        self.reads: list[tuple[str, str]] = []
+
+    def record(self, what: str) -> None:
+        self.reads.append((what, _where()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _READS:
+            self.record(func._schema.name.split("::")[-1])
+            if self.answer:
+                return True
+        return func(*args, **(kwargs or {}))
+
+
+class LivePeak(TorchDispatchMode):
+    """Peak bytes of the storages created by ops while active and still alive (``peak``;
+    ``live`` now). Storages alive before (parameters, the tokens) are not counted, nor views of
+    storages no op here made (gloo's reduce-scatter slices a clone made inside the backend)."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self._seen: dict[int, tuple] = {id(getattr(t, "_local_tensor", t).untyped_storage()): (None, 0)
+                                        for t in exclude}
+        self.live = self.peak = 0
+
+    def _forget(self, key: int) -> None:
+        _, n = self._seen.pop(key, (None, 0))
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # allocates nothing: its storage is its input's, counted or not
+            return out
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = getattr(t, "_local_tensor", t)
+            s = t.untyped_storage()
+            key = id(s)
+            if key in self._seen:
+                continue
+            n = s.nbytes()
+            self._seen[key] = (weakref.ref(s, lambda _, key=key: self._forget(key)), n)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+        return out

@@ -1,0 +1,105 @@
+"""Routing models of a dry run: where the tokens of a fake forward go.
+
+A fake tensor has no values, so a dry run cannot route; yet the dispatch's all-to-all sizes and
+the experts' row counts depend on the routing. meshfold reads token counts on the host exactly
+once per MoE layer forward (:func:`meshfold.placements.token_dispatch.block_counts`: the
+per-expert counts of every rank of the ``(ep, etp)`` block, ``C[q][i][e]``), so a routing model
+answers that one read with host ints and everything downstream is sized from them, exactly as
+a real run is sized from its read.
+
+* :class:`Balanced` (the default): every rank sends its ``pairs`` = tokens x top-k as evenly as
+  integers allow, ``pairs // E`` to each expert and one more to ``pairs % E`` of them: rank s of
+  the block takes the ``pairs % E`` experts that follow rank s - 1's around the ring of experts,
+  so the block's extra rows cover the experts evenly (any two experts receive within one row of
+  each other over the block, any two ep ranks within E / ep rows).
+* :class:`Zipf` (``s`` > 0): expert ``e`` gets a share proportional to ``(e + 1) ** -s`` on
+  every rank (the same popularity order everywhere, expert 0 most popular, so ep rank 0 receives
+  the most rows), rounded by largest remainder so each rank's counts still sum to its pairs.
+  ``s = 0`` is balanced; ``s = 1`` gives expert 0 of 8 about 37% of the pairs.
+* :class:`Replay`: the counts a real run read, call by call (tests compare a dry run with the
+  real run it replays).
+
+Models dropless routing (``capacity_factor`` None, the configs' default): with dropping, the
+counts would be clipped to the capacity per rank; the dry run refuses such configs instead of
+guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Balanced", "Zipf", "Replay", "parse_routing"]
+
+
+def _largest_remainder(total: int, weights: list[float]) -> list[int]:
+    """Non-negative ints proportional to ``weights`` summing to ``total`` (ties to lower index)."""
+    s = sum(weights)
+    exact = [total * w / s for w in weights]
+    out = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda e: (-(exact[e] - out[e]), e))
+    for e in order[:total - sum(out)]:
+        out[e] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class Balanced:
+    """Every expert gets ``pairs // E`` rows of each rank, the remainder spread round-robin."""
+
+    def counts(self, pairs: int, num_experts: int, source: int) -> list[int]:
+        """Rows rank ``source`` (its position in the dispatch block) sends to each expert."""
+        base, extra = divmod(pairs, num_experts)
+        start = source * extra  # source s takes the next `extra` experts of the ring after s - 1
+        return [base + (1 if (e - start) % num_experts < extra else 0) for e in range(num_experts)]
+
+    def block(self, call: int, pairs: int, num_experts: int, n_ep: int, n_etp: int) -> list:
+        """``C[q][i][e]``: counts of every rank (etp q, ep i) of the block, each sending ``pairs``."""
+        return [[self.counts(pairs, num_experts, i * n_etp + q) for i in range(n_ep)] for q in range(n_etp)]
+
+    def describe(self) -> str:
+        return "balanced"
+
+
+@dataclass(frozen=True)
+class Zipf(Balanced):
+    """Expert ``e`` gets a share proportional to ``(e + 1) ** -s`` of every rank's pairs."""
+
+    s: float = 1.0
+
+    def __post_init__(self):
+        if not self.s >= 0:
+            raise ValueError(f"zipf exponent s = {self.s}; valid: s >= 0 (0 is balanced)")
+
+    def counts(self, pairs: int, num_experts: int, source: int) -> list[int]:
+        return _largest_remainder(pairs, [(e + 1) ** -self.s for e in range(num_experts)])
+
+    def describe(self) -> str:
+        return f"zipf:{self.s:g}"
+
+
+@dataclass
+class Replay:
+    """The block counts a real rank read, in call order (``calls[n]`` is ``C`` of its n-th read)."""
+
+    calls: list = field(default_factory=list)
+
+    def block(self, call: int, pairs: int, num_experts: int, n_ep: int, n_etp: int) -> list:
+        if call >= len(self.calls):
+            raise ValueError(f"Replay: read {call + 1} asked for, but the recorded run read only "
+                             f"{len(self.calls)} times")
+        return self.calls[call]
+
+    def describe(self) -> str:
+        return "replay"
+
+
+def parse_routing(text: str):
+    """``"balanced"`` or ``"zipf:S"`` (e.g. ``zipf:1.2``) -> a routing model."""
+    if text == "balanced":
+        return Balanced()
+    if text.startswith("zipf:"):
+        try:
+            return Zipf(float(text[5:]))
+        except ValueError:
+            pass
+    raise ValueError(f"routing {text!r}; valid: 'balanced' or 'zipf:S' with S >= 0 (e.g. zipf:1.0)")
