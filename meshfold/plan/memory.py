@@ -189,8 +189,15 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
                 gathered = a * (st.total - st.ends) + root
             else:          # two groups' bf16 weights, one group's bf16 gradient + fp32 copy
                 gathered = unit * (2 * a + (0 if accumulating else a + FP32)) + root
-            mem.update(params=FP32 * sharded, grads=FP32 * (st.total if accumulating else sharded),
-                       optimizer=8 * sharded, buffers=gathered)
+            grads = FP32 * (st.total if accumulating else sharded)
+            if s.pp == 1 and m > 1:
+                # A later micro-batch re-gathers the root beside the earlier ones' unsharded
+                # gradients: FSDP2's all-gather buffer and the copied-out weights coexist (2 root),
+                # with the head's bf16 copy; the peak where that exceeds the loss backward's
+                # (Llama3-8x70B's fp32 root under tp 8; docs/plan.md, "Planner against the dry run").
+                regather = 2 * root + (head_copy if st.last else 0.0)
+                gathered = max(gathered, regather - mem["activations"])
+            mem.update(params=FP32 * sharded, grads=grads, optimizer=8 * sharded, buffers=gathered)
         else:  # allreduce
             layers = st.total - st.ends
             kept_copies = flight * a * (st.head + (layers if layout.recompute == "none" else 0.0))
