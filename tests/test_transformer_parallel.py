@@ -97,6 +97,7 @@ def test_transformer_loss_and_grads_equal_single_device(worlds, world_size):
     FoldSpec(4, tp=2, ep=4),            # tp2 x dp2 | ep4
     FoldSpec(4, cp=2, tp=2, ep=2, etp=2),  # cp2 x tp2 | ep2 x etp2
     FoldSpec(8, dp=2, cp=2, tp=2, ep=8),   # every attention dim at once | ep8
+    FoldSpec(8, tp=2, ep=4),               # one local expert over edp2: FSDP2 shards its hidden dim
 ])
 def test_named_layouts(worlds, spec):
     assert all(worlds(spec.world_size).run(_run, (spec, 2 * spec.dp, 4 * spec.cp * spec.tp, 7, True, True, False, 0.01)))

@@ -15,12 +15,30 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from meshfold.models.moe import MoELayer
 from meshfold.placements import sum_in_place
 
-__all__ = ["REDUCE_BUCKET_BYTES", "reduce_dtype", "fully_shard_folded", "reduce_gradients", "grad_norm"]
+__all__ = ["REDUCE_BUCKET_BYTES", "reduce_dtype", "expert_shard_placement", "fully_shard_folded", "reduce_gradients", "grad_norm"]
 
 
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype gradients of ``dtype`` parameters are summed in: at least fp32."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def expert_shard_placement(param, edp: int):
+    """Which dim FSDP2 shards an expert weight over ``edp``: dim 0 (its local experts) when edp
+    divides their count, else the first dim no other mesh dim splits that edp divides (the
+    hidden size). FSDP2 cuts dim 0 in torch.chunk pieces padded to the first: one local expert
+    (Mixtral at ep = 8) over edp = 2 left edp rank 0 holding it whole and both collectives
+    moving twice the shard (docs/plan.md, "Planner against the dry run")."""
+    from torch.distributed.tensor import Shard
+
+    split = {q.dim for q in getattr(param, "placements", ()) if isinstance(q, Shard)}
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if local.shape[0] % edp == 0:
+        return Shard(0)
+    for d in range(1, param.ndim):
+        if d not in split and param.shape[d] % edp == 0:
+            return Shard(d)
+    return Shard(0)
 
 
 def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | None = None) -> None:
@@ -63,7 +81,8 @@ def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | No
                                 cast_forward_inputs=False) if tp_summed else mp
     for block in model.layers.children():
         if isinstance(block.mlp, MoELayer):
-            fully_shard(block.mlp.experts, mesh=moe, dp_mesh_dims=expert_dims, mp_policy=mp)
+            fully_shard(block.mlp.experts, mesh=moe, dp_mesh_dims=expert_dims, mp_policy=mp,
+                        shard_placement_fn=lambda p: expert_shard_placement(p, folded.spec.edp))
             router = block.mlp.router.weight.dtype
             if router != master or router != (compute_dtype or master):  # e.g. an fp32 gate under bf16
                 fully_shard(block.mlp.router, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=policy(router, router))

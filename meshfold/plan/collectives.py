@@ -33,10 +33,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from meshfold.plan.memory import stage_params
+from meshfold.plan.memory import expert_shard, stage_params
 from meshfold.plan.models import ModelShape
 
-__all__ = ["KINDS", "collective_bytes", "group_name"]
+__all__ = ["KINDS", "collective_bytes", "loop_collectives", "group_name"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv", "broadcast")
 I64, F32, F64 = 8, 4, 8  # bytes
@@ -50,9 +50,13 @@ def group_name(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
 
 
 def collective_bytes(model: ModelShape, layout, seq: int, global_batch: int, compute_bytes: int = 2,
-                     backend: str = "nccl") -> list[dict[tuple[str, str], float]]:
+                     backend: str = "nccl", ragged: bool = True) -> list[dict[tuple[str, str], float]]:
     """Per pipeline rank, ``{(kind, dim): bytes per step}`` of one of its ranks (see the module
-    docstring). ``compute_bytes``: the compute dtype's size (2: bf16 over fp32 masters, the
+    docstring). ``ragged``: the etp blocks' row counts differ (real routing; the gather-v is an
+    all-to-all sending its rows to every etp rank); False: exactly equal counts, as ``meshfold
+    dryrun``'s balanced routing gives when E divides each rank's ``Tr k`` pairs, where the
+    gather-v is a native all-gather of the rank's rows (``placements.collectives._gather_v``).
+    ``compute_bytes``: the compute dtype's size (2: bf16 over fp32 masters, the
     planner's setting; 4: fp32 compute; 8: fp64), which picks the reduce-scatter path: native on
     NCCL for fp32 and wider, an all-to-all otherwise (half precision, or gloo). Megatron rows
     (``zero1``) are not meshfold runs: empty dicts."""
@@ -101,8 +105,11 @@ def collective_bytes(model: ModelShape, layout, seq: int, global_batch: int, com
                 c["all_gather", "etp"] += passes * I64 * s.ep * E
             rows = Tr * k * h * a
             c["all_to_all", "ep"] += (passes + 1) * 2 * rows          # dispatch + combine, and their transposes
-            if s.etp > 1:                                             # ragged gather-v / reduce-scatter-v
+            if s.etp > 1 and ragged:                                  # ragged gather-v / reduce-scatter-v
                 c["all_to_all", "etp"] += (passes + 1) * 2 * s.etp * rows
+            elif s.etp > 1:   # equal counts: native gather-v (forward, and the combine's backward)
+                c["all_gather", "etp"] += (passes + 1) * rows
+                c["all_to_all", "etp"] += (passes + 1) * s.etp * rows
         for key in c:
             c[key] *= m
         for d in ("dp", "cp", "tp"):                                  # the loss: (sum, count) in fp64
@@ -159,8 +166,26 @@ def _data_parallel(c, model, layout, st, sizes, a, master, mixed, m) -> None:
         c["all_gather", dense_dim] += (groups * (narrow * a + (wide - st.ends) * master)
                                        + roots * st.ends * root_dtype) / n_d
         c["reduce_scatter", dense_dim] += master * st.dense
-    if n_e > 1:
-        c["all_gather", exp_dim] += groups * experts * a / n_e
-        c["reduce_scatter", exp_dim] += master * experts
+    if n_e > 1:   # FSDP2's padded dim-0 pieces of the local experts (memory.expert_shard)
+        piece = experts * expert_shard(model, s)
+        c["all_gather", exp_dim] += groups * piece * a
+        c["reduce_scatter", exp_dim] += master * piece * n_e
     if s.tp > 1:
         c["all_reduce", "tp"] += master * replicated
+
+
+def loop_collectives(layout, global_batch: int) -> dict[tuple[str, str], float]:
+    """What ``meshfold train``'s step adds on every rank around :func:`collective_bytes`'s (the
+    dry run records it): without pp and with m > 1 micro-batches, one fp64 all-reduce of the m
+    micro-batches' token counts over all ranks (``train.loop.microbatch_counts``), and the
+    gradient norm's fp64 scalar summed over each attention dim of size > 1 (``grad_norm``)."""
+    s = layout.spec
+    sizes = {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp}
+    m = global_batch // (s.dp * layout.mbs)
+    c: dict = defaultdict(float)
+    if s.pp == 1 and m > 1:
+        c["all_reduce", group_name(("pp", "dp", "cp", "tp"), sizes)] += F64 * m
+    for d in ("pp", "dp", "cp", "tp"):
+        if sizes[d] > 1:
+            c["all_reduce", d] += F64
+    return dict(c)

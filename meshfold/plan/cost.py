@@ -138,10 +138,22 @@ class Estimate:
 
     @cached_property
     def collectives_per_rank(self) -> list[dict[tuple[str, str], float]]:
-        from meshfold.plan.collectives import collective_bytes
+        """Per pipeline rank, the model's step (:func:`~meshfold.plan.collectives.collective_bytes`)
+        plus the training loop's own (:func:`~meshfold.plan.collectives.loop_collectives`: token
+        counts, gradient norm), as ``meshfold dryrun`` records a step."""
+        from meshfold.plan.collectives import collective_bytes, loop_collectives
 
         d = self.detail
-        return collective_bytes(d["model"], self.layout, d["seq"], d["global_batch"])
+        if self.layout.megatron:
+            return collective_bytes(d["model"], self.layout, d["seq"], d["global_batch"])
+        loop = loop_collectives(self.layout, d["global_batch"])
+        out = []
+        for c in collective_bytes(d["model"], self.layout, d["seq"], d["global_batch"]):
+            c = dict(c)
+            for key, v in loop.items():
+                c[key] = c.get(key, 0.0) + v
+            out.append(c)
+        return out
 
     @property
     def memory_total(self) -> float:

@@ -10,7 +10,8 @@ The planner's memory model (docs/plan.md, *Memory*), per pipeline rank ``r`` of 
   (:meth:`~meshfold.plan.models.ModelShape.layer_params`): tp-replicated weights whole,
   tp-split ones / tp, routed experts / (ep etp); embedding and head replicated over tp (meshfold
   has no vocabulary-parallel embedding). Dense-side weights are data-parallel over ``dp x cp``,
-  experts over ``edp``.
+  experts over ``edp`` (:func:`expert_shard`: by their hidden dim where edp does not divide
+  the ``E / ep`` local experts, e.g. Mixtral's one at ep = 8).
 * **states** by data-parallel sharding, for bf16 compute over fp32 master weights
   (``train.dtype = bfloat16``, ``train.master_dtype`` unset = float32; AdamW):
 
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from meshfold.plan.models import ModelShape
 
 __all__ = ["StageParams", "stage_layers", "stage_params", "in_flight", "layer_activations", "memory_terms",
-           "REDUCE_BUCKET_BYTES"]
+           "expert_shard", "REDUCE_BUCKET_BYTES"]
 
 BF16, FP32 = 2, 4  # bytes
 REDUCE_BUCKET_BYTES = 16 * 2**20  # meshfold.models.data_parallel.REDUCE_BUCKET_BYTES (a test checks)
@@ -58,6 +59,18 @@ def stage_layers(layers: int, pp: int, vpp: int) -> list[list[int]]:
     n = pp * vpp
     chunks = [list(range(i * layers // n, (i + 1) * layers // n)) for i in range(n)]
     return [[i for c in chunks[r::pp] for i in c] for r in range(pp)]
+
+
+def expert_shard(model: ModelShape, spec) -> float:
+    """Share of a rank's ``E / ep`` local experts that FSDP2's ``edp`` shard holds on the
+    fullest edp rank. ``fully_shard_folded`` shards the experts' dim 0 where edp divides E / ep,
+    else their hidden dim (``expert_shard_placement``): ``1 / edp`` whenever edp divides either.
+    Otherwise dim 0 in torch.chunk pieces padded to the first, ``ceil(E / ep / edp) / (E / ep)``
+    (both collectives move the padded piece)."""
+    local = model.experts // spec.ep
+    if local % spec.edp == 0 or model.hidden % spec.edp == 0:
+        return 1 / spec.edp
+    return -(-local // spec.edp) / local
 
 
 @dataclass(frozen=True)
@@ -150,9 +163,13 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
     of every pipeline rank) and ``worst_rank``."""
     s, a = layout.spec, BF16
     m = global_batch // (s.dp * layout.mbs)
-    n_dense, n_exp = s.dp * s.cp, s.edp
+    n_dense, exp_share = s.dp * s.cp, expert_shard(model, s)
     acts = {kind: layer_activations(model, layout, seq, kind) for kind in (True, False)}
-    logits = layout.mbs * seq / s.cp / s.tp * model.vocab * (a + 4)   # bf16 logits + fp32 copy for the loss
+    # The loss's backward holds three fp32 [Tr, V]: log-softmax's output, its gradient and the
+    # logits' gradient (the dry run's peak, docs/plan.md); with tp > 1 the head is gathered in
+    # fp32 and its bf16 copy for compute lives beside it.
+    logits = layout.mbs * seq / s.cp / s.tp * model.vocab * 3 * FP32
+    head_copy = a * model.embedding_params if s.tp > 1 and layout.sharding == "fsdp" else 0.0
     unit = max(model.layer_params(kind).per_rank(s.tp, s.ep * s.etp) for kind in (True, False))
     worst, best = -1.0, ({}, {})
     stages = stage_params(model, layout)
@@ -161,8 +178,8 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
         stored = sum(acts[kind][0] for kind in kinds)
         working = max(acts[kind][1] for kind in kinds) if layout.recompute != "none" else 0.0
         flight = in_flight(layout, m, st.rank)
-        mem = {"activations": flight * stored + working + (logits if st.last else 0.0)}
-        sharded = st.dense / n_dense + st.experts / n_exp
+        mem = {"activations": flight * stored + working + (logits + head_copy if st.last else 0.0)}
+        sharded = st.dense / n_dense + st.experts * exp_share
         if layout.sharding == "zero1":
             mem.update(params=a * st.total, grads=FP32 * st.total, optimizer=12 * sharded, buffers=0.0)
         elif layout.sharding == "fsdp":
@@ -172,8 +189,15 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
                 gathered = a * (st.total - st.ends) + root
             else:          # two groups' bf16 weights, one group's bf16 gradient + fp32 copy
                 gathered = unit * (2 * a + (0 if accumulating else a + FP32)) + root
-            mem.update(params=FP32 * sharded, grads=FP32 * (st.total if accumulating else sharded),
-                       optimizer=8 * sharded, buffers=gathered)
+            grads = FP32 * (st.total if accumulating else sharded)
+            if s.pp == 1 and m > 1:
+                # A later micro-batch re-gathers the root beside the earlier ones' unsharded
+                # gradients: FSDP2's all-gather buffer and the copied-out weights coexist (2 root),
+                # with the head's bf16 copy; the peak where that exceeds the loss backward's
+                # (Llama3-8x70B's fp32 root under tp 8; docs/plan.md, "Planner against the dry run").
+                regather = 2 * root + (head_copy if st.last else 0.0)
+                gathered = max(gathered, regather - mem["activations"])
+            mem.update(params=FP32 * sharded, grads=grads, optimizer=8 * sharded, buffers=gathered)
         else:  # allreduce
             layers = st.total - st.ends
             kept_copies = flight * a * (st.head + (layers if layout.recompute == "none" else 0.0))
