@@ -119,8 +119,9 @@ def _group(mesh, dim: str):
     # simulated ranks: keyed by the ranks too, as a mode over one pipeline stage's ranks sees
     # the same mesh object with other coordinates than a mode over all of them
     cache = mesh.__dict__.setdefault("_meshfold_groups", {})
-    if simulated.simulated_ranks() is not None:
-        cache = cache.setdefault(simulated.simulated_ranks(), {})
+    ranks = simulated.simulated_ranks()
+    if ranks is not None:
+        cache = cache.setdefault(ranks, {})
     if dim not in cache:
         names = mesh.mesh_dim_names or ()
         if dim not in names:
