@@ -188,11 +188,20 @@ def test_torchrun_launch(tmp_path):
     assert sorted(losses(tmp_path)) == [1, 2, 3]
 
 
-def test_tile_sparse_training_reaches_each_stage_and_keeps_pruned_weights_zero(tmp_path):
+# On 4 ranks: tp2 | ep2 x etp2 (no edp); ep2 x edp2 with 2 local experts, which FSDP2 cuts on dim 0
+# (a strided shard); ep2 x edp2 with one local expert, which FSDP2 cuts on the hidden dim. The pruner
+# once masked by the fold's ep / etp slice alone, so under edp > 1 it zeroed the wrong elements and
+# left pruned tiles alive.
+SPARSE_FOLDS = {"etp2": ["fold.ep=2", "fold.etp=2"], "edp2-experts": ["fold.ep=2", "fold.etp=1"],
+                "edp2-hidden": ["fold.ep=2", "fold.etp=1", "moe.num_experts=2"]}
+
+
+@pytest.mark.parametrize("fold", SPARSE_FOLDS)
+def test_tile_sparse_training_reaches_each_stage_and_keeps_pruned_weights_zero(tmp_path, fold):
+    sets = [a for s in SPARSE_FOLDS[fold] for a in ("--set", s)]
     proc = meshfold("train", "--steps", "9", "--out-dir", str(tmp_path), *SMALL,
                     "--set", "sparsity.tile=[16, 16]", "--set", "sparsity.schedule=[0.25, 0.5]",
-                    "--set", "sparsity.start_step=3", "--set", "sparsity.steps_per_stage=3",
-                    "--set", "fold.ep=2", "--set", "fold.etp=2")
+                    "--set", "sparsity.start_step=3", "--set", "sparsity.steps_per_stage=3", *sets)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = losses(tmp_path)
     assert [round(rows[s]["expert_sparsity"], 2) for s in (2, 3, 5, 6, 9)] == [0, 0.25, 0.25, 0.5, 0.5]

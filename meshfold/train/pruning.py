@@ -17,11 +17,25 @@ are not checkpointed, so a run resumed mid-stage scores from the resume on.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshfold.kernels.reference import expand_tile_mask
-from meshfold.sparsity import ExpertSparsity, TilePruner, local_shard, mask_weight_
+from meshfold.sparsity import ExpertSparsity, TilePruner, mask_weight_
 
-__all__ = ["FoldedPruner"]
+__all__ = ["FoldedPruner", "shard_like"]
+
+
+def shard_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` (a tensor of ``p``'s whole shape) cut as ``p`` is cut.
+
+    An expert weight is sharded over ep and etp by the fold and then over edp by FSDP2, on dim 0
+    (a strided shard: FSDP2 cuts the ep-local experts) or on the hidden dim
+    (:func:`~meshfold.models.data_parallel.expert_shard_placement`). Slicing by the fold's own
+    ep / etp ranges misses the edp cut, so the piece is taken by DTensor's own placements,
+    locally (``src_data_rank=None``: every rank holds ``full``, nothing is sent)."""
+    if not isinstance(p, DTensor):
+        return full
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
 class FoldedPruner:
@@ -75,13 +89,10 @@ class FoldedPruner:
                 pruner.taylor[name] = self.taylor[name].reshape(group[name][0].shape)
         pruner.prune_to(target)  # updates the shared, full masks in place
         self.taylor.clear()
-        for _, layer, p, mask_name, mask in self._params():
-            local_mask = layer.comm.local_mask(mask_name, mask)
-            local_shape = local_shard(p).shape
-            E, K = local_shape[0], local_shape[1]
-            flat_mask = local_mask.reshape(E, local_mask.shape[1], -1)
-            keep = expand_tile_mask(flat_mask, K, local_shape[1:].numel() // K).reshape(local_shape)
-            mask_weight_(p, keep, self.optimizer)
+        for _, _, p, _, mask in self._params():
+            E, K = p.shape[0], p.shape[1]  # the whole weight's shape, as the full mask's
+            keep = expand_tile_mask(mask.reshape(E, mask.shape[1], -1), K, p.shape[1:].numel() // K)
+            mask_weight_(p, shard_like(keep.reshape(p.shape), p), self.optimizer)
         return True
 
     def _done(self) -> bool:
