@@ -106,6 +106,46 @@ def test_invalid_recompute_names_the_valid_modes():
     assert RECOMPUTE == ("none", "selective", "full") == rules(TrainSettings)["recompute"].choices
 
 
+def test_importing_meshfold_leaves_other_selective_checkpointing_alone():
+    """meshfold's blocks let SAC run FSDP2's hook ops (copies, casts, allocations) uncounted, but
+    only inside their own checkpoints: another policy in the process still decides on a cast. The
+    set was once widened for the whole process at import, so this policy never saw ``_to_copy``
+    and a cast it asked to keep was recomputed."""
+    from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    import meshfold.models.recompute as recompute
+
+    seen = []
+
+    def policy(ctx, func, *args, **kwargs):
+        seen.append(func)
+        return CheckpointPolicy.MUST_SAVE if func is torch.ops.aten._to_copy.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    y = checkpoint(lambda t: (t.to(torch.float32) * 2).sum(), x, use_reentrant=False,
+                   context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    y.backward()
+    assert torch.ops.aten._to_copy.default in seen
+    assert torch.ops.aten._to_copy.default in recompute._HOOK_OPS
+    # inside one of meshfold's blocks (forward and recompute) the hook ops are ignored, then restored
+    model = MoETransformer(_cfg(layers=2), dtype=torch.float64, seed=0)
+    apply_recompute(model.layers, "selective")
+    inside = []
+    block = model.layers[0]
+    forward = block._forward
+
+    def spy(*args, **kwargs):
+        inside.append(torch.ops.aten._to_copy.default in SAC_IGNORED_OPS)
+        return forward(*args, **kwargs)
+
+    block._forward = spy
+    tokens = torch.randint(0, 32, (2, 12))
+    model.loss(tokens, tokens).backward()
+    assert inside == [True, True]  # the block's forward, then its recompute in backward
+    assert torch.ops.aten._to_copy.default not in SAC_IGNORED_OPS
+
+
 # ---- folded: 4 and 8 ranks ----------------------------------------------------------------------
 
 def _folded_step(rank, spec, cfg, mode, data_parallel, tokens, targets, steps=1):

@@ -69,7 +69,9 @@ aten = torch.ops.aten
 # so with fp32 and bf16 compute, with and without pp; an op missing here raises at recompute,
 # naming it). None of these ops is ever kept (the policy keeps no mutating op or collective), so
 # SAC may run them uncounted: they join the ops it already treats so
-# (torch.utils.checkpoint.SAC_IGNORED_OPS, e.g. checkpoint's own detach calls).
+# (torch.utils.checkpoint.SAC_IGNORED_OPS, e.g. checkpoint's own detach calls), but only while one
+# of meshfold's checkpointed blocks runs or recomputes (:func:`_hook_ops_ignored`), so another
+# library's selective checkpointing in the same process still sees them.
 
 
 def _namespace_ops(*namespaces: str) -> set:
@@ -88,7 +90,23 @@ def _fsdp_hook_ops() -> set:
                aten.empty.memory_format, aten._to_copy.default})
 
 
-torch.utils.checkpoint.SAC_IGNORED_OPS.update(_fsdp_hook_ops())
+_HOOK_OPS = frozenset(_fsdp_hook_ops()) - torch.utils.checkpoint.SAC_IGNORED_OPS
+_hook_ops_depth = 0  # blocks running or recomputing now (nested: a recompute inside a backward)
+
+
+@contextlib.contextmanager
+def _hook_ops_ignored():
+    """SAC ignores :data:`_HOOK_OPS` inside this context; the set is torch's own again outside."""
+    global _hook_ops_depth
+    if _hook_ops_depth == 0:
+        torch.utils.checkpoint.SAC_IGNORED_OPS.update(_HOOK_OPS)
+    _hook_ops_depth += 1
+    try:
+        yield
+    finally:
+        _hook_ops_depth -= 1
+        if _hook_ops_depth == 0:
+            torch.utils.checkpoint.SAC_IGNORED_OPS.difference_update(_HOOK_OPS)
 
 ROUTING_OPS = (aten.topk, aten.sort)  # top-k experts; dropping and permute orders
 
@@ -173,8 +191,8 @@ class BlockRecompute:
     def _contexts(self):
         forward, recompute = create_selective_checkpoint_contexts(self.policy)
         seen: list = []
-        return (_both(_record_state(self.layers, seen), forward),
-                _both(_replay_state(self.layers, seen), recompute))
+        return (_both(_hook_ops_ignored(), _both(_record_state(self.layers, seen), forward)),
+                _both(_hook_ops_ignored(), _both(_replay_state(self.layers, seen), recompute)))
 
     def __call__(self, fn, *args):
         if not torch.is_grad_enabled():
