@@ -56,7 +56,11 @@ def _paper_estimate(name: str, strategy: str):
 # older per-expert constant implied; TP+EP+DP 27.3% vs FSDP+EP 26.1% (paper 23.1% vs 25.4%). The
 # paper's order returns once an expert GEMM loses more than 1.6e6 outputs' worth per expert (a
 # kernel as slow as tgale96/grouped_gemm's CUTLASS SM90 path, 2.7e6).
-KNOWN_RANKING_DEVIATIONS = {("qwen2-57b-a14b", "fsdp+ep", "tp+ep+dp")}
+# Llama3-8x70B: the paper's FSDP runs out of memory on 256 H100s, as does TP+EP+DP; meshfold's FSDP2
+# with full recomputation fits (64.6 GiB: its step peak is the largest phase of the step, and one
+# layer's 8 experts gathered with their bf16 gradients and fp32 reduce-scatter copy set it; the
+# dry run of that layout with 2 layers peaks 43.2 GiB against the planner's 40.4, 0.935).
+KNOWN_RANKING_DEVIATIONS = {("qwen2-57b-a14b", "fsdp+ep", "tp+ep+dp"), ("llama3-8x70b", "fsdp", "tp+ep+dp")}
 
 
 @pytest.mark.parametrize("name", PAPER_TABLE1)
@@ -100,7 +104,7 @@ def test_inter_node_all_to_all_runs_below_the_ring_bandwidth():
     assert hw.alltoall_bytes_per_s(True) == hw.link_bytes_per_s(True)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "tp+ep+dp"])
+@pytest.mark.parametrize("strategy", ["tp+ep+dp"])  # and FSDP, which meshfold's fits (KNOWN_RANKING_DEVIATIONS)
 def test_strategies_the_paper_reports_oom_are_infeasible_for_llama3(table1, strategy):
     assert PAPER_TABLE1["llama3-8x70b"].mfu[strategy] is None
     assert not table1["llama3-8x70b"][strategy].feasible
@@ -507,7 +511,7 @@ def test_params_grads_and_optimizer_terms_are_what_a_step_holds(worlds, data_par
     spec = FoldSpec(4, tp=2, ep=2)
     e = estimate(MODELS["tiny-deepseek-v3"], H100, Layout(spec, mbs=2, sharding=data_parallel), 16, 4)
     for params, grads, state in worlds(4).run(_held_state_bytes, spec, data_parallel):
-        assert (params, grads, state) == (e.memory["params"], e.memory["grads"], e.memory["optimizer"])
+        assert (params, grads, state) == (e.memory["params"], e.detail["grads_held"], e.memory["optimizer"])
 
 
 def _local_param_numel(rank, world_size, spec, name, data_parallel):

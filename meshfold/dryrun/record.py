@@ -173,21 +173,84 @@ class HostReads(TorchDispatchMode):
 class LivePeak(TorchDispatchMode):
     """Peak bytes of the storages created by ops while active and still alive (``peak``;
     ``live`` now). Storages alive before (parameters, the tokens) are not counted, nor views of
-    storages no op here made (gloo's reduce-scatter slices a clone made inside the backend)."""
+    storages no op here made (gloo's reduce-scatter slices a clone made inside the backend).
+
+    Two changes of live bytes that no op's output shows are followed by hand, so that the peak is
+    what the step holds on a device:
+
+    * FSDP2 frees a gathered weight by shrinking its storage to 0 bytes (``resize_``) and regrows
+      the same storage at its next gather, so the storage object outlives its bytes: its bytes
+      leave at ``FSDPParam.free_unsharded_param`` and return at ``alloc_all_gather_outputs``.
+    * a functional collective's ``wait_tensor`` returns its input tensor in eager execution but
+      a new fake tensor under FakeTensorMode: there the wait's output counts as the collective's
+      output (its bytes stay while either is alive), not as a second buffer.
+    """
 
     def __init__(self, exclude=()):
         super().__init__()
-        self._seen: dict[int, tuple] = {id(getattr(t, "_local_tensor", t).untyped_storage()): (None, 0)
+        # storage id -> (weakref, bytes, what it keeps alive)
+        self._seen: dict[int, tuple] = {id(getattr(t, "_local_tensor", t).untyped_storage()): (None, 0, None)
                                         for t in exclude}
+        self._shrunk: set[int] = set()  # storages FSDP2 has resized to 0 bytes
         self.live = self.peak = 0
 
     def _forget(self, key: int) -> None:
-        _, n = self._seen.pop(key, (None, 0))
-        self.live -= n
+        _, n, _ = self._seen.pop(key, (None, 0, None))
+        if key in self._shrunk:
+            self._shrunk.discard(key)
+        else:
+            self.live -= n
+
+    def _resized(self, tensors, grown: bool) -> None:
+        """FSDP2 shrank (``grown=False``) or regrew these tensors' storages in place."""
+        for t in tensors:
+            key = id(t.untyped_storage())
+            n = self._seen.get(key, (None, 0, None))[1]
+            if not n or (key in self._shrunk) != grown:
+                continue
+            if grown:
+                self._shrunk.discard(key)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+            else:
+                self._shrunk.add(key)
+                self.live -= n
+
+    def __enter__(self):
+        from unittest import mock
+
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+        free, alloc = FSDPParam.free_unsharded_param, FSDPParam.alloc_all_gather_outputs
+        tracker = self
+
+        def freed(param):
+            tracker._resized([*param.all_gather_outputs, *param._unsharded_inner_tensors], grown=False)
+            return free(param)
+
+        def grown(param):
+            alloc(param)
+            tracker._resized(param.all_gather_outputs, grown=True)
+
+        self._patches = [mock.patch.object(FSDPParam, "free_unsharded_param", freed),
+                         mock.patch.object(FSDPParam, "alloc_all_gather_outputs", grown)]
+        for patch in self._patches:
+            patch.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for patch in reversed(self._patches):
+            patch.stop()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.is_view:  # allocates nothing: its storage is its input's, counted or not
+            return out
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            waited, done = (getattr(t, "_local_tensor", t).untyped_storage() for t in (args[0], out))
+            if done is not waited and id(done) not in self._seen:  # fake: keep the input's bytes alive
+                self._seen[id(done)] = (weakref.ref(done, lambda _, key=id(done): self._forget(key)), 0, waited)
             return out
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
@@ -198,7 +261,7 @@ class LivePeak(TorchDispatchMode):
             if key in self._seen:
                 continue
             n = s.nbytes()
-            self._seen[key] = (weakref.ref(s, lambda _, key=key: self._forget(key)), n)
+            self._seen[key] = (weakref.ref(s, lambda _, key=key: self._forget(key)), n, None)
             self.live += n
             self.peak = max(self.peak, self.live)
         return out

@@ -148,9 +148,12 @@ def _data_parallel(c, model, layout, st, sizes, a, master, mixed, m) -> None:
             c["all_reduce", "edp"] += master * experts
         return
     # FSDP2: groups gathered in the master dtype (the root, and with tp > 1 under mixed precision
-    # the tp-replicated weights; the router always, as its dtype is fp32), the rest in compute dtype
+    # the tp-replicated weights, and a gated shared expert whole, as fully_shard_folded makes it
+    # one group for its tp-replicated gate; the router always, as its dtype is fp32), the rest in
+    # compute dtype
     wide_tp = s.tp > 1 and mixed
-    wide = router + (replicated - router if wide_tp else st.ends)
+    gated = 3 * model.hidden * model.shared_ffn / s.tp * sum(kinds) if model.shared_gate else 0.0
+    wide = router + (replicated - router + gated if wide_tp else st.ends)
     root_dtype = master if wide_tp else a
     narrow = st.dense - wide
     # Without pp every group is gathered for forward and again for backward of each micro-batch

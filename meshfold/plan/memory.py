@@ -21,10 +21,12 @@ The planner's memory model (docs/plan.md, *Memory*), per pipeline rank ``r`` of 
   last backward and FSDP2 keeps *unsharded* fp32 gradients (4 bytes per local parameter) instead;
   under a pipeline schedule it also keeps each group's bf16 parameters unsharded after its first
   backward (``reshard_after_backward=False``, torch.distributed.pipelining), 2 bytes per local
-  parameter. Otherwise the gathered working set: two groups' bf16 parameters (one computing, one
-  prefetched) and one group's bf16 gradient with its fp32 copy for the reduce-scatter. The root
-  group (embedding, final norm, head) stays gathered from forward to backward, in fp32 when
-  tp > 1 (``fully_shard_folded`` gathers tp-replicated weights in the master dtype).
+  parameter. The root group (embedding, final norm, head) stays gathered from forward to
+  backward, in fp32 when tp > 1 (``fully_shard_folded`` gathers tp-replicated weights in the
+  master dtype). Without pp the step's gradients, gathered weights and activations are those of
+  its largest phase (:func:`fsdp_step_phases`: the root's gather, the loss backward, the layers'
+  backward, the root's gradient reduction), each summing only what is alive then; with pp every
+  group stays gathered after its first backward.
 
   ``allreduce`` (``parallelize(data_parallel="allreduce")``): whole fp32 replicas, 4 + 4 + 8
   bytes per local parameter, plus the bf16 copy of each weight the parametrization casts for
@@ -37,7 +39,7 @@ The planner's memory model (docs/plan.md, *Memory*), per pipeline rank ``r`` of 
   sharded, 2 + 4 + 12 / n bytes; vocabulary-parallel embedding and head.
 * **activations**: micro-batches in flight (:func:`in_flight`) times what each layer keeps for
   backward (:func:`layer_activations`), plus one layer rematerialized under recomputation and the
-  logits on the rank with the head.
+  logits on the rank with the head (in the loss phase only, under FSDP2 without pp).
 """
 
 from __future__ import annotations
@@ -157,10 +159,85 @@ def layer_activations(model: ModelShape, layout, seq: int, moe: bool) -> tuple[f
     return kept, full
 
 
+def largest_group(model: ModelShape, layout, layers) -> float:
+    """Parameters per rank of the largest FSDP2 group among ``layers`` (``fully_shard_folded``):
+    a layer's routed experts (one group on the MoE mesh) or the rest of its block (attention,
+    norms, a dense MLP or the shared expert; the router and tp-replicated pieces are groups of
+    their own, small beside these)."""
+    s = layout.spec
+    out = 0.0
+    for moe in {model.is_moe_layer(i) for i in layers}:
+        p = model.layer_params(moe)
+        out = max(out, p.experts / (s.ep * s.etp), p.replicated + p.tp_split / s.tp)
+    return out
+
+
+def fsdp_step_phases(model: ModelShape, layout, st: StageParams, acts_of_stage: dict, m: int, logits: float,
+                     head_copy: float, sharded: float) -> dict[str, dict[str, float]]:
+    """What one rank holds in each phase of a step under FSDP2 without pp, as ``{phase: {"grads",
+    "buffers", "activations"}}`` (bytes); the step's peak is the largest phase's sum, not the sum
+    of each term's largest value, since what a phase holds is freed before the next one (the
+    logits before the layers' backward, the activations before the root's gradients are reduced).
+
+    With m > 1 micro-batches gradient sync is off until the last backward, so from the second
+    micro-batch on every phase also holds the unsharded fp32 gradients of the earlier ones
+    (``4 P``, the root's and the head's among them, accumulated in place). G is
+    :func:`largest_group`, R the root (embedding, final norm, head: gathered from forward to
+    backward, fp32 under tp > 1 as ``fully_shard_folded`` gathers tp-replicated weights in the
+    master dtype), a = 2 (bf16).
+
+    * ``gather``: the forward's first all-gather of the root, whose buffer and the weights copied
+      out of it coexist (2 R), with the embedding's bf16 copy for compute; with m > 1 a later
+      micro-batch's re-gather beside the earlier gradients (Llama3-8x70B's 7.8 GiB root at tp 8).
+    * ``loss``: forward done, loss backward: the layers' kept activations, the loss backward's three
+      fp32 [Tr, V] and the head's bf16 copy (``logits``, ``head_copy``), R, and the last group's
+      gathered weights (a G), kept until the next all-gather.
+    * ``backward``: the layers' backward: kept activations (freed layer by layer, all alive at the
+      first), R, and the group in backward: with m > 1 its gathered weights, the all-gather buffer
+      they were copied out of and their bf16 gradients (3 a G); with one micro-batch its bf16
+      gradients and the fp32 copy the reduce-scatter sends (a G + 4 G; the sharded output, 4 G / n,
+      takes the place of bf16 gradients freed meanwhile, no more than them for n >= 2), and the
+      head's gradient (R's share, from the loss backward on). The layer's backward comes before
+      any other group's sharded gradients exist (the first in backward keeps most activations).
+    * ``root``: end of backward, activations gone: R, its gradients (with one micro-batch) and,
+      under tp > 1, the all-reduce's output for one of them (fp32, the larger of embedding and
+      head: FSDP2's post-backward sums the tp-partial gradients one at a time before its
+      reduce-scatter), beside the last
+      block group's fp32 reduce-scatter input (FSDP2 holds it until the next reduce-scatter) and
+      the sharded gradients formed so far.
+    """
+    s, a = layout.spec, BF16
+    wide = FP32 if s.tp > 1 else a          # the root's dtype, and its gradients'
+    root = st.ends * wide
+    G = largest_group(model, layout, st.layers)
+    block = max(model.layer_params(k).replicated + model.layer_params(k).tp_split / s.tp
+                for k in {model.is_moe_layer(i) for i in st.layers})
+    kept = acts_of_stage["stored"] + acts_of_stage["working"]
+    accumulated = FP32 * st.total if m > 1 else 0.0
+    head = wide * st.head
+    embedding = st.ends - st.head - (model.hidden if st.last else 0.0)   # parameters, on the first rank
+    out = {"gather": {"grads": accumulated, "buffers": 2 * root + (a * embedding if s.tp > 1 else 0.0),
+                      "activations": 0.0},
+           "loss": {"grads": accumulated, "buffers": root + a * G,
+                    "activations": kept + (logits + head_copy if st.last else 0.0)}}
+    if m > 1:
+        out["backward"] = {"grads": accumulated, "buffers": root + 3 * a * G, "activations": kept}
+        out["root"] = {"grads": accumulated, "buffers": root + FP32 * block, "activations": 0.0}
+    else:
+        out["backward"] = {"grads": 0.0, "buffers": root + (a + FP32) * G + head, "activations": kept}
+        out["root"] = {"grads": FP32 * (sharded - st.ends / (s.dp * s.cp)),
+                       "buffers": root + wide * st.ends + (FP32 * max(st.head, embedding) if s.tp > 1 else 0.0)
+                       + FP32 * block, "activations": 0.0}
+    return out
+
+
 def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tuple[dict[str, float], dict]:
     """The memory terms (params, grads, optimizer, buffers, activations; bytes per GPU) of the
     pipeline rank that needs most, and details: ``params_per_rank`` (the :class:`StageParams`
-    of every pipeline rank) and ``worst_rank``."""
+    of every pipeline rank), ``worst_rank`` and ``grads_held`` (the gradient bytes the step ends
+    with). Under FSDP2 without pp, grads + buffers + activations are those of the step's largest
+    phase (:func:`fsdp_step_phases`, totals in ``step_phases``), whose gradients may be fewer
+    than those held at the end."""
     s, a = layout.spec, BF16
     m = global_batch // (s.dp * layout.mbs)
     n_dense, exp_share = s.dp * s.cp, expert_shard(model, s)
@@ -171,7 +248,7 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
     logits = layout.mbs * seq / s.cp / s.tp * model.vocab * 3 * FP32
     head_copy = a * model.embedding_params if s.tp > 1 and layout.sharding == "fsdp" else 0.0
     unit = max(model.layer_params(kind).per_rank(s.tp, s.ep * s.etp) for kind in (True, False))
-    worst, best = -1.0, ({}, {})
+    worst, best, phases, held = -1.0, ({}, {}), {}, {}
     stages = stage_params(model, layout)
     for st in stages:
         kinds = [model.is_moe_layer(i) for i in st.layers]
@@ -182,22 +259,18 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
         sharded = st.dense / n_dense + st.experts * exp_share
         if layout.sharding == "zero1":
             mem.update(params=a * st.total, grads=FP32 * st.total, optimizer=12 * sharded, buffers=0.0)
+        elif layout.sharding == "fsdp" and s.pp == 1:
+            step = fsdp_step_phases(model, layout, st, acts_of_stage={"stored": stored, "working": working},
+                                    m=m, logits=logits, head_copy=head_copy, sharded=sharded)
+            phase = max(step, key=lambda k: sum(step[k].values()))
+            mem = {"params": FP32 * sharded, "optimizer": 8 * sharded, **step[phase]}
+            phases[st.rank] = {k: sum(v.values()) for k, v in step.items()}
+            held[st.rank] = FP32 * (st.total if m > 1 else sharded)
         elif layout.sharding == "fsdp":
-            accumulating = s.pp > 1 or m > 1
             root = st.ends * (FP32 if s.tp > 1 else a)          # stays gathered forward to backward
-            if s.pp > 1:   # every group stays unsharded after its first backward
-                gathered = a * (st.total - st.ends) + root
-            else:          # two groups' bf16 weights, one group's bf16 gradient + fp32 copy
-                gathered = unit * (2 * a + (0 if accumulating else a + FP32)) + root
-            grads = FP32 * (st.total if accumulating else sharded)
-            if s.pp == 1 and m > 1:
-                # A later micro-batch re-gathers the root beside the earlier ones' unsharded
-                # gradients: FSDP2's all-gather buffer and the copied-out weights coexist (2 root),
-                # with the head's bf16 copy; the peak where that exceeds the loss backward's
-                # (Llama3-8x70B's fp32 root under tp 8; docs/plan.md, "Planner against the dry run").
-                regather = 2 * root + (head_copy if st.last else 0.0)
-                gathered = max(gathered, regather - mem["activations"])
-            mem.update(params=FP32 * sharded, grads=grads, optimizer=8 * sharded, buffers=gathered)
+            # every group stays unsharded after its first backward
+            gathered = a * (st.total - st.ends) + root
+            mem.update(params=FP32 * sharded, grads=FP32 * st.total, optimizer=8 * sharded, buffers=gathered)
         else:  # allreduce
             layers = st.total - st.ends
             kept_copies = flight * a * (st.head + (layers if layout.recompute == "none" else 0.0))
@@ -209,4 +282,7 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
             worst, best = total, (mem, {"worst_rank": st.rank})
     mem, detail = best
     detail["params_per_rank"] = stages
+    if phases:  # FSDP2 without pp: the phases' totals, and the gradients the step ends with
+        detail["step_phases"] = phases[detail["worst_rank"]]
+    detail["grads_held"] = held.get(detail["worst_rank"], mem["grads"])
     return {t: mem[t] for t in ("params", "grads", "optimizer", "buffers", "activations")}, detail
