@@ -150,7 +150,10 @@ def _data_parallel(c, model, layout, st, sizes, a, master, mixed, m) -> None:
     # FSDP2: groups gathered in the master dtype (the root, and with tp > 1 under mixed precision
     # the tp-replicated weights; the router always, as its dtype is fp32), the rest in compute dtype
     wide_tp = s.tp > 1 and mixed
-    wide = router + (replicated - router if wide_tp else st.ends)
+    # a gated shared expert is one group of its own under tp > 1, whole in the master dtype
+    # (fully_shard_folded: its gate is tp-replicated)
+    shared = sum(kinds) * 3 * model.hidden * model.shared_ffn / s.tp if wide_tp and model.shared_gate else 0.0
+    wide = router + (replicated - router + shared if wide_tp else st.ends)
     root_dtype = master if wide_tp else a
     narrow = st.dense - wide
     # Without pp every group is gathered for forward and again for backward of each micro-batch
