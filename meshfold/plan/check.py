@@ -19,13 +19,15 @@ Like is compared with like (per rank of a pipeline stage, per step):
 * ``total``: the planner's memory per GPU against the dry run's ``peak_bytes``.
 * one row per ``(kind, dim)`` collective either side issues, in bytes per step.
 
-The dry run covers pp = 1 only, and a real-shape step costs it about 10 s per layer on this
-machine's loaded cores, so both sides run the same reduced model (``layers``) and the same
-number of micro-batches (``global_batch = dp x mbs x microbatches``): per-layer terms scale with
-the layer count and per-micro-batch terms with the micro-batches, while hidden sizes, heads,
-experts, the sequence and the fold keep every byte of a layer the real one.
+A real-shape step costs the dry run about 10 s per layer on this machine's loaded cores, so both
+sides run the same reduced model (``layers``) and the same number of micro-batches
+(``global_batch = dp x mbs x microbatches``): per-layer terms scale with the layer count and
+per-micro-batch terms with the micro-batches, while hidden sizes, heads, experts, the sequence
+and the fold keep every byte of a layer the real one. With pp > 1 each pipeline stage is
+compared by its first rank (:func:`pipeline_cases`: the pipeline's memory moments, its send /
+recv over pp, FSDP2 under a schedule, uneven chunks, the embedding and the head's stages).
 
-    python -m meshfold.plan.check            # the table of docs/plan.md (minutes: one process a case)
+    python -m meshfold.plan.check            # the table of docs/plan.md (minutes: one process a stage)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from meshfold.plan.hardware import hardware
 from meshfold.plan.memory import FP32, expert_shard
 from meshfold.plan.models import MODELS
 
-__all__ = ["Case", "Row", "compare", "cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
+__all__ = ["Case", "Row", "compare", "cases", "pipeline_cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
            "TOLERANCE"]
 
 TOLERANCE = 0.10  # the issue's bar: every term within 10%
@@ -185,8 +187,8 @@ def compare(case: Case, routing=None) -> list[Row]:
 
 
 def _paper(name: str, layers: int, **kw) -> Case:
-    """One pipeline stage's ranks of the paper's Table 1 folded config of ``name`` (pp = 1: the
-    dry run does not pipeline yet), with ``layers`` layers."""
+    """One pipeline stage's ranks of the paper's Table 1 folded config of ``name`` (pp = 1; its
+    pipeline is :func:`pipeline_cases`'), with ``layers`` layers."""
     from meshfold.plan.baselines import PAPER_TABLE1, paper_spec
 
     row = PAPER_TABLE1[name]
@@ -220,6 +222,8 @@ def pipeline_cases() -> list[Case]:
              microbatches=1, schedule="gpipe"),
         Case("pp 2, 1f1b, uneven: 3 layers (1 + 2)", "mixtral-8x22b", FoldSpec(32, tp=2, ep=8, pp=2), 3,
              microbatches=2),
+        Case("pp 2, interleaved-1f1b, virtual 2", "mixtral-8x22b", FoldSpec(32, tp=2, ep=8, pp=2), 4,
+             microbatches=2, schedule="interleaved-1f1b", virtual=2),
     ]
 
 
