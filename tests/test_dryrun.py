@@ -208,3 +208,19 @@ def test_under_zipf_routing_the_stages_first_rank_receives_most_and_peaks_highes
             for rep in (first, last_ep)]
     assert sent[0] > sent[1]  # the combine sends back the rows its experts received
     assert first.activation_peak_bytes > last_ep.activation_peak_bytes
+
+
+def test_the_last_pipeline_stage_keeps_no_logits_of_finished_micro_batches():
+    """Under 1F1B the last stage runs each micro-batch's backward right after its forward, so two
+    more micro-batches of one sequence add less than one micro-batch's logits [1, s, V] to its
+    forward/backward peak. torch's schedule kept every micro-batch's logits until the step ended
+    (to return them merged); ``Pipeline.step`` asks it not to (``return_outputs=False``)."""
+    peaks = []
+    for m in (2, 4):
+        cfg = TrainConfig(model={"name": "tiny-mixtral"}, fold={"world_size": 4, "pp": 2, "ep": 2})
+        cfg.train.batch, cfg.train.seq, cfg.train.microbatches = 2 * m, TINY["seq"], m  # dp 2: mbs 1
+        (last,) = dry_run(cfg, ranks=[2])
+        peaks.append(last.activation_peak_bytes)
+    _, mcfg = cfg.validate()
+    logits = TINY["seq"] * mcfg.vocab * 4  # fp32 (train.dtype's default)
+    assert peaks[1] - peaks[0] < logits, (peaks, logits)

@@ -4,17 +4,19 @@ per (kind, mesh dim) within 10% of ``meshfold dryrun`` of the same step (meshfol
 Real shapes, one layer: Mixtral-8x22B's Table 1 folded config, one pipeline stage's 16 ranks
 (tp2 | ep8, edp2: one local expert, which FSDP2 must shard by its hidden dim, as 1/edp; before
 that fix its edp rank 0 held the whole expert, params 1.73x the planner's shard) with gradient
-accumulation; Llama3-8x70B's stage (tp8 | ep8: its fp32 root re-gathered by the second
-micro-batch sets the peak); Qwen2-57B-A14B with full recomputation; Mixtral's layer on cp 2 x
-etp 2 with one micro-batch, whose peak is the end of backward (the root's tp all-reduce, after the
-activations are gone): the planner once added the loss backward's working set to it (1.13), and
-takes the largest phase of the step now. Each dry run is one spawned process.
+accumulation; the same fold over pp = 2 (both stages: the first with the embedding and two
+micro-batches in flight under 1F1B, the last with the head and the loss); Llama3-8x70B's stage
+(tp8 | ep8: its fp32 root re-gathered by the second micro-batch sets the peak); Qwen2-57B-A14B
+with full recomputation; Mixtral's layer on cp 2 x etp 2 with one micro-batch, whose peak is the
+end of backward (the root's tp all-reduce, after the activations are gone): the planner once added
+the loss backward's working set to it (1.13), and takes the largest phase of the step now. Each
+dry run is one spawned process.
 """
 
 import pytest
 
 from meshfold.mesh import FoldSpec
-from meshfold.plan.check import TOLERANCE, Case, compare
+from meshfold.plan.check import TOLERANCE, Case, compare, pipeline_cases
 
 CASES = [
     Case("mixtral folded stage", "mixtral-8x22b", FoldSpec(16, tp=2, ep=8), 1, microbatches=2),
@@ -33,3 +35,16 @@ def test_planner_within_ten_percent_of_the_dry_run(case):
     assert any(t.startswith("reduce_scatter") for t in terms)  # FSDP2's, over edp or dims sharing its ranks
     bad = [(r.term, r.planner, r.dryrun, r.ratio) for r in rows if not r.within]
     assert not bad, f"outside {TOLERANCE:.0%} (term, planner, dry run, ratio): {bad}"
+
+
+@pytest.mark.multirank
+def test_planner_within_ten_percent_of_the_dry_run_on_both_stages_of_a_pipeline():
+    case = pipeline_cases()[0]  # Mixtral-8x22B, pp 2 x tp 2 | ep 8, 1F1B over 4 micro-batches
+    assert case.spec.pp == 2 and case.microbatches > case.spec.pp and case.schedule == "1f1b"
+    rows = compare(case)
+    assert {r.stage for r in rows} == {0, 1}
+    for stage in (0, 1):
+        terms = {r.term for r in rows if r.stage == stage}
+        assert {"params", "step peak (grads + buffers + activations)", "send pp", "recv pp"} <= terms
+    bad = [(r.stage, r.term, r.planner, r.dryrun, r.ratio) for r in rows if not r.within]
+    assert not bad, f"outside {TOLERANCE:.0%} (stage, term, planner, dry run, ratio): {bad}"

@@ -243,11 +243,13 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         for calls in self._calls:
             calls.log.clear()
+        # return_outputs=False: torch's last stage would otherwise keep every micro-batch's
+        # logits [b, s, V] until the step ends, to merge them into an output nobody reads
         if backward:
-            self.schedule.step(tokens, target=targets, losses=losses)
+            self.schedule.step(tokens, target=targets, losses=losses, return_outputs=False)
         else:
             with torch.no_grad():
-                self.schedule.eval(tokens, target=targets, losses=losses)
+                self.schedule.eval(tokens, target=targets, losses=losses, return_outputs=False)
         for calls in self._calls:
             calls.forget_extra(self.microbatches)
         share = torch.zeros((), dtype=torch.float64, device=count.device)

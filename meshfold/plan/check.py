@@ -19,13 +19,15 @@ Like is compared with like (per rank of a pipeline stage, per step):
 * ``total``: the planner's memory per GPU against the dry run's ``peak_bytes``.
 * one row per ``(kind, dim)`` collective either side issues, in bytes per step.
 
-The dry run covers pp = 1 only, and a real-shape step costs it about 10 s per layer on this
-machine's loaded cores, so both sides run the same reduced model (``layers``) and the same
-number of micro-batches (``global_batch = dp x mbs x microbatches``): per-layer terms scale with
-the layer count and per-micro-batch terms with the micro-batches, while hidden sizes, heads,
-experts, the sequence and the fold keep every byte of a layer the real one.
+A real-shape step costs the dry run about 10 s per layer on this machine's loaded cores, so both
+sides run the same reduced model (``layers``) and the same number of micro-batches
+(``global_batch = dp x mbs x microbatches``): per-layer terms scale with the layer count and
+per-micro-batch terms with the micro-batches, while hidden sizes, heads, experts, the sequence
+and the fold keep every byte of a layer the real one. With pp > 1 each pipeline stage is
+compared by its first rank (:func:`pipeline_cases`: the pipeline's memory moments, its send /
+recv over pp, FSDP2 under a schedule, uneven chunks, the embedding and the head's stages).
 
-    python -m meshfold.plan.check            # the table of docs/plan.md (minutes: one process a case)
+    python -m meshfold.plan.check            # the table of docs/plan.md (minutes: one process a stage)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from meshfold.plan.hardware import hardware
 from meshfold.plan.memory import FP32, expert_shard
 from meshfold.plan.models import MODELS
 
-__all__ = ["Case", "Row", "compare", "cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
+__all__ = ["Case", "Row", "compare", "cases", "pipeline_cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
            "TOLERANCE"]
 
 TOLERANCE = 0.10  # the issue's bar: every term within 10%
@@ -48,8 +50,9 @@ TOLERANCE = 0.10  # the issue's bar: every term within 10%
 @dataclass(frozen=True)
 class Case:
     """One comparison: ``model`` (a name of both ``MODELS`` and meshfold's configs) cut to
-    ``layers`` layers, on ``spec`` (pp = 1) with ``microbatches`` of ``mbs`` sequences of
-    ``seq`` tokens per dp rank, bf16 compute over fp32 masters, FSDP2 (``meshfold train``'s)."""
+    ``layers`` layers, on ``spec`` with ``microbatches`` of ``mbs`` sequences of ``seq`` tokens
+    per dp rank, bf16 compute over fp32 masters, FSDP2 (``meshfold train``'s); with pp > 1
+    through ``schedule`` with ``virtual`` chunks per rank (``train.schedule``, ``train.virtual``)."""
 
     label: str
     model: str
@@ -59,6 +62,8 @@ class Case:
     mbs: int = 1
     microbatches: int = 1
     recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual: int = 1
 
     @property
     def global_batch(self) -> int:
@@ -68,17 +73,19 @@ class Case:
         s = self.spec
         return (f"{self.model} ({self.layers} layer{'s' * (self.layers > 1)}) on {s.world_size} ranks, "
                 f"{s.cp}/{s.tp}/{s.ep}/{s.pp}/{s.etp}, seq {self.seq}, mbs {self.mbs} x {self.microbatches} "
-                f"micro-batches, recompute {self.recompute}")
+                f"micro-batches, recompute {self.recompute}"
+                + (f", {self.schedule}" + (f" virtual {self.virtual}" if self.virtual > 1 else "") if s.pp > 1 else ""))
 
 
 @dataclass(frozen=True)
 class Row:
-    """One term: the planner's bytes, the dry run's, and planner / dry run (None when the dry run
-    has 0 bytes: then the planner must have 0 too)."""
+    """One term of pipeline rank ``stage``: the planner's bytes, the dry run's, and planner / dry
+    run (None when the dry run has 0 bytes: then the planner must have 0 too)."""
 
     term: str
     planner: float
     dryrun: float
+    stage: int = 0
 
     @property
     def ratio(self) -> float | None:
@@ -100,14 +107,15 @@ def _train_config(case: Case):
                             "etp": s.etp})
     t = cfg.train
     t.batch, t.seq, t.dtype, t.recompute = case.global_batch, case.seq, "bfloat16", case.recompute
-    t.microbatches = case.microbatches
+    t.microbatches, t.schedule, t.virtual = case.microbatches, case.schedule, case.virtual
     return cfg
 
 
 def planned(case: Case):
     """The planner's :class:`~meshfold.plan.cost.Estimate` of ``case`` (on the reduced model)."""
     shape = dataclasses.replace(MODELS[case.model], layers=case.layers)
-    lay = Layout(case.spec, mbs=case.mbs, recompute=case.recompute, sharding="fsdp")
+    lay = Layout(case.spec, mbs=case.mbs, vpp=case.virtual, recompute=case.recompute, sharding="fsdp",
+                 schedule=case.schedule)
     return estimate(shape, hardware("h100"), lay, case.seq, case.global_batch)
 
 
@@ -148,24 +156,27 @@ def dry_run_names(spec, rank: int, collectives: dict) -> dict[tuple[str, str], f
 def rows(est, report) -> list[Row]:
     """The rows of one pipeline stage: ``est`` (planner) against ``report`` (a dry-run
     :class:`~meshfold.dryrun.RankReport` of that stage), memory first, then collectives."""
-    mem, s = est.memory, est.layout.spec
-    st = est.detail["params_per_rank"][report.stage]
+    s = est.layout.spec
+    mem, st = est.detail["memory_per_rank"][report.stage], est.detail["params_per_rank"][report.stage]
     sharded_grads = FP32 * (st.dense / (s.dp * s.cp) + st.experts * expert_shard(est.detail["model"], s))
-    out = [Row("params", mem["params"], report.param_bytes),
-           Row("grads (sharded)", sharded_grads, report.grad_bytes),
-           Row("optimizer", mem["optimizer"], report.optimizer_bytes),
+    r = report.stage
+    out = [Row("params", mem["params"], report.param_bytes, r),
+           Row("grads (sharded)", sharded_grads, report.grad_bytes, r),
+           Row("optimizer", mem["optimizer"], report.optimizer_bytes, r),
            Row("step peak (grads + buffers + activations)", mem["grads"] + mem["buffers"] + mem["activations"],
-               report.activation_peak_bytes),
-           Row("total", sum(mem.values()), report.peak_bytes)]
-    want = dry_run_names(s, report.rank, planned_collectives(est, report.stage))
+               report.activation_peak_bytes, r),
+           Row("total", sum(mem.values()), report.peak_bytes, r)]
+    want = dry_run_names(s, report.rank, planned_collectives(est, r))
     got = report.collective_summary()
     for kind, dim in sorted(set(want) | set(got)):
-        out.append(Row(f"{kind} {dim}", want.get((kind, dim), 0.0), got.get((kind, dim), 0)))
+        out.append(Row(f"{kind} {dim}", want.get((kind, dim), 0.0), got.get((kind, dim), 0), r))
     return out
 
 
 def compare(case: Case, routing=None) -> list[Row]:
-    """Planner against dry run for ``case``: one dry-run process per pipeline stage (pp = 1: one)."""
+    """Planner against dry run for ``case``: one dry-run process per pipeline stage, its first
+    rank (:func:`~meshfold.dryrun.representative_ranks`: with pp = 2 the first stage, with the
+    embedding, and the last, with the head and the loss)."""
     from meshfold.dryrun.engine import dry_run
 
     est = planned(case)
@@ -176,8 +187,8 @@ def compare(case: Case, routing=None) -> list[Row]:
 
 
 def _paper(name: str, layers: int, **kw) -> Case:
-    """One pipeline stage's ranks of the paper's Table 1 folded config of ``name`` (pp = 1: the
-    dry run does not pipeline yet), with ``layers`` layers."""
+    """One pipeline stage's ranks of the paper's Table 1 folded config of ``name`` (pp = 1; its
+    pipeline is :func:`pipeline_cases`'), with ``layers`` layers."""
     from meshfold.plan.baselines import PAPER_TABLE1, paper_spec
 
     row = PAPER_TABLE1[name]
@@ -195,6 +206,24 @@ def cases() -> list[Case]:
         _paper("llama3-8x70b", 1, microbatches=2),
         Case("cp 2, etp 2", "mixtral-8x22b", FoldSpec(16, tp=2, cp=2, ep=4, etp=2), 1, microbatches=1),
         Case("full recompute", "qwen2-57b-a14b", FoldSpec(16, tp=2, ep=8), 1, microbatches=2, recompute="full"),
+        *pipeline_cases(),
+    ]
+
+
+def pipeline_cases() -> list[Case]:
+    """pp = 2 of the Table 1 folds' attention / MoE views (two stages of 16 ranks), one layer a
+    stage except where the split is uneven: every schedule ``Pipeline`` runs at real shapes."""
+    return [
+        Case("pp 2, 1f1b, 4 micro-batches > pp", "mixtral-8x22b", FoldSpec(32, tp=2, ep=8, pp=2), 2,
+             microbatches=4),
+        Case("pp 2, 1f1b, 2 micro-batches = pp", "qwen2-57b-a14b", FoldSpec(32, tp=2, ep=4, pp=2), 2,
+             microbatches=2),
+        Case("pp 2, gpipe, 1 micro-batch < pp", "mixtral-8x22b-g8t8", FoldSpec(32, tp=4, ep=8, pp=2), 2,
+             microbatches=1, schedule="gpipe"),
+        Case("pp 2, 1f1b, uneven: 3 layers (1 + 2)", "mixtral-8x22b", FoldSpec(32, tp=2, ep=8, pp=2), 3,
+             microbatches=2),
+        Case("pp 2, interleaved-1f1b, virtual 2", "mixtral-8x22b", FoldSpec(32, tp=2, ep=8, pp=2), 4,
+             microbatches=2, schedule="interleaved-1f1b", virtual=2),
     ]
 
 
@@ -210,8 +239,10 @@ def markdown(results: list[tuple[Case, list[Row]]]) -> str:
     for case, rs in results:
         for i, r in enumerate(rs):
             ratio = "-" if r.ratio is None else f"{r.ratio:.3f}" + ("" if r.within else " **x**")
-            lines.append(f"| {case.label if i == 0 else ''} | {r.term} | {_fmt(r.planner)} | {_fmt(r.dryrun)} | "
-                         f"{ratio} |")
+            where = case.label if i == 0 else ""
+            if case.spec.pp > 1 and (i == 0 or rs[i - 1].stage != r.stage):
+                where += f"{', ' if where else ''}stage {r.stage}"
+            lines.append(f"| {where} | {r.term} | {_fmt(r.planner)} | {_fmt(r.dryrun)} | {ratio} |")
     return "\n".join(lines)
 
 

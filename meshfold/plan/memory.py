@@ -141,17 +141,28 @@ def layer_activations(model: ModelShape, layout, seq: int, moe: bool) -> tuple[f
     dq, dv = model.qk_dim, model.value_dim
     T = layout.mbs * seq / s.cp
     Tr = T / tp
-    attn = a * (2 * Tr * h + T * (n * dq + g * (dq + dv)) / tp + T * n * dv / tp) + 4 * T * n / tp
+    # meshfold's RMSNorm keeps its fp32 upcast [Tr, h] and its bf16 output (layers.RMSNorm),
+    # under tp its QKV projection the all-gathered input [T, h], its fp32 router a copy of the
+    # input (``mine``: 0 on the Megatron rows, whose fused norm keeps its input and whose
+    # sequence-parallel linears re-gather theirs in backward)
+    mine = 0.0 if layout.megatron else 1.0
+    norm = (mine * FP32 + a) * Tr * h
+    gathered = a * T * h * mine if tp > 1 else 0.0
+    attn = norm + a * Tr * h * (1 - mine) + gathered
+    attn += a * (T * (n * dq + g * (dq + dv)) / tp + T * n * dv / tp)
+    attn += 4 * T * n / tp
     attn_sel = a * (Tr * h + T * (n * dq + g * (dq + dv)) / tp + T * h)
     if moe:
-        mlp = a * (2 * Tr * h + Tr * k * etp * h + 3 * Tr * k * f_e + Tr * k * h) + 4 * Tr * E
+        # the norm, the router's fp32 copy of its input, expert input, fc1 out, SwiGLU out, expert out
+        mlp = norm + (mine * FP32 + a * (1 - mine)) * Tr * h
+        mlp += a * (Tr * k * etp * h + 3 * Tr * k * f_e + Tr * k * h) + 4 * Tr * E
         mlp += a * (Tr * h + 3 * T * f_sh / tp) if f_sh else 0.0
         # routing: fp32 top-k scores, int64 experts, the permute's int64 sort keys and order
         routing = 28 * Tr * k
         mlp_sel = (4 * Tr * E + a * (2 * Tr * k * f_e + Tr * k * etp * h) + routing
                    + (a * (2 * T * f_sh / tp + T * h) if f_sh else 0.0))
     else:  # the dense SwiGLU MLP under sequence parallelism: gathered input, fc1, SwiGLU out
-        mlp = a * (Tr * h + T * h + 3 * T * f_d / tp)
+        mlp = norm + (gathered if mine else a * T * h) + a * 3 * T * f_d / tp
         routing = 0.0
         mlp_sel = a * (2 * T * f_d / tp + T * h)
     full = attn + mlp
@@ -231,13 +242,77 @@ def fsdp_step_phases(model: ModelShape, layout, st: StageParams, acts_of_stage: 
     return out
 
 
+def _wide_shared(model: ModelShape, layout, st: StageParams) -> float:
+    """Parameters of the rank's gated shared experts, which FSDP2 gathers in fp32 under tp > 1."""
+    if layout.spec.tp == 1 or not (model.shared_ffn and model.shared_gate):
+        return 0.0
+    return sum(map(model.is_moe_layer, st.layers)) * 3 * model.hidden * model.shared_ffn / layout.spec.tp
+
+
+def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: StageParams, flight: float,
+                          stored: float, logits: float, head_copy: float) -> float:
+    """What pipeline rank ``st.rank`` holds at its forward/backward peak under FSDP2 besides
+    its gathered weights and its gradients ``G`` (4 bytes per local parameter once its first
+    backward has formed them): the largest of these moments of its step, less ``G``.
+
+    * **a backward right after a forward** re-gathers each group, resharded after that forward:
+      FSDP2's flat all-gather output coexists with the group's weights, and for a group sharded
+      off dim 0 (experts where edp does not divide E / ep, :func:`expert_shard`) so does the copy
+      it chunk-cats them from; with the ``flight`` micro-batches' activations. The first backward
+      has no gradients yet; under 1F1B with m > flight a later one (steady state) has all of them.
+    * **a backward right after a backward** (1F1B's cool-down, GPipe's backwards but the first):
+      nothing re-gathered, one micro-batch fewer in flight, all gradients, and the largest
+      weight's new bf16 gradient beside its fp32 copy before FSDP2 adds it to the accumulated one.
+    * **the loss backward** (the last chunk): log-softmax's three fp32 [Tr, V], the bf16 logits,
+      the head's bf16 copy (with tp > 1), the activations in flight; gradients from the second
+      micro-batch on under 1F1B (GPipe runs every loss before any backward).
+    * **the end of backward**: with tp > 1 FSDP2 sums the gradients of tp-replicated weights over
+      tp out of place, two fp32 copies of the largest (embedding, head).
+
+    ``torch.distributed.pipelining``'s buffers are there throughout: the output each stage but the
+    last keeps per micro-batch in flight, and one receive buffer [b, s / (cp tp), h] per micro-batch
+    and neighbouring stage, all allocated for the step."""
+    s, a = layout.spec, BF16
+    G = FP32 * st.total
+    Tr_h = layout.mbs * seq / (s.cp * s.tp) * model.hidden
+    n = s.pp * layout.vpp
+    chunks = range(st.rank, n, s.pp)
+    neighbours = sum(c != 0 for c in chunks) + sum(c != n - 1 for c in chunks)
+    recv = m * neighbours * a * Tr_h
+    kept_out = 0.0 if st.last and layout.vpp == 1 else flight * a * Tr_h
+    groups, largest = [0.0], [0.0]   # parameters of each FSDP2 group it re-gathers (x2: off dim 0)
+    for moe in {model.is_moe_layer(i) for i in st.layers}:
+        p = model.layer_params(moe)
+        if s.dp * s.cp > 1:
+            groups.append(p.replicated + p.tp_split / s.tp)
+        if moe and s.edp > 1:
+            off_dim0 = (model.experts // s.ep) % s.edp != 0
+            groups.append((2 if off_dim0 else 1) * p.experts / (s.ep * s.etp))
+        # the largest weight: the experts' fused gate/up [E / ep, h, 2 f_e / etp], else the MLP's
+        largest.append(2 / 3 * (p.experts / (s.ep * s.etp) if moe else model.dense_ffn * 3 * model.hidden / s.tp))
+    gpipe = layout.schedule == "gpipe"
+    regather = flight * stored + kept_out + a * max(groups)
+    phases = [regather]
+    if not gpipe and m > flight:
+        phases.append(G + regather)
+    if flight >= 2:
+        phases.append(G + (flight - 1) * stored + kept_out + (a + FP32) * max(largest))
+    if st.last:
+        loss = flight * stored + logits + a * layout.mbs * seq / (s.cp * s.tp) * model.vocab + head_copy
+        phases.append(loss + (G if not gpipe and m > 1 else 0.0))
+    first = model.embedding_params if st.rank == 0 else 0.0
+    phases.append(G + (2 * FP32 * max(first, st.head) if s.tp > 1 else 0.0))
+    return recv + max(phases) - G
+
+
 def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tuple[dict[str, float], dict]:
     """The memory terms (params, grads, optimizer, buffers, activations; bytes per GPU) of the
     pipeline rank that needs most, and details: ``params_per_rank`` (the :class:`StageParams`
-    of every pipeline rank), ``worst_rank`` and ``grads_held`` (the gradient bytes the step ends
-    with). Under FSDP2 without pp, grads + buffers + activations are those of the step's largest
-    phase (:func:`fsdp_step_phases`, totals in ``step_phases``), whose gradients may be fewer
-    than those held at the end."""
+    of every pipeline rank), ``memory_per_rank`` (every pipeline rank's terms; the dry-run
+    comparison reads each stage's), ``worst_rank`` and ``grads_held`` (the gradient bytes the
+    step ends with). Under FSDP2 without pp, grads + buffers + activations are those of the
+    step's largest phase (:func:`fsdp_step_phases`, totals in ``step_phases``), whose gradients
+    may be fewer than those held at the end."""
     s, a = layout.spec, BF16
     m = global_batch // (s.dp * layout.mbs)
     n_dense, exp_share = s.dp * s.cp, expert_shard(model, s)
@@ -250,6 +325,7 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
     unit = max(model.layer_params(kind).per_rank(s.tp, s.ep * s.etp) for kind in (True, False))
     worst, best, phases, held = -1.0, ({}, {}), {}, {}
     stages = stage_params(model, layout)
+    per_rank = []
     for st in stages:
         kinds = [model.is_moe_layer(i) for i in st.layers]
         stored = sum(acts[kind][0] for kind in kinds)
@@ -269,7 +345,9 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
         elif layout.sharding == "fsdp":
             root = st.ends * (FP32 if s.tp > 1 else a)          # stays gathered forward to backward
             # every group stays unsharded after its first backward
-            gathered = a * (st.total - st.ends) + root
+            gathered = a * (st.total - st.ends) + root + (FP32 - a) * _wide_shared(model, layout, st)
+            mem["activations"] = _pipeline_activations(model, layout, seq, m, st, flight, stored, logits,
+                                                       head_copy)
             mem.update(params=FP32 * sharded, grads=FP32 * st.total, optimizer=8 * sharded, buffers=gathered)
         else:  # allreduce
             layers = st.total - st.ends
@@ -277,11 +355,12 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
             working_copy = a * unit if layout.recompute != "none" else 0.0
             mem.update(params=FP32 * st.total, grads=FP32 * st.total, optimizer=8 * st.total,
                        buffers=kept_copies + working_copy + 2 * REDUCE_BUCKET_BYTES)
+        per_rank.append({t: mem[t] for t in ("params", "grads", "optimizer", "buffers", "activations")})
         total = sum(mem.values())
         if total > worst:
             worst, best = total, (mem, {"worst_rank": st.rank})
     mem, detail = best
-    detail["params_per_rank"] = stages
+    detail["params_per_rank"], detail["memory_per_rank"] = stages, per_rank
     if phases:  # FSDP2 without pp: the phases' totals, and the gradients the step ends with
         detail["step_phases"] = phases[detail["worst_rank"]]
     detail["grads_held"] = held.get(detail["worst_rank"], mem["grads"])
