@@ -144,3 +144,16 @@ def test_an_all_to_all_leaving_the_node_sends_its_off_node_share_at_the_all_to_a
     spec, B = FoldSpec(16, ep=16), 1e9
     want = max(7 / 16 * B / NO_LATENCY.alltoall_bytes_per_s(True), 8 / 16 * B / NO_LATENCY.alltoall_bytes_per_s(False))
     assert traffic.collective_seconds(NO_LATENCY, spec, "all_to_all", "ep", B, 1) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("spec", [FoldSpec(16, cp=2, tp=8, ep=8), FoldSpec(32, cp=4, tp=8, ep=8, etp=2)],
+                         ids=lambda s: f"cp{s.cp} tp{s.tp} dp{s.dp}")
+def test_data_parallel_traffic_is_dp_time_even_on_a_group_named_cp(spec):
+    """With dp = 1 FSDP2's dp x cp group is the cp group (the dry run names it cp); its gathers
+    and reduce-scatters are still data-parallel time: the cp term is the ring's whatever the
+    sharding, and FSDP2 pays its reduction in dp."""
+    model = _with_dense(2)
+    fsdp, allreduce = (estimate(model, H100, Layout(spec, sharding=sh), 4096, 4) for sh in ("fsdp", "allreduce"))
+    assert spec.dp == 1 and ("all_gather", "cp") in fsdp.collectives
+    assert fsdp.time["cp"] == pytest.approx(allreduce.time["cp"], rel=1e-12)
+    assert fsdp.time["dp"] > 0

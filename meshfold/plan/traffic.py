@@ -33,12 +33,22 @@ from meshfold.mesh import VIEWS, FoldSpec
 from meshfold.plan.collectives import MICROBATCH, STEP
 from meshfold.plan.hardware import Hardware
 
-__all__ = ["TERM_OF_DIM", "wire_share", "collective_seconds", "traffic_seconds"]
+__all__ = ["TERM_OF_DIM", "term_of", "wire_share", "collective_seconds", "traffic_seconds"]
 
 VIEW_OF_DIM = {"pp": "attn", "dp": "attn", "cp": "attn", "tp": "attn", "ep": "moe", "etp": "moe", "edp": "moe"}
 # the step-time term each dim's traffic is charged to; a flattened group (FSDP2's dp+cp, the
-# loop's all-rank token count) is data-parallel traffic
+# loop's all-rank token count) is data-parallel traffic (see term_of)
 TERM_OF_DIM = {"tp": "tp", "cp": "cp", "ep": "ep", "etp": "etp", "pp": "pp", "dp": "dp", "edp": "dp"}
+
+
+def term_of(kind: str, dim: str, when: str) -> str:
+    """The step-time term a collective is charged to: ``dp`` for what is issued once per step
+    (gradient reductions, the tp all-reduce of tp-replicated gradients, the step's scalars) and
+    for FSDP2's gathers on its dp x cp group when dp = 1 names it ``cp`` (the layer code issues
+    no all-gather or reduce-scatter over cp); otherwise its dim's (:data:`TERM_OF_DIM`)."""
+    if when == STEP or (dim == "cp" and kind in ("all_gather", "reduce_scatter")):
+        return "dp"
+    return TERM_OF_DIM.get(dim, "dp")
 
 
 def wire_share(kind: str, n: int) -> float:
@@ -90,9 +100,9 @@ def collective_seconds(hw: Hardware, spec: FoldSpec, kind: str, dim: str, nbytes
 def traffic_seconds(hw: Hardware, spec: FoldSpec, traffic: dict) -> dict[str, dict[str, float]]:
     """``{MICROBATCH: {term: s}, STEP: {term: s}}`` per step of one rank's ``{(kind, dim, when):
     [bytes, calls]}`` (:func:`~meshfold.plan.collectives.collective_traffic`), by the time term
-    of each dim (:data:`TERM_OF_DIM`)."""
+    of each (:func:`term_of`)."""
     out: dict[str, dict[str, float]] = {MICROBATCH: {}, STEP: {}}
     for (kind, dim, when), (nbytes, calls) in traffic.items():
-        term = TERM_OF_DIM.get(dim, "dp")
+        term = term_of(kind, dim, when)
         out[when][term] = out[when].get(term, 0.0) + collective_seconds(hw, spec, kind, dim, nbytes, calls)
     return out
