@@ -31,14 +31,17 @@ Routing is taken as balanced (every rank sends ``Tr k`` rows and its experts rec
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
-from meshfold.plan.memory import expert_shard, stage_params
+from meshfold.plan.memory import REDUCE_BUCKET_BYTES, expert_shard, stage_params
 from meshfold.plan.models import ModelShape
 
-__all__ = ["KINDS", "collective_bytes", "loop_collectives", "group_name"]
+__all__ = ["KINDS", "MICROBATCH", "STEP", "collective_bytes", "collective_traffic", "loop_collectives",
+           "loop_traffic", "group_name"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv", "broadcast")
+MICROBATCH, STEP = "microbatch", "step"   # issued with every micro-batch / once per step
 I64, F32, F64 = 8, 4, 8  # bytes
 
 
@@ -59,100 +62,183 @@ def collective_bytes(model: ModelShape, layout, seq: int, global_batch: int, com
     ``compute_bytes``: the compute dtype's size (2: bf16 over fp32 masters, the
     planner's setting; 4: fp32 compute; 8: fp64), which picks the reduce-scatter path: native on
     NCCL for fp32 and wider, an all-to-all otherwise (half precision, or gloo). Megatron rows
-    (``zero1``) are not meshfold runs: empty dicts."""
+    (``zero1``, not meshfold runs) get Megatron-Core's traffic as :func:`collective_traffic`
+    models it."""
+    return [_bytes_only(t) for t in collective_traffic(model, layout, seq, global_batch, compute_bytes, backend,
+                                                        ragged)]
+
+
+def _bytes_only(traffic: dict[tuple[str, str, str], list[float]]) -> dict[tuple[str, str], float]:
+    out: dict = defaultdict(float)
+    for (kind, dim, _), (nbytes, _) in traffic.items():
+        out[kind, dim] += nbytes
+    return {key: v for key, v in out.items() if v}
+
+
+class _Tally:
+    """``{(kind, dim, when): [bytes, calls]}`` of one rank's step, filled one collective at a time."""
+
+    def __init__(self) -> None:
+        self.c: dict = defaultdict(lambda: [0.0, 0.0])
+
+    def add(self, kind: str, dim: str, nbytes: float, calls: float, when: str = MICROBATCH) -> None:
+        entry = self.c[kind, dim, when]
+        entry[0] += nbytes
+        entry[1] += calls
+
+
+def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, compute_bytes: int = 2,
+                       backend: str = "nccl", ragged: bool = True,
+                       stages=None) -> list[dict[tuple[str, str, str], list[float]]]:
+    """Per pipeline rank, ``{(kind, dim, when): [bytes, calls] per step}``: what
+    :func:`collective_bytes` counts (the same walk; its bytes are these summed over ``when``),
+    with the number of calls (each pays a link latency in the time model) and ``when`` each is
+    issued: :data:`MICROBATCH` (with every micro-batch: a layer's collectives, the pipeline's,
+    FSDP2's gathers; on the critical path of each micro-batch, so in the pipeline bubble too) or
+    :data:`STEP` (once per step: the gradient reductions). Calls are those the code issues for
+    the layer and pipeline collectives (a ring shift is one batched send/recv); for the
+    data-parallel ones, one per layer group and the root (FSDP2 splits tp-replicated weights
+    into more, smaller groups under tp > 1, not counted) or, for ``allreduce``, one per 16 MiB
+    bucket of ``reduce_gradients``.
+
+    Megatron rows (``zero1``; Megatron-Core's runs, for comparison, which the dry run cannot
+    check): the same layer and pipeline collectives, with NCCL's native reduce-scatter for tp and
+    the etp reduce-scatter-v and a native all-gather-v over etp, no position ids gathered, and
+    the distributed optimizer's per-step fp32 gradient reduce-scatter and bf16 parameter
+    all-gather over dp x cp (dense) and edp (experts), evenly sharded. ``stages``: the layout's
+    :func:`~meshfold.plan.memory.stage_params`, when the caller has them already."""
     s = layout.spec
-    if layout.megatron:
-        return [{} for _ in range(s.pp)]
+    megatron = layout.megatron
     sizes = {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp, "ep": s.ep, "etp": s.etp, "edp": s.edp}
     a, master = compute_bytes, max(compute_bytes, F32)
     mixed = compute_bytes < master
-    scatter = "reduce_scatter" if backend == "nccl" and compute_bytes >= F32 else "all_to_all"
+    native = megatron or (backend == "nccl" and compute_bytes >= F32)
+    scatter = "reduce_scatter" if native else "all_to_all"
     m = global_batch // (s.dp * layout.mbs)
     passes = 2 if layout.recompute != "none" else 1      # forward collectives: once more in backward
     h, k, E = model.hidden, model.topk, model.experts
     T = layout.mbs * seq / s.cp            # tokens of a cp rank (gathered over tp)
     Tr = T / s.tp                          # tokens a rank holds between blocks
     s_local = seq / (s.cp * s.tp)          # positions (int64) a rank holds
-    out = []
-    for st in stage_params(model, layout):
-        c: dict = defaultdict(float)   # per micro-batch first, then times m
 
-        def tp_pair(positions: bool) -> None:  # _TensorParallel / shared_in + shared_out, per micro-batch
+    def layer(moe: bool) -> _Tally:
+        """One layer's collectives in one micro-batch (forward, recomputation, backward)."""
+        c = _Tally()
+
+        def tp_pair(positions: bool) -> None:  # _TensorParallel / shared_in + shared_out
             if s.tp == 1:
                 return
-            c["all_gather", "tp"] += passes * (Tr * h * a + (I64 * s_local if positions else 0)) + Tr * h * a
-            c[scatter, "tp"] += passes * T * h * a + T * h * a   # forward reduce-scatter, backward of the gather
+            positions = positions and not megatron
+            c.add("all_gather", "tp", passes * (Tr * h * a + (I64 * s_local if positions else 0)) + Tr * h * a,
+                  passes * (2 if positions else 1) + 1)
+            c.add(scatter, "tp", passes * T * h * a + T * h * a, passes + 1)  # forward reduce-scatter, backward of the gather
 
-        for i in st.layers:
-            moe = model.is_moe_layer(i)
-            tp_pair(positions=True)                                   # attention
-            if s.cp > 1:                                              # ring attention
-                travel = T * (model.kv_per_token if model.mla else model.kv_per_token / s.tp)
-                for kind in ("send", "recv"):
-                    c[kind, "cp"] += (passes + 1) * (s.cp - 1) * travel * a + s.cp * travel * master
-            if not moe:
-                tp_pair(positions=False)                              # dense MLP
-                continue
-            if model.shared_ffn:
-                tp_pair(positions=False)                              # shared expert
-            stats = I64 * (2 * E + 2)
-            for d in ("cp", "tp", "dp"):
-                if sizes[d] > 1:
-                    c["all_reduce", d] += passes * stats
-            if s.ep > 1:
-                c["all_gather", "ep"] += passes * I64 * E
-            if s.etp > 1:
-                c["all_gather", "etp"] += passes * I64 * s.ep * E
-            rows = Tr * k * h * a
-            c["all_to_all", "ep"] += (passes + 1) * 2 * rows          # dispatch + combine, and their transposes
-            if s.etp > 1 and ragged:                                  # ragged gather-v / reduce-scatter-v
-                c["all_to_all", "etp"] += (passes + 1) * 2 * s.etp * rows
-            elif s.etp > 1:   # equal counts: native gather-v (forward, and the combine's backward)
-                c["all_gather", "etp"] += (passes + 1) * rows
-                c["all_to_all", "etp"] += (passes + 1) * s.etp * rows
-        for key in c:
-            c[key] *= m
+        tp_pair(positions=True)                                       # attention
+        if s.cp > 1:                                                  # ring attention
+            travel = T * (model.kv_per_token if model.mla else model.kv_per_token / s.tp)
+            for kind in ("send", "recv"):
+                c.add(kind, "cp", (passes + 1) * (s.cp - 1) * travel * a + s.cp * travel * master,
+                      (passes + 1) * (s.cp - 1) + s.cp)
+        if not moe:
+            tp_pair(positions=False)                                  # dense MLP
+            return c
+        if model.shared_ffn:
+            tp_pair(positions=False)                                  # shared expert
+        stats = I64 * (2 * E + 2)
+        for d in ("cp", "tp", "dp"):
+            if sizes[d] > 1:
+                c.add("all_reduce", d, passes * stats, passes)
+        if s.ep > 1:
+            c.add("all_gather", "ep", passes * I64 * E, passes)
+        if s.etp > 1:
+            c.add("all_gather", "etp", passes * I64 * s.ep * E, passes)
+        rows = Tr * k * h * a
+        c.add("all_to_all", "ep", (passes + 1) * 2 * rows, (passes + 1) * 2)   # dispatch + combine, and transposes
+        if s.etp > 1 and megatron:                                    # native all-gather-v / reduce-scatter-v
+            c.add("all_gather", "etp", (passes + 1) * rows, passes + 1)
+            c.add("reduce_scatter", "etp", (passes + 1) * s.etp * rows, passes + 1)
+        elif s.etp > 1 and ragged:                                    # ragged gather-v / reduce-scatter-v
+            c.add("all_to_all", "etp", (passes + 1) * 2 * s.etp * rows, (passes + 1) * 2)
+        elif s.etp > 1:   # equal counts: native gather-v (forward, and the combine's backward)
+            c.add("all_gather", "etp", (passes + 1) * rows, passes + 1)
+            c.add("all_to_all", "etp", (passes + 1) * s.etp * rows, passes + 1)
+        return c
+
+    per_layer = {moe: layer(moe).c for moe in (True, False)}  # every layer of a kind issues the same
+    params = {moe: model.layer_params(moe) for moe in (True, False)}
+    out, seen = [], {}
+    for st in stages if stages is not None else stage_params(model, layout):
+        n_moe = sum(map(model.is_moe_layer, st.layers))
+        # pipeline ranks holding the same (the middle ones, mostly) issue the same: one dict for them
+        same = (n_moe, len(st.layers), st.dense, st.experts, st.ends, st.rank == 0, st.last)
+        if same in seen:
+            out.append(seen[same])
+            continue
+        c = _Tally()
+        for moe, count in ((True, n_moe), (False, len(st.layers) - n_moe)):
+            for (kind, dim, when), (nbytes, calls) in per_layer[moe].items():
+                c.add(kind, dim, count * m * nbytes, count * m * calls, when)
         for d in ("dp", "cp", "tp"):                                  # the loss: (sum, count) in fp64
             if sizes[d] > 1 and s.pp == 1:
-                c["all_reduce", d] += 2 * F64 * m
+                c.add("all_reduce", d, 2 * F64 * m, m)
         if s.pp > 1:
             for d in ("pp", "dp", "cp", "tp"):                        # Pipeline.step: token count and loss share
                 if sizes[d] > 1:
-                    c["all_reduce", d] += 2 * F64
+                    c.add("all_reduce", d, 2 * F64, 1, STEP)
             n = s.pp * layout.vpp
             chunks = range(st.rank, n, s.pp)
             act = Tr * h * a
             not_last, not_first = sum(ch != n - 1 for ch in chunks), sum(ch != 0 for ch in chunks)
-            c["send", "pp"] += m * act * (not_last + not_first)       # activations forward, gradients back
-            c["recv", "pp"] += m * act * (not_first + not_last)
-        _data_parallel(c, model, layout, st, sizes, a, master, mixed, m)
-        out.append({key: v for key, v in c.items() if v})
+            hops = not_last + not_first                               # activations forward, gradients back
+            c.add("send", "pp", m * act * hops, m * hops)
+            c.add("recv", "pp", m * act * hops, m * hops)
+        if megatron:
+            _distributed_optimizer(c, model, layout, st, sizes, a, master)
+        else:
+            _data_parallel(c, model, layout, st, n_moe, params, sizes, a, master, mixed, m)
+        seen[same] = {key: v for key, v in c.c.items() if v[0]}
+        out.append(seen[same])
     return out
 
 
-def _data_parallel(c, model, layout, st, sizes, a, master, mixed, m) -> None:
-    """FSDP2's or ``reduce_gradients``' collectives for one pipeline rank's parameters."""
+def _distributed_optimizer(c: _Tally, model, layout, st, sizes, a, master) -> None:
+    """Megatron-Core's distributed optimizer (``zero1``, comparison rows only): once per step, the
+    fp32 gradients reduce-scattered and the updated bf16 parameters all-gathered, over dp x cp
+    for the dense weights and edp for the experts; one call per layer and one for the ends."""
+    s = layout.spec
+    calls = len(st.layers) + 1
+    for dim, n, params in ((group_name(("dp", "cp"), sizes), s.dp * s.cp, st.dense), ("edp", s.edp, st.experts)):
+        if n > 1 and params:
+            c.add("reduce_scatter", dim, master * params, calls, STEP)
+            c.add("all_gather", dim, a * params / n, calls, STEP)
+
+
+def _data_parallel(c: _Tally, model, layout, st, n_moe, params, sizes, a, master, mixed, m) -> None:
+    """FSDP2's or ``reduce_gradients``' collectives for one pipeline rank's parameters
+    (``n_moe`` of its layers MoE; ``params``: :meth:`ModelShape.layer_params` by kind)."""
     s = layout.spec
     dense_dim, exp_dim = group_name(("dp", "cp"), sizes), "edp"
     n_d, n_e = s.dp * s.cp, s.edp
-    moe_p, dense_p = model.layer_params(True), model.layer_params(False)
-    kinds = [model.is_moe_layer(i) for i in st.layers]
-    router = sum(kinds) * model.experts * model.hidden
-    replicated = sum((moe_p if k else dense_p).replicated for k in kinds) + st.ends   # tp-summed grads
+    router = n_moe * model.experts * model.hidden
+    replicated = (n_moe * params[True].replicated + (len(st.layers) - n_moe) * params[False].replicated
+                  + st.ends)   # tp-summed grads
     experts = st.experts
+    blocks = len(st.layers) + 1                                       # FSDP2 groups: one per layer and the root
     if layout.sharding == "allreduce":
+        def bucketed(dim: str, nbytes: float) -> None:                 # reduce_gradients' 16 MiB buckets
+            c.add("all_reduce", dim, nbytes, max(1, math.ceil(nbytes / REDUCE_BUCKET_BYTES)), STEP)
         for d in ("dp", "cp", "tp"):
             if sizes[d] > 1:
-                c["all_reduce", d] += master * (replicated if d == "tp" else st.dense)
+                bucketed(d, master * (replicated if d == "tp" else st.dense))
         if s.edp > 1:
-            c["all_reduce", "edp"] += master * experts
+            bucketed("edp", master * experts)
         return
     # FSDP2: groups gathered in the master dtype (the root, and with tp > 1 under mixed precision
     # the tp-replicated weights, and a gated shared expert whole, as fully_shard_folded makes it
     # one group for its tp-replicated gate; the router always, as its dtype is fp32), the rest in
     # compute dtype
     wide_tp = s.tp > 1 and mixed
-    gated = 3 * model.hidden * model.shared_ffn / s.tp * sum(kinds) if model.shared_gate else 0.0
+    gated = 3 * model.hidden * model.shared_ffn / s.tp * n_moe if model.shared_gate else 0.0
     wide = router + (replicated - router + gated if wide_tp else st.ends)
     root_dtype = master if wide_tp else a
     narrow = st.dense - wide
@@ -166,29 +252,38 @@ def _data_parallel(c, model, layout, st, sizes, a, master, mixed, m) -> None:
     # backward). FSDP2 issues nothing on a group of one rank.
     groups, roots = (m + 1, 1) if s.pp > 1 else (2 * m, m)
     if n_d > 1:
-        c["all_gather", dense_dim] += (groups * (narrow * a + (wide - st.ends) * master)
-                                       + roots * st.ends * root_dtype) / n_d
-        c["reduce_scatter", dense_dim] += master * st.dense
-    if n_e > 1:   # FSDP2's padded dim-0 pieces of the local experts (memory.expert_shard)
+        c.add("all_gather", dense_dim, (groups * (narrow * a + (wide - st.ends) * master)
+                                        + roots * st.ends * root_dtype) / n_d,
+              groups * (blocks - 1) + roots)
+        c.add("reduce_scatter", dense_dim, master * st.dense, blocks, STEP)
+    if n_e > 1 and experts:   # FSDP2's padded dim-0 pieces of the local experts (memory.expert_shard)
         piece = experts * expert_shard(model, s)
-        c["all_gather", exp_dim] += groups * piece * a
-        c["reduce_scatter", exp_dim] += master * piece * n_e
+        c.add("all_gather", exp_dim, groups * piece * a, groups * n_moe)
+        c.add("reduce_scatter", exp_dim, master * piece * n_e, n_moe, STEP)
     if s.tp > 1:
-        c["all_reduce", "tp"] += master * replicated
+        c.add("all_reduce", "tp", master * replicated, blocks, STEP)
 
 
 def loop_collectives(layout, global_batch: int) -> dict[tuple[str, str], float]:
     """What ``meshfold train``'s step adds on every rank around :func:`collective_bytes`'s (the
     dry run records it): without pp and with m > 1 micro-batches, one fp64 all-reduce of the m
     micro-batches' token counts over all ranks (``train.loop.microbatch_counts``), and the
-    gradient norm's fp64 scalar summed over each attention dim of size > 1 (``grad_norm``)."""
+    gradient norm's fp64 scalar summed over each attention dim of size > 1 (``grad_norm``).
+    Megatron rows: none (not meshfold's loop)."""
+    return _bytes_only(loop_traffic(layout, global_batch))
+
+
+def loop_traffic(layout, global_batch: int) -> dict[tuple[str, str, str], list[float]]:
+    """:func:`loop_collectives` as ``{(kind, dim, STEP): [bytes, calls]}`` (one call each)."""
     s = layout.spec
+    if layout.megatron:
+        return {}
     sizes = {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp}
     m = global_batch // (s.dp * layout.mbs)
-    c: dict = defaultdict(float)
+    c = _Tally()
     if s.pp == 1 and m > 1:
-        c["all_reduce", group_name(("pp", "dp", "cp", "tp"), sizes)] += F64 * m
+        c.add("all_reduce", group_name(("pp", "dp", "cp", "tp"), sizes), F64 * m, 1, STEP)
     for d in ("pp", "dp", "cp", "tp"):
         if sizes[d] > 1:
-            c["all_reduce", d] += F64
-    return dict(c)
+            c.add("all_reduce", d, F64, 1, STEP)
+    return dict(c.c)

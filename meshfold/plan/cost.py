@@ -6,27 +6,34 @@ states each with its source. Legend (per rank, per micro-batch unless said other
     B = global batch, b = micro-batch, s = sequence, m = B / (dp b) micro-batches per step
     T  = b s / cp       tokens of one attention rank (its context-parallel chunk)
     Tr = T / tp         tokens one rank holds between blocks (sequence parallel)
-    Ls                  layers of the pipeline rank holding most (L / pp when pp * vpp divides L)
     M_e = Tr k etp ep / E   rows of each local expert's GEMM (balanced routing)
     a = 2               bytes per bf16 element
 
-Layer time, forward:  compute + tp + cp + ep + etp
-Layer time, backward: 2 compute + tp + 2 cp + ep + etp  (+ one more forward with recomputation);
-                      the attention core's backward at its own measured rate (2.5x its FLOPs)
+Layer compute, by kind (``ModelShape.is_moe_layer``): attention + the MoE layer (experts, shared
+expert, token dispatcher), or attention + a dense SwiGLU MLP of ``dense_ffn`` split over tp;
+forward, backward (2x forward, the attention core at its own measured rate, 2.5x its FLOPs) and
+the recomputation. Communication: every collective the step issues, as :mod:`meshfold.plan.
+collectives` counts it (``Estimate.collectives``: bytes per (kind, mesh dim), with calls and
+whether per micro-batch or per step), in seconds by :mod:`meshfold.plan.traffic`.
 Seconds come from Hardware: dense and grouped GEMMs, flash attention and collectives each run at a
 measured rate for their shape (sequence length, rows per expert, message size, node span).
-Step = (m + (pp - 1) / vpp) * t_microbatch(slowest stage) + exposed data-parallel communication
+
+    t_mb(r) = compute of pipeline rank r's layers (+ the head on the last) + its per-micro-batch
+              collectives / m
+    step    = (m + (pp - 1) / vpp) * max_r t_mb(r) + max_r (its once-per-step collectives)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 
-from meshfold.mesh import VIEWS, FoldSpec
+from meshfold.mesh import FoldSpec
+from meshfold.plan.collectives import MICROBATCH, STEP, collective_traffic, loop_traffic
 from meshfold.plan.hardware import GIB, Hardware
-from meshfold.plan.memory import memory_terms, stage_layers
+from meshfold.plan.memory import memory_terms
 from meshfold.plan.models import ModelShape
+from meshfold.plan.traffic import traffic_seconds
 
 __all__ = ["Layout", "Estimate", "estimate", "check_layout", "RECOMPUTE", "SHARDINGS", "MEGATRON_SHARDINGS",
            "SCHEDULES", "TIME_TERMS", "MEMORY_TERMS"]
@@ -133,26 +140,41 @@ class Estimate:
     def collectives(self) -> dict[tuple[str, str], float]:
         """``{(kind, dim): bytes per step}`` of global rank 0 (pipeline rank 0), in ``meshfold
         dryrun``'s format (:func:`meshfold.plan.collectives.collective_bytes`; every pipeline
-        rank: :attr:`collectives_per_rank`). Computed on first use: the search does not need it."""
+        rank: :attr:`collectives_per_rank`)."""
         return self.collectives_per_rank[0]
 
     @cached_property
     def collectives_per_rank(self) -> list[dict[tuple[str, str], float]]:
         """Per pipeline rank, the model's step (:func:`~meshfold.plan.collectives.collective_bytes`)
         plus the training loop's own (:func:`~meshfold.plan.collectives.loop_collectives`: token
-        counts, gradient norm), as ``meshfold dryrun`` records a step."""
-        from meshfold.plan.collectives import collective_bytes, loop_collectives
-
-        d = self.detail
-        if self.layout.megatron:
-            return collective_bytes(d["model"], self.layout, d["seq"], d["global_batch"])
-        loop = loop_collectives(self.layout, d["global_batch"])
+        counts, gradient norm), as ``meshfold dryrun`` records a step: :attr:`traffic_per_rank`'s
+        bytes, what the time model's communication terms are computed from."""
         out = []
-        for c in collective_bytes(d["model"], self.layout, d["seq"], d["global_batch"]):
-            c = dict(c)
-            for key, v in loop.items():
-                c[key] = c.get(key, 0.0) + v
-            out.append(c)
+        for t in self.traffic_per_rank:
+            c: dict = {}
+            for (kind, dim, _), (nbytes, _) in t.items():
+                c[kind, dim] = c.get((kind, dim), 0.0) + nbytes
+            out.append({key: v for key, v in c.items() if v})
+        return out
+
+    @cached_property
+    def traffic_per_rank(self) -> list[dict[tuple[str, str, str], list[float]]]:
+        """Per pipeline rank, ``{(kind, dim, when): [bytes, calls] per step}``: the model's
+        (:func:`~meshfold.plan.collectives.collective_traffic`) and the loop's
+        (:func:`~meshfold.plan.collectives.loop_traffic`)."""
+        d = self.detail
+        loop = loop_traffic(self.layout, d["global_batch"])
+        out, merged = [], {}   # ranks that issue the same share one dict (and its seconds)
+        for t in collective_traffic(d["model"], self.layout, d["seq"], d["global_batch"],
+                                    stages=d.get("params_per_rank")):
+            if id(t) not in merged:
+                both = {key: list(v) for key, v in t.items()}
+                for key, (nbytes, calls) in loop.items():
+                    entry = both.setdefault(key, [0.0, 0.0])
+                    entry[0] += nbytes
+                    entry[1] += calls
+                merged[id(t)] = both
+            out.append(merged[id(t)])
         return out
 
     @property
@@ -221,61 +243,6 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
     return next((why for ok, why in rules if not ok), "")
 
 
-@lru_cache(maxsize=None)
-def _placement(view: str, shape: tuple[int, ...], dims: tuple[str, ...], world: int,
-               gpus_per_node: int) -> tuple[bool, float, float]:
-    """Where the groups of ``dims`` sit: (all inside one node, on-node peer share, off-node share).
-
-    Shares are the worst group's fraction of the group size: the peers of a rank on its own node
-    (excluding itself) and on other nodes. They only depend on the view's shape, hence the cache.
-    """
-    spec = FoldSpec(world, **dict(zip(VIEWS[view], shape)))
-    intra, on_share, off_share = True, 1.0, 0.0
-    for group in spec.groups(view, dims):
-        n = len(group)
-        per_node: dict[int, int] = {}
-        for r in group:
-            per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
-        fewest = min(per_node.values())
-        intra &= len(per_node) == 1
-        on_share = min(on_share, (max(per_node.values()) - 1) / n)
-        off_share = max(off_share, (n - fewest) / n)
-    return intra, on_share, off_share
-
-
-class _Links:
-    """Collective times for one layout on one hardware (seconds for a given byte count per rank)."""
-
-    def __init__(self, spec: FoldSpec, hw: Hardware):
-        self.spec, self.hw = spec, hw
-
-    def place(self, view: str, dims: tuple[str, ...]) -> tuple[bool, float, float]:
-        s = self.spec
-        return _placement(view, s.shape(view), dims, s.world_size, self.hw.gpus_per_node)
-
-    def ring(self, view: str, dims: tuple[str, ...], nbytes: float, steps: int = 1) -> float:
-        """Ring collective (all-gather, reduce-scatter, p2p): ``nbytes`` over the slowest link, in
-        ``steps`` messages that each pay the link's latency."""
-        if nbytes <= 0:
-            return 0.0
-        intra, _, _ = self.place(view, dims)
-        return self.hw.collective_time(nbytes, intra, steps)
-
-    def all_to_all(self, view: str, dims: tuple[str, ...], nbytes: float) -> float:
-        """All-to-all sending ``nbytes`` spread evenly over the group (the own share stays).
-
-        On-node and off-node shares go over NVLink and the network at the same time:
-        ``latency + max(on * nbytes / B_nvlink, off * nbytes / B_a2a_net)``, where ``B_a2a_net`` is
-        the NIC rate at the all-to-all efficiency (lower than a ring's; see ``Hardware``) and the
-        latency is the network's once the group leaves its node.
-        """
-        if nbytes <= 0:
-            return 0.0
-        intra, on, off = self.place(view, dims)
-        bw_on, bw_off = self.hw.alltoall_bytes_per_s(True), self.hw.alltoall_bytes_per_s(False)
-        return self.hw.latency(intra) + max(on * nbytes / bw_on, off * nbytes / bw_off)
-
-
 def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_batch: int) -> Estimate:
     """Memory per GPU, step-time breakdown and MFU of ``layout`` training ``model``.
 
@@ -286,24 +253,21 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     if why:
         raise ValueError(f"layout {layout.describe()} cannot run {model.name}: {why}")
     sp = layout.spec
-    tp, cp, dp, pp, ep, etp, edp = sp.tp, sp.cp, sp.dp, sp.pp, sp.ep, sp.etp, sp.edp
+    tp, cp, dp, pp, ep, etp = sp.tp, sp.cp, sp.dp, sp.pp, sp.ep, sp.etp
     h, n, g, E, k = model.hidden, model.heads, model.kv_groups, model.experts, model.topk
-    f_e, f_sh, V = model.expert_ffn, model.shared_ffn, model.vocab
+    f_e, f_sh, f_d, V = model.expert_ffn, model.shared_ffn, model.dense_ffn, model.vocab
     b, s, vpp, a = layout.mbs, seq, layout.vpp, BF16
     m = global_batch // (dp * b)           # micro-batches per step
     T = b * s / cp                         # tokens of one attention rank's context chunk
     Tr = T / tp                            # tokens one rank holds between blocks (SP)
-    Ls = max(len(ids) for ids in stage_layers(model.layers, pp, vpp))   # layers of the fullest rank
     M_e = Tr * k * etp * ep / E            # rows of each local expert GEMM (balanced routing)
-    links = _Links(sp, hw)
 
     # ---- compute, one layer forward -------------------------------------------------------------
-    # GEMMs: 2*rows*in*out FLOPs each plus a fixed cost per GEMM problem (QKV, O; shared fc1, fc2;
-    # fc1, fc2 of each local expert). Causal flash attention executes half of the 4*T*s*n*d score
-    # and value FLOPs that the MFU formula counts. Memory-bound kernels move bytes at HBM speed:
+    # GEMMs: 2*rows*in*out FLOPs each plus a fixed cost per GEMM problem (QKV, O; shared or dense
+    # MLP fc1, fc2; fc1, fc2 of each local expert). Memory-bound kernels move bytes at HBM speed:
     # norms, residual adds and rotary on the attention side; router, permute, chunk sort, SwiGLU,
     # probs and unpermute on the MoE side (the token dispatcher, counted below kernel by kernel).
-    # the attention core (scores and values); MLA: scores over dn + dr, values of dv, so
+    # The attention core (scores and values); MLA: scores over dn + dr, values of dv, so
     # T s n (d_qk + d_v) executed, = 2 T s n d for GQA. It runs at the measured flash-attention
     # rate of each kernel call's length (Hardware.attention_fraction): cp = 1 is one causal call
     # over s; under cp the ring (meshfold.models.ring_attention) calls the kernel on blocks of one
@@ -319,8 +283,11 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     c_core = sum(hw.attention_time(f, length, core_d, causal, False) for f, length, causal in core_calls)
     c_core_bwd = sum(hw.attention_time(2.5 * f, length, core_d, causal, True) for f, length, causal in core_calls)
     c_attn = hw.gemm_time(2 * T * model.attn_params / tp, 2) + c_core
+    dq, dv = model.qk_dim, model.value_dim  # d and d for GQA; dn + dr and dv for MLA
+    attn_bytes = a * (10 * Tr * h + 2 * T * (n * dq + g * (dq + dv) / 2) / tp)   # norms, residuals, rotary
+    # MoE layer: expert GEMMs, E/ep local experts of M_e rows each, fc1 [h -> 2 f_e/etp] and
+    # fc2 [f_e/etp -> h]; the shared expert, a dense SwiGLU of f_sh split over tp.
     c_shared = hw.gemm_time(6 * T * h * f_sh / tp, 2) if f_sh else 0.0
-    # expert GEMMs: E/ep local experts of M_e rows each, fc1 [h -> 2 f_e/etp] and fc2 [f_e/etp -> h]
     c_experts = (hw.grouped_gemm_time(M_e, 2 * f_e / etp, h, E / ep)
                  + hw.grouped_gemm_time(M_e, h, f_e / etp, E / ep))
     # Token dispatcher, bytes each memory-bound kernel reads + writes (elements x a unless said):
@@ -329,90 +296,74 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     #     and its inverse before the way back                               experts and several sources)
     #   SwiGLU: read 2 f_e, write f_e per row                  3 Tr k f_e
     #   probs multiply (read, write) + unpermute (read)        3 Tr k h, plus the Tr h output written
-    #   router: fp32 logits through softmax and top-k          12 Tr E bytes
+    #   router: fp32 logits through softmax and top-k          12 Tr E
     sort_rows = Tr * k * etp if (E // ep > 1 and ep * etp > 1) else 0.0
     moe_bytes = a * (5 * Tr * k * h + 4 * sort_rows * h + Tr * h + 3 * Tr * k * f_e) + 12 * Tr * E
-    dq, dv = model.qk_dim, model.value_dim  # d and d for GQA; dn + dr and dv for MLA
-    hbm_bytes = (a * (10 * Tr * h + 2 * T * (n * dq + g * (dq + dv) / 2) / tp)    # attention side
-                 + moe_bytes                                                     # MoE side
-                 + a * 3 * T * f_sh / tp)                                         # shared SwiGLU
-    c_fwd = c_attn + c_shared + c_experts + hw.hbm_time(hbm_bytes)
-    head_fwd = hw.gemm_time(2 * T * h * V / tp, 1)
+    mlp_bytes = {True: moe_bytes + a * 3 * T * f_sh / tp,   # MoE side + shared SwiGLU
+                 False: a * 3 * T * f_d / tp}              # dense layer: its SwiGLU over the gathered T
+    c_mlp = {True: c_shared + c_experts,
+             False: hw.gemm_time(6 * T * h * f_d / tp, 2) if f_d else 0.0}  # dense SwiGLU MLP, split over tp
+    # Per layer kind (MoE or dense, ModelShape.is_moe_layer), forward + backward (2 forward, the
+    # attention core at its own rate) + recomputation: full runs the forward again, selective all
+    # of it but the weight GEMMs (the attention core and the memory-bound kernels).
+    layer_compute = {}
+    for moe in (True, False):
+        hbm = hw.hbm_time(attn_bytes + mlp_bytes[moe])
+        c_fwd = c_attn + c_mlp[moe] + hbm
+        c_re = {"none": 0.0, "selective": c_core + hbm, "full": c_fwd}[layout.recompute]
+        layer_compute[moe] = 3 * c_fwd + (c_core_bwd - 2 * c_core) + c_re
+    head = 3 * hw.gemm_time(2 * T * h * V / tp, 1)
 
-    # ---- communication, one layer forward -------------------------------------------------------
-    tp_colls = 2 + (2 if f_sh else 0)     # all-gather + reduce-scatter around attention (and shared expert)
-    x_tp = tp_colls * links.ring("attn", ("tp",), (tp - 1) / tp * T * h * a)
-    # ring attention: K,V chunks (2 g d a token, split over tp); MLA gathers the latent and rope key
-    # (rkv + dr a token, replicated over tp: meshfold.models.mla_parallel)
-    x_cp = links.ring("attn", ("cp",), (cp - 1) * T * model.kv_per_token / (1 if model.mla else tp) * a,
-                      steps=cp - 1)
-    x_ep = 2 * links.all_to_all("moe", ("ep",), (ep - 1) / ep * Tr * k * h * a)  # dispatch + combine
-    x_etp = 2 * links.ring("moe", ("etp",), (etp - 1) * Tr * k * h * a)     # all-gather-v + reduce-scatter-v
-    # backward: each collective's transpose once; ring attention sends K,V and dK,dV
-    # Recomputation runs again in backward the whole forward (full) or all of it but the weight
-    # GEMMs (selective: the attention core and the memory-bound kernels); both reissue the
-    # layer's collectives (meshfold.models.recompute caches no collective's output).
-    c_re = {"none": 0.0, "selective": c_core + hw.hbm_time(hbm_bytes), "full": c_fwd}[layout.recompute]
-    rc = 0 if layout.recompute == "none" else 1
-    layer = {
-        "compute": 3 * c_fwd + (c_core_bwd - 2 * c_core) + c_re,   # backward 2 fwd, the core at its own rate
-        "tp": (2 + rc) * x_tp, "cp": (3 + rc) * x_cp, "ep": (2 + rc) * x_ep, "etp": (2 + rc) * x_etp,
-    }
-    x_pp = 2 * vpp * links.ring("attn", ("pp",), Tr * h * a) if pp > 1 else 0.0
-
-    # ---- parameters per stage (meshfold.plan.memory: the rank with the most) -----------------------
+    # ---- memory per GPU (meshfold.plan.memory) ---------------------------------------------------
     memory, mem_detail = memory_terms(model, layout, seq, global_batch)
-    fullest = max(mem_detail["params_per_rank"], key=lambda st: st.total)
-    P_exp, P_ends = fullest.experts, fullest.ends
-    P_dense = fullest.dense - P_ends
+    stages = mem_detail["params_per_rank"]
 
-    # ---- data-parallel communication --------------------------------------------------------------
-    # Over dp x cp for dense weights and edp for expert weights: reduce-scatter fp32 gradients,
-    # all-gather bf16 parameters. zero1 does it once per step; fsdp (FSDP2) gathers for forward and
-    # again for backward every micro-batch and reduce-scatters once per step (gradient sync is off
-    # for all but the last backward); allreduce sums fp32 gradients once per step. No overlap.
-    n_dense, n_edp = dp * cp, edp
-    P_d_stage = P_dense + P_ends
+    # ---- communication: the collectives this step issues (Estimate.collectives) --------------------
+    # meshfold.plan.traffic turns each (kind, dim)'s bytes and calls into seconds on that dim's
+    # group; per micro-batch what is issued with every micro-batch, plus what is issued once per step.
+    detail = {"tokens": global_batch * seq, "microbatches": m, "model": model, "seq": seq,
+              "global_batch": global_batch, **mem_detail}
+    draft = Estimate(layout, memory, {}, 0.0, 0.0, True, detail=detail)
+    seconds: dict[int, dict] = {}
+    for t in draft.traffic_per_rank:   # pipeline ranks that issue the same share one dict
+        if id(t) not in seconds:
+            seconds[id(t)] = traffic_seconds(hw, sp, t)
+    comm = [seconds[id(t)] for t in draft.traffic_per_rank]
 
-    def gather(nbytes_per_param: int) -> float:
-        return (links.ring("attn", ("dp", "cp"), (n_dense - 1) / n_dense * P_d_stage * nbytes_per_param)
-                + links.ring("moe", ("edp",), (n_edp - 1) / n_edp * P_exp * nbytes_per_param))
+    # ---- step time: the slowest pipeline rank sets the pace -----------------------------------------
+    def per_microbatch(st) -> dict[str, float]:
+        n_moe = sum(model.is_moe_layer(i) for i in st.layers)
+        t = {"compute": n_moe * layer_compute[True] + (len(st.layers) - n_moe) * layer_compute[False]
+             + (head if st.last else 0.0)}
+        for term, sec in comm[st.rank][MICROBATCH].items():
+            t[term] = t.get(term, 0.0) + sec / m
+        return t
 
-    if layout.sharding == "zero1":
-        dp_step, fsdp_mb = gather(4) + gather(a), 0.0
-    elif layout.sharding == "allreduce":   # reduce_gradients: one fp32 ring all-reduce per step
-        dp_step, fsdp_mb = 2 * gather(4), 0.0
-    else:
-        dp_step, fsdp_mb = gather(4), 2 * gather(a)
-
-    # ---- step time ----------------------------------------------------------------------------------
-    head = 3 * head_fwd
-    per_mb = {t: Ls * v for t, v in layer.items()}
-    per_mb["compute"] += head          # the last stage carries the head; it is the slowest stage
-    per_mb["pp"] = x_pp
-    per_mb["dp"] = fsdp_mb
-    t_mb = sum(per_mb.values())
-    bubble = (pp - 1) / vpp * t_mb
-    time = {t: m * per_mb.get(t, 0.0) for t in TIME_TERMS}
-    time["dp"] += dp_step
-    time["bubble"] = bubble
+    mb = [per_microbatch(st) for st in stages]
+    slow = max(range(pp), key=lambda r: sum(mb[r].values()))
+    reduce = max(range(pp), key=lambda r: sum(comm[r][STEP].values()))
+    t_mb = sum(mb[slow].values())
+    time = {t: m * mb[slow].get(t, 0.0) + comm[reduce][STEP].get(t, 0.0) for t in TIME_TERMS}
+    time["bubble"] = (pp - 1) / vpp * t_mb
     step = sum(time.values())
     flops = model.step_flops(global_batch, seq)
     mfu = flops / (step * sp.world_size * hw.peak_tflops * 1e12)
 
-    # ---- memory per GPU (meshfold.plan.memory) ---------------------------------------------------
     worst = sum(memory.values())
     usable = hw.usable_bytes
     feasible = worst <= usable
     reason = "" if feasible else (
         f"out of memory: needs {worst / GIB:.1f} GiB per GPU > {usable / GIB:.1f} GiB usable on {hw.name} ("
         + ", ".join(f"{t} {memory[t] / GIB:.1f}" for t in MEMORY_TERMS) + ")")
-    detail = {"tokens": global_batch * seq, "microbatches": m, "flops": flops, "rows_per_expert": M_e,
-              "model": model, "seq": seq, "global_batch": global_batch, **mem_detail}
     # the time model's kernel rates at this layout (meshfold.plan.curves reports them)
+    rc = 0 if layout.recompute == "none" else 1
     core_flops = 3.5 * sum(f for f, _, _ in core_calls)   # forward + 2.5x backward, executed
     peak = hw.peak_tflops * 1e12
-    detail.update(peak_flops=peak, attn_core_s=m * Ls * ((1 + rc) * c_core + c_core_bwd),
+    detail.update(flops=flops, rows_per_expert=M_e, peak_flops=peak, slowest_rank=slow,
+                  stage_seconds=[sum(t.values()) for t in mb],   # per micro-batch, each pipeline rank
+                  attn_core_s=m * len(stages[slow].layers) * ((1 + rc) * c_core + c_core_bwd),
                   attn_core_fraction=core_flops / ((c_core + c_core_bwd) * peak),
                   expert_gemm_fraction=6 * Tr * k * h * f_e / (c_experts * peak))
-    return Estimate(layout, memory, time, step, mfu, feasible, reason, detail)
+    out = Estimate(layout, memory, time, step, mfu, feasible, reason, detail)
+    out.__dict__["traffic_per_rank"] = draft.traffic_per_rank   # computed once (cached_property's slot)
+    return out

@@ -22,6 +22,7 @@ v head dims.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = ["ModelShape", "LayerParams", "MODELS", "model_shape", "shape_of_config"]
 
@@ -99,8 +100,8 @@ class ModelShape:
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense and (i - self.first_k_dense) % self.moe_every == 0
 
-    @property
-    def moe_layers(self) -> int:
+    @cached_property
+    def moe_layers(self) -> int:   # cached: the search asks for it per layout
         return sum(self.is_moe_layer(i) for i in range(self.layers))
 
     @property
