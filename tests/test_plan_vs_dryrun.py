@@ -5,7 +5,8 @@ Real shapes, one layer: Mixtral-8x22B's Table 1 folded config, one pipeline stag
 (tp2 | ep8, edp2: one local expert, which FSDP2 must shard by its hidden dim, as 1/edp; before
 that fix its edp rank 0 held the whole expert, params 1.73x the planner's shard) with gradient
 accumulation; the same fold over pp = 2 (both stages: the first with the embedding and two
-micro-batches in flight under 1F1B, the last with the head and the loss); Llama3-8x70B's stage
+micro-batches in flight under 1F1B, the last with the head and the loss), G8T8's under GPipe with
+one micro-batch and Mixtral's uneven 1 + 2 layer split; Llama3-8x70B's stage
 (tp8 | ep8: its fp32 root re-gathered by the second micro-batch sets the peak); Qwen2-57B-A14B
 with full recomputation; Mixtral's layer on cp 2 x etp 2 with one micro-batch, whose peak is the
 end of backward (the root's tp all-reduce, after the activations are gone): the planner once added
@@ -37,10 +38,21 @@ def test_planner_within_ten_percent_of_the_dry_run(case):
     assert not bad, f"outside {TOLERANCE:.0%} (term, planner, dry run, ratio): {bad}"
 
 
+PIPELINES = [
+    pipeline_cases()[0],  # Mixtral-8x22B, pp 2 x tp 2 | ep 8, 1F1B over 4 micro-batches
+    # G8T8 under GPipe, one micro-batch: both stages peak at the end of backward, at the tp
+    # all-reduce of the root's fp32 gradient (one fp32 copy besides it; the planner counted two, 1.18)
+    pipeline_cases()[2],
+    # uneven 1 + 2 layers: stage 0 peaks in its second backward, whose bf16 expert gradients FSDP2
+    # adds in place to the fp32 ones (the planner counted an fp32 copy of the largest too, 1.13)
+    pipeline_cases()[3],
+]
+
+
 @pytest.mark.multirank
-def test_planner_within_ten_percent_of_the_dry_run_on_both_stages_of_a_pipeline():
-    case = pipeline_cases()[0]  # Mixtral-8x22B, pp 2 x tp 2 | ep 8, 1F1B over 4 micro-batches
-    assert case.spec.pp == 2 and case.microbatches > case.spec.pp and case.schedule == "1f1b"
+@pytest.mark.parametrize("case", PIPELINES, ids=lambda c: c.label)
+def test_planner_within_ten_percent_of_the_dry_run_on_both_stages_of_a_pipeline(case):
+    assert case.spec.pp == 2
     rows = compare(case)
     assert {r.stage for r in rows} == {0, 1}
     for stage in (0, 1):

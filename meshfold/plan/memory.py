@@ -262,12 +262,16 @@ def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: Stage
       has no gradients yet; under 1F1B with m > flight a later one (steady state) has all of them.
     * **a backward right after a backward** (1F1B's cool-down, GPipe's backwards but the first):
       nothing re-gathered, one micro-batch fewer in flight, all gradients, and the largest
-      weight's new bf16 gradient beside its fp32 copy before FSDP2 adds it to the accumulated one.
+      weight's new bf16 gradient: FSDP2 adds it in place to the fp32 one the first backward formed
+      (``FSDPParam.accumulate_unsharded_grad_if_needed``), no fp32 copy of it.
     * **the loss backward** (the last chunk): log-softmax's three fp32 [Tr, V], the bf16 logits,
       the head's bf16 copy (with tp > 1), the activations in flight; gradients from the second
       micro-batch on under 1F1B (GPipe runs every loss before any backward).
     * **the end of backward**: with tp > 1 FSDP2 sums the gradients of tp-replicated weights over
-      tp out of place, two fp32 copies of the largest (embedding, head).
+      tp out of place, one fp32 copy of the largest (embedding, head) beside its fp32 gradient; from
+      the second micro-batch on, its backward also holds the new bf16 gradient of the weight's
+      compute copy and that gradient cast to fp32 before autograd adds it to the accumulated one
+      (the root is gathered in fp32 and cast for compute).
 
     ``torch.distributed.pipelining``'s buffers are there throughout: the output each stage but the
     last keeps per micro-batch in flight, and one receive buffer [b, s / (cp tp), h] per micro-batch
@@ -296,12 +300,13 @@ def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: Stage
     if not gpipe and m > flight:
         phases.append(G + regather)
     if flight >= 2:
-        phases.append(G + (flight - 1) * stored + kept_out + (a + FP32) * max(largest))
+        phases.append(G + (flight - 1) * stored + kept_out + a * max(largest))
     if st.last:
         loss = flight * stored + logits + a * layout.mbs * seq / (s.cp * s.tp) * model.vocab + head_copy
         phases.append(loss + (G if not gpipe and m > 1 else 0.0))
     first = model.embedding_params if st.rank == 0 else 0.0
-    phases.append(G + (2 * FP32 * max(first, st.head) if s.tp > 1 else 0.0))
+    if s.tp > 1:
+        phases.append(G + (FP32 + (a if m > 1 else 0.0)) * max(first, st.head))
     return recv + max(phases) - G
 
 
