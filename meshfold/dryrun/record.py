@@ -17,10 +17,16 @@ backend), and the same Python code gives the same records on both sides.
 * :class:`LivePeak`: the peak bytes of the storages created while it is active and still alive
   (each storage once, views included), i.e. the step's activations, temporaries, gathered
   weights and the gradients as they form; a fake tensor's storage has the real one's size.
+
+Each is a mode of its own, and :class:`StepRecorder` is all three as one mode, which is what a
+step uses: every op of a fake step passes through each Python mode on the stack, and half of
+them are the autograd engine's and FSDP2's ``prim.device`` queries, so three modes cost three
+times the per-op overhead for the same records (``tests/test_dryrun.py`` compares the two).
 """
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 import weakref
 from itertools import combinations
@@ -32,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from meshfold.mesh import VIEWS
 
-__all__ = ["KINDS", "CollectiveLog", "HostReads", "LivePeak", "dim_names", "summary"]
+__all__ = ["KINDS", "CollectiveLog", "HostReads", "LivePeak", "StepRecorder", "dim_names", "summary"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv", "broadcast")
 
@@ -54,6 +60,8 @@ _INPUT_ARGS = ("input", "input_tensor", "input_tensors", "inputs", "tensors")
 
 aten = torch.ops.aten
 _READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+_DEVICE = torch.ops.prim.device.default  # a tensor's device: no data, no storage, no message
+_PASS = object()  # HostReads.intercept: not a host read, run the op
 
 
 def dim_names(spec, rank: int, prefer: str = "attn") -> dict[frozenset, str]:
@@ -121,15 +129,30 @@ class CollectiveLog(TorchDispatchMode):
             self._ranks[key] = names[ranks]
         return self._ranks[key]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kind = _OPS.get(func._schema.name.split("::")[-1]) if func.namespace in ("c10d", "_c10d_functional") \
-            else None
+    def observe(self, func, args, kwargs) -> None:
+        """Record ``func`` if it is a collective (before it runs)."""
+        kind = _kind(func)
         if kind is not None:
             prefer = "moe" if kind == "all_to_all" else "attn"
             self.records.append({"kind": kind, "dim": self._dim(_group_of(func, args, kwargs), prefer),
                                  "bytes": _nbytes(_arg(func, args, kwargs, _INPUT_ARGS))})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.observe(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_KINDS_OF: dict = {}
+
+
+def _kind(func) -> str | None:
+    """The :data:`KINDS` entry of op ``func``, None if it is no collective (memoized: asked of
+    every op a step dispatches)."""
+    if func not in _KINDS_OF:
+        collective = func.namespace in ("c10d", "_c10d_functional")
+        _KINDS_OF[func] = _OPS.get(func._schema.name.split("::")[-1]) if collective else None
+    return _KINDS_OF[func]
 
 
 def summary(records: list[dict]) -> dict[tuple[str, str], int]:
@@ -162,12 +185,18 @@ class HostReads(TorchDispatchMode):
     def record(self, what: str) -> None:
         self.reads.append((what, _where()))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def intercept(self, func):
+        """Record ``func`` if it reads device data; the answer a dry run gives instead of
+        running it, else ``_PASS`` (run it)."""
         if func in _READS:
             self.record(func._schema.name.split("::")[-1])
             if self.answer:
                 return True
-        return func(*args, **(kwargs or {}))
+        return _PASS
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        answer = self.intercept(func)
+        return func(*args, **(kwargs or {})) if answer is _PASS else answer
 
 
 class LivePeak(TorchDispatchMode):
@@ -187,8 +216,13 @@ class LivePeak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.track(func, out)
+        return out
+
+    def track(self, func, out) -> None:
+        """Count the storages ``func`` created for ``out`` (after it ran)."""
         if func.is_view:  # allocates nothing: its storage is its input's, counted or not
-            return out
+            return
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -201,4 +235,35 @@ class LivePeak(TorchDispatchMode):
             self._seen[key] = (weakref.ref(s, lambda _, key=key: self._forget(key)), n)
             self.live += n
             self.peak = max(self.peak, self.live)
+
+
+class StepRecorder(TorchDispatchMode):
+    """:class:`CollectiveLog`, :class:`HostReads` and, inside :meth:`measuring`, a
+    :class:`LivePeak`, as one mode: the same records as the three stacked (the peak outermost,
+    then the host reads, then the log), for one mode's overhead per op."""
+
+    def __init__(self, log: CollectiveLog, reads: HostReads):
+        super().__init__()
+        self.log, self.reads = log, reads
+        self.peak: LivePeak | None = None
+
+    @contextlib.contextmanager
+    def measuring(self, peak: LivePeak):
+        """Track ``peak`` over the ops of this block (``with ... as peak``)."""
+        self.peak = peak
+        try:
+            yield peak
+        finally:
+            self.peak = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _DEVICE:  # no read, no collective, no storage: none of the three records it
+            return func(*args, **kwargs)
+        out = self.reads.intercept(func)
+        if out is _PASS:
+            self.log.observe(func, args, kwargs)
+            out = func(*args, **kwargs)
+        if self.peak is not None:
+            self.peak.track(func, out)
         return out
