@@ -310,10 +310,13 @@ def dry_run_rank(cfg, rank: int, routing=None) -> RankReport:
 
 
 
-def dry_run(cfg, routing=None, ranks=None) -> list[RankReport]:
+def dry_run(cfg, routing=None, ranks=None, last_here: bool = False) -> list[RankReport]:
     """:func:`dry_run_rank` for each rank of ``ranks`` (default :func:`representative_ranks`),
     each in a fresh process: DTensor caches dispatch plans by mesh equality (in C++ too), so a
-    second fold of the same spec in one process would run on the first one's destroyed groups."""
+    second fold of the same spec in one process would run on the first one's destroyed groups.
+    ``last_here``: the last rank runs in this process instead, for a caller that has made no
+    fold and exits afterwards (``meshfold dryrun``): a fresh process costs a second torch
+    import, seconds of CPU and, on shared cores, often tens of seconds of waiting."""
     import concurrent.futures
     import multiprocessing
 
@@ -321,7 +324,10 @@ def dry_run(cfg, routing=None, ranks=None) -> list[RankReport]:
     chosen = representative_ranks(cfg.fold_spec()) if ranks is None else list(ranks)
     ctx = multiprocessing.get_context("spawn")
     out = []
-    for r in chosen:
+    for i, r in enumerate(chosen):
+        if last_here and i == len(chosen) - 1:
+            out.append(dry_run_rank(cfg, r, routing))
+            continue
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
             out.append(pool.submit(dry_run_rank, cfg, r, routing).result())
     return out

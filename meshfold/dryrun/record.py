@@ -33,6 +33,7 @@ from itertools import combinations
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -61,6 +62,7 @@ _INPUT_ARGS = ("input", "input_tensor", "input_tensors", "inputs", "tensors")
 aten = torch.ops.aten
 _READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 _DEVICE = torch.ops.prim.device.default  # a tensor's device: no data, no storage, no message
+_FAKE_DEVICE = _DISPATCH_META_HANDLERS[_DEVICE]  # how FakeTensorMode answers it, first thing
 _PASS = object()  # HostReads.intercept: not a host read, run the op
 
 
@@ -259,6 +261,8 @@ class StepRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _DEVICE:  # no read, no collective, no storage: none of the three records it
+            if type(args[0]) is FakeTensor:  # answered as the fake mode would, one mode sooner
+                return _FAKE_DEVICE(args)
             return func(*args, **kwargs)
         out = self.reads.intercept(func)
         if out is _PASS:
