@@ -31,11 +31,12 @@ CASES = {  # ranks -> (model, fold CP/TP/EP/PP/ETP); pp = 1: one dry-run rank pe
 }
 
 
-def _timed(argv: list[str], env: dict | None = None) -> tuple[float, float, float, str]:
+def _timed(argv: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, float, float, str]:
     """(wall seconds, CPU seconds, peak RSS MiB, stdout) of ``argv``: on a shared machine the CPU
     time is the steadier figure (the wall time includes waiting for other tenants' work)."""
     t0 = time.perf_counter()
-    done = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", *argv], capture_output=True, text=True, env=env)
+    done = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", *argv], capture_output=True, text=True, env=env,
+                          cwd=cwd)
     wall = time.perf_counter() - t0
     if done.returncode not in (0, 1):  # 1: a rank out of memory, still a finished dry run
         raise RuntimeError(f"{argv} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -53,16 +54,17 @@ def main() -> int:
     py = sys.executable
     base_wall, base_cpu, base_rss, _ = _timed([py, "-c", "import torch, meshfold.dryrun.engine"])
     rows = [{"case": "baseline: start + import", "wall_s": base_wall, "cpu_s": base_cpu, "rss_mib": base_rss}]
-    versions = [("before", {**os.environ, "PYTHONPATH": args.before})] if args.before else []
-    versions.append(("after" if args.before else "", None))
+    # python -m puts the working directory first on sys.path: the earlier version runs from its own
+    versions = [("before", {**os.environ, "PYTHONPATH": args.before}, args.before)] if args.before else []
+    versions.append(("after" if args.before else "", None, None))
     for ranks in args.cases:
         model, fold = CASES[ranks]
-        for version, env in versions:
+        for version, env, cwd in versions:
             with tempfile.TemporaryDirectory() as tmp:
                 name = f"{version or 'report'}-{ranks}.json"
-                path = Path(args.reports or tmp) / name
+                path = (Path(args.reports or tmp) / name).resolve()
                 wall, cpu, rss, out = _timed([py, "-m", "meshfold", "dryrun", "--model", model, "--gpus", str(ranks),
-                                              "--fold", fold, "--json", str(path)], env)
+                                              "--fold", fold, "--json", str(path)], env, cwd)
                 report = json.loads(path.read_text())
             r0 = report["ranks"][0]
             rows.append({"case": f"{model} {ranks} ranks {fold} {version}".rstrip(), "wall_s": wall, "cpu_s": cpu,

@@ -103,9 +103,10 @@ def test_dry_run_reports_the_real_pipeline_step_of_the_last_stage(worlds):
 
 # ---- the step's one recording mode against the three modes it merges -----------------------------
 def _recorded_work(rank, world_size, rows, answer, merged):
-    """A few ops of each kind the recorders see (collectives over the default group, host reads,
-    a view, a backward), recorded by StepRecorder (``merged``) or by the three modes stacked as
-    they were (the log innermost, the live peak outermost)."""
+    """A few ops of each kind the recorders see, recorded by StepRecorder (``merged``) or by the
+    three modes stacked as they were (the log innermost, the live peak outermost): a backward,
+    a view and host reads under the peak, then collectives over the default group (outside it:
+    gloo frees its buffers on its own thread, so live bytes around a collective vary by timing)."""
     import contextlib
 
     import torch
@@ -115,24 +116,24 @@ def _recorded_work(rank, world_size, rows, answer, merged):
 
     log, reads = CollectiveLog(FoldSpec(world_size, dp=world_size), rank), HostReads(answer=answer)
     with contextlib.ExitStack() as stack:
+        recorder = None
         if merged:
-            peak = stack.enter_context(stack.enter_context(StepRecorder(log, reads)).measuring(LivePeak()))
+            recorder = stack.enter_context(StepRecorder(log, reads))
         else:
             stack.enter_context(log)
             stack.enter_context(reads)
-            peak = stack.enter_context(LivePeak())
-        x_RC = torch.randn(rows, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank),
-                           requires_grad=True)
-        y_RR = torch.relu(x_RC @ x_RC.T)
+        with recorder.measuring(LivePeak()) if merged else LivePeak() as peak:
+            x_RC = torch.randn(rows, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank),
+                               requires_grad=True)
+            y_RR = torch.relu(x_RC @ x_RC.T)
+            loss = y_RR[1:].sum()  # a view, then a reduction
+            loss.backward()
+            read = (bool(y_RR.sum() >= 0), loss.item())
         s_RR = y_RR.detach().clone()
         dist.all_reduce(s_RR)
         gathered = torch.empty(world_size * rows, 3, dtype=torch.float64)
         dist.all_gather_into_tensor(gathered, x_RC.detach())
-        sent = torch.empty_like(gathered)  # held, as every collective's tensors: freed when gloo is done
-        dist.all_to_all_single(sent, gathered)
-        loss = y_RR[1:].sum()  # a view, then a reduction
-        loss.backward()
-        read = (bool(s_RR.sum() >= 0), loss.item())
+        dist.all_to_all_single(torch.empty_like(gathered), gathered)
     return log.records, reads.reads, peak.peak, peak.live, read
 
 

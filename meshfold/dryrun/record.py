@@ -167,9 +167,13 @@ def summary(records: list[dict]) -> dict[tuple[str, str], int]:
 
 def _where() -> str:
     """The innermost source line on the stack in meshfold (outside this package) or torch's
-    optimizers, where most host reads of a step come from."""
+    optimizers, where most host reads of a step come from, searched up to the dry-run code that
+    runs the step: what called the step (``meshfold dryrun``'s own command line, when its rank
+    runs in its process) is not where a read came from."""
     for frame in reversed(traceback.extract_stack()):
         name = frame.filename
+        if frame.name == "step_report" and name.endswith("/meshfold/dryrun/engine.py"):
+            return "?"  # the step itself made the read: no meshfold line in between
         if ("/meshfold/" in name and "/dryrun/" not in name) or "/torch/optim/" in name:
             return f"{name.rsplit('/meshfold/', 1)[-1] if '/meshfold/' in name else name.rsplit('/torch/', 1)[-1]}:{frame.lineno}"
     return "?"
