@@ -101,6 +101,53 @@ def test_dry_run_reports_the_real_pipeline_step_of_the_last_stage(worlds):
     _check_rank(worlds, {"world_size": 4, "pp": 2, "ep": 2}, "float64", "none", 2, 3)
 
 
+# ---- the step's one recording mode against the three modes it merges -----------------------------
+def _recorded_work(rank, world_size, rows, answer, merged):
+    """A few ops of each kind the recorders see, recorded by StepRecorder (``merged``) or by the
+    three modes stacked as they were (the log innermost, the live peak outermost): a backward,
+    a view and host reads under the peak, then collectives over the default group (outside it:
+    gloo frees its buffers on its own thread, so live bytes around a collective vary by timing)."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from meshfold.dryrun import CollectiveLog, HostReads, LivePeak, StepRecorder
+
+    log, reads = CollectiveLog(FoldSpec(world_size, dp=world_size), rank), HostReads(answer=answer)
+    with contextlib.ExitStack() as stack:
+        recorder = None
+        if merged:
+            recorder = stack.enter_context(StepRecorder(log, reads))
+        else:
+            stack.enter_context(log)
+            stack.enter_context(reads)
+        with recorder.measuring(LivePeak()) if merged else LivePeak() as peak:
+            x_RC = torch.randn(rows, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank),
+                               requires_grad=True)
+            y_RR = torch.relu(x_RC @ x_RC.T)
+            loss = y_RR[1:].sum()  # a view, then a reduction
+            loss.backward()
+            read = (bool(y_RR.sum() >= 0), loss.item())
+        s_RR = y_RR.detach().clone()
+        dist.all_reduce(s_RR)
+        gathered = torch.empty(world_size * rows, 3, dtype=torch.float64)
+        dist.all_gather_into_tensor(gathered, x_RC.detach())
+        dist.all_to_all_single(torch.empty_like(gathered), gathered)
+    return log.records, reads.reads, peak.peak, peak.live, read
+
+
+@settings(max_examples=4)
+@given(rows=st.integers(1, 6), answer=st.booleans())
+def test_the_step_recorder_records_what_the_three_modes_stacked_record(worlds, rows, answer):
+    merged = worlds(4).run(_recorded_work, rows, answer, True)
+    stacked = worlds(4).run(_recorded_work, rows, answer, False)
+    assert merged == stacked
+    records, reads, peak, _, _ = merged[0]
+    assert [r["kind"] for r in records] == ["all_reduce", "all_gather", "all_to_all"]
+    assert [what for what, _ in reads] == ["_local_scalar_dense"] * 2 and peak > 0  # bool() and .item()
+
+
 # ---- errors: the same one line as meshfold layout and meshfold train --------------------------
 def _error_line(argv, capsys) -> str:
     assert cli_main(argv) == 2

@@ -2,9 +2,9 @@
 tensor data (see :mod:`meshfold.dryrun.engine` and docs/dryrun.md)."""
 
 from meshfold.dryrun.engine import RankReport, dry_run, dry_run_rank, record_block_counts, representative_ranks, step_report
-from meshfold.dryrun.record import KINDS, CollectiveLog, HostReads, LivePeak, dim_names, summary
+from meshfold.dryrun.record import KINDS, CollectiveLog, HostReads, LivePeak, StepRecorder, dim_names, summary
 from meshfold.dryrun.routing import Balanced, Replay, Zipf, parse_routing
 
 __all__ = ["RankReport", "dry_run", "dry_run_rank", "record_block_counts", "representative_ranks", "step_report",
-           "KINDS", "CollectiveLog", "HostReads", "LivePeak", "dim_names", "summary",
+           "KINDS", "CollectiveLog", "HostReads", "LivePeak", "StepRecorder", "dim_names", "summary",
            "Balanced", "Replay", "Zipf", "parse_routing"]

@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"--ranks {bad}: out of range [0, {spec.world_size})")
     t0 = time.perf_counter()
-    reports = dry_run(cfg, routing, args.ranks)
+    reports = dry_run(cfg, routing, args.ranks, last_here=True)  # the command exits after it
     wall = time.perf_counter() - t0
     budget = hw.usable_bytes
     print(f"meshfold dryrun: {args.model} on {spec.world_size} ranks, fold {args.fold} "

@@ -41,7 +41,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from meshfold.dryrun.record import CollectiveLog, HostReads, LivePeak, summary
+from meshfold.dryrun.record import CollectiveLog, HostReads, LivePeak, StepRecorder, summary
 from meshfold.dryrun.routing import Balanced
 from meshfold.placements import token_dispatch
 
@@ -130,16 +130,16 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
     tokens = torch.randint(0, mcfg.vocab, (t.batch, t.seq + 1), generator=gen)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     log, reads = CollectiveLog(spec, rank), HostReads(answer=fake is not None)
+    recorder = StepRecorder(log, reads)
     with contextlib.ExitStack() as stack:
         if fake is not None:
             stack.enter_context(fake)
         stack.enter_context(_counting_reads(reads, on_counts))
-        stack.enter_context(log)
-        stack.enter_context(reads)
+        stack.enter_context(recorder)
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                                 betas=(0.9, 0.95), foreach=False)
         buffers = [b for _, b in model.named_buffers()]
-        with LivePeak(exclude=list(model.parameters()) + buffers) as peak:
+        with recorder.measuring(LivePeak(exclude=list(model.parameters()) + buffers)) as peak:
             _global_loss(model, inputs, targets, spec, rank, backward=True, microbatches=t.microbatches or 1)
         for module in model.chunks if isinstance(model, Pipeline) else [model]:
             reduce_gradients(module)  # a no-op under FSDP2, which reduce-scattered in backward
@@ -248,6 +248,22 @@ def _on_this_thread():
         yield
 
 
+@contextlib.contextmanager
+def _without_profiler_ranges():
+    """``torch.profiler.record_function`` ranges (FSDP2 opens several per group and pass: about 12k
+    in a 56-layer step) as no-ops while no profiler runs. Each is an op the fake mode cannot
+    cache, a full fake dispatch that records nothing: no tensor, no collective, no host read.
+    Under a running profiler (someone profiling the dry run) they stay."""
+    from torch.autograd import profiler
+
+    if torch.autograd._profiler_enabled():
+        yield
+        return
+    with mock.patch.object(profiler.record_function, "__enter__", lambda self: self), \
+            mock.patch.object(profiler.record_function, "__exit__", lambda self, *exc: None):
+        yield
+
+
 def representative_ranks(spec) -> list[int]:
     """One rank per pipeline stage: the stage's first rank (see the module docstring)."""
     per_stage = spec.world_size // spec.pp
@@ -284,7 +300,8 @@ def dry_run_rank(cfg, rank: int, routing=None) -> RankReport:
 
         hook = register_module_forward_pre_hook(see_tokens)
         try:
-            with _routed_counts(routing, lambda: current["topk"], lambda: current["tokens"]), _on_this_thread():
+            with _routed_counts(routing, lambda: current["topk"], lambda: current["tokens"]), _on_this_thread(), \
+                    _without_profiler_ranges():
                 return step_report(cfg, rank, folded, fake=fake)
         finally:
             hook.remove()
@@ -293,10 +310,13 @@ def dry_run_rank(cfg, rank: int, routing=None) -> RankReport:
 
 
 
-def dry_run(cfg, routing=None, ranks=None) -> list[RankReport]:
+def dry_run(cfg, routing=None, ranks=None, last_here: bool = False) -> list[RankReport]:
     """:func:`dry_run_rank` for each rank of ``ranks`` (default :func:`representative_ranks`),
     each in a fresh process: DTensor caches dispatch plans by mesh equality (in C++ too), so a
-    second fold of the same spec in one process would run on the first one's destroyed groups."""
+    second fold of the same spec in one process would run on the first one's destroyed groups.
+    ``last_here``: the last rank runs in this process instead, for a caller that has made no
+    fold and exits afterwards (``meshfold dryrun``): a fresh process costs a second torch
+    import, seconds of CPU and, on shared cores, often tens of seconds of waiting."""
     import concurrent.futures
     import multiprocessing
 
@@ -304,7 +324,10 @@ def dry_run(cfg, routing=None, ranks=None) -> list[RankReport]:
     chosen = representative_ranks(cfg.fold_spec()) if ranks is None else list(ranks)
     ctx = multiprocessing.get_context("spawn")
     out = []
-    for r in chosen:
+    for i, r in enumerate(chosen):
+        if last_here and i == len(chosen) - 1:
+            out.append(dry_run_rank(cfg, r, routing))
+            continue
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
             out.append(pool.submit(dry_run_rank, cfg, r, routing).result())
     return out

@@ -17,22 +17,29 @@ backend), and the same Python code gives the same records on both sides.
 * :class:`LivePeak`: the peak bytes of the storages created while it is active and still alive
   (each storage once, views included), i.e. the step's activations, temporaries, gathered
   weights and the gradients as they form; a fake tensor's storage has the real one's size.
+
+Each is a mode of its own, and :class:`StepRecorder` is all three as one mode, which is what a
+step uses: every op of a fake step passes through each Python mode on the stack, and half of
+them are the autograd engine's and FSDP2's ``prim.device`` queries, so three modes cost three
+times the per-op overhead for the same records (``tests/test_dryrun.py`` compares the two).
 """
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 import weakref
 from itertools import combinations
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from meshfold.mesh import VIEWS
 
-__all__ = ["KINDS", "CollectiveLog", "HostReads", "LivePeak", "dim_names", "summary"]
+__all__ = ["KINDS", "CollectiveLog", "HostReads", "LivePeak", "StepRecorder", "dim_names", "summary"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv", "broadcast")
 
@@ -54,6 +61,9 @@ _INPUT_ARGS = ("input", "input_tensor", "input_tensors", "inputs", "tensors")
 
 aten = torch.ops.aten
 _READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+_DEVICE = torch.ops.prim.device.default  # a tensor's device: no data, no storage, no message
+_FAKE_DEVICE = _DISPATCH_META_HANDLERS[_DEVICE]  # how FakeTensorMode answers it, first thing
+_PASS = object()  # HostReads.intercept: not a host read, run the op
 
 
 def dim_names(spec, rank: int, prefer: str = "attn") -> dict[frozenset, str]:
@@ -121,15 +131,30 @@ class CollectiveLog(TorchDispatchMode):
             self._ranks[key] = names[ranks]
         return self._ranks[key]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kind = _OPS.get(func._schema.name.split("::")[-1]) if func.namespace in ("c10d", "_c10d_functional") \
-            else None
+    def observe(self, func, args, kwargs) -> None:
+        """Record ``func`` if it is a collective (before it runs)."""
+        kind = _kind(func)
         if kind is not None:
             prefer = "moe" if kind == "all_to_all" else "attn"
             self.records.append({"kind": kind, "dim": self._dim(_group_of(func, args, kwargs), prefer),
                                  "bytes": _nbytes(_arg(func, args, kwargs, _INPUT_ARGS))})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.observe(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_KINDS_OF: dict = {}
+
+
+def _kind(func) -> str | None:
+    """The :data:`KINDS` entry of op ``func``, None if it is no collective (memoized: asked of
+    every op a step dispatches)."""
+    if func not in _KINDS_OF:
+        collective = func.namespace in ("c10d", "_c10d_functional")
+        _KINDS_OF[func] = _OPS.get(func._schema.name.split("::")[-1]) if collective else None
+    return _KINDS_OF[func]
 
 
 def summary(records: list[dict]) -> dict[tuple[str, str], int]:
@@ -142,9 +167,13 @@ def summary(records: list[dict]) -> dict[tuple[str, str], int]:
 
 def _where() -> str:
     """The innermost source line on the stack in meshfold (outside this package) or torch's
-    optimizers, where most host reads of a step come from."""
+    optimizers, where most host reads of a step come from, searched up to the dry-run code that
+    runs the step: what called the step (``meshfold dryrun``'s own command line, when its rank
+    runs in its process) is not where a read came from."""
     for frame in reversed(traceback.extract_stack()):
         name = frame.filename
+        if frame.name == "step_report" and name.endswith("/meshfold/dryrun/engine.py"):
+            return "?"  # the step itself made the read: no meshfold line in between
         if ("/meshfold/" in name and "/dryrun/" not in name) or "/torch/optim/" in name:
             return f"{name.rsplit('/meshfold/', 1)[-1] if '/meshfold/' in name else name.rsplit('/torch/', 1)[-1]}:{frame.lineno}"
     return "?"
@@ -162,12 +191,18 @@ class HostReads(TorchDispatchMode):
     def record(self, what: str) -> None:
         self.reads.append((what, _where()))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def intercept(self, func):
+        """Record ``func`` if it reads device data; the answer a dry run gives instead of
+        running it, else ``_PASS`` (run it)."""
         if func in _READS:
             self.record(func._schema.name.split("::")[-1])
             if self.answer:
                 return True
-        return func(*args, **(kwargs or {}))
+        return _PASS
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        answer = self.intercept(func)
+        return func(*args, **(kwargs or {})) if answer is _PASS else answer
 
 
 class LivePeak(TorchDispatchMode):
@@ -216,7 +251,9 @@ class LivePeak(TorchDispatchMode):
                 self._shrunk.add(key)
                 self.live -= n
 
-    def __enter__(self):
+    @contextlib.contextmanager
+    def following_fsdp(self):
+        """Follow FSDP2's frees and regrowths (above) while active."""
         from unittest import mock
 
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
@@ -232,26 +269,33 @@ class LivePeak(TorchDispatchMode):
             alloc(param)
             tracker._resized(param.all_gather_outputs, grown=True)
 
-        self._patches = [mock.patch.object(FSDPParam, "free_unsharded_param", freed),
-                         mock.patch.object(FSDPParam, "alloc_all_gather_outputs", grown)]
-        for patch in self._patches:
-            patch.start()
+        with mock.patch.object(FSDPParam, "free_unsharded_param", freed), \
+                mock.patch.object(FSDPParam, "alloc_all_gather_outputs", grown):
+            yield
+
+    def __enter__(self):
+        self._following = self.following_fsdp()
+        self._following.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for patch in reversed(self._patches):
-            patch.stop()
+        self._following.__exit__(None, None, None)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.track(func, args, out)
+        return out
+
+    def track(self, func, args, out) -> None:
+        """Count the storages ``func`` created for ``out`` from ``args`` (after it ran)."""
         if func.is_view:  # allocates nothing: its storage is its input's, counted or not
-            return out
+            return
         if func is torch.ops._c10d_functional.wait_tensor.default:
             waited, done = (getattr(t, "_local_tensor", t).untyped_storage() for t in (args[0], out))
             if done is not waited and id(done) not in self._seen:  # fake: keep the input's bytes alive
                 self._seen[id(done)] = (weakref.ref(done, lambda _, key=id(done): self._forget(key)), 0, waited)
-            return out
+            return
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -264,4 +308,38 @@ class LivePeak(TorchDispatchMode):
             self._seen[key] = (weakref.ref(s, lambda _, key=key: self._forget(key)), n, None)
             self.live += n
             self.peak = max(self.peak, self.live)
+
+
+class StepRecorder(TorchDispatchMode):
+    """:class:`CollectiveLog`, :class:`HostReads` and, inside :meth:`measuring`, a
+    :class:`LivePeak`, as one mode: the same records as the three stacked (the peak outermost,
+    then the host reads, then the log), for one mode's overhead per op."""
+
+    def __init__(self, log: CollectiveLog, reads: HostReads):
+        super().__init__()
+        self.log, self.reads = log, reads
+        self.peak: LivePeak | None = None
+
+    @contextlib.contextmanager
+    def measuring(self, peak: LivePeak):
+        """Track ``peak`` over the ops of this block (``with ... as peak``)."""
+        self.peak = peak
+        try:
+            with peak.following_fsdp():  # as LivePeak's own __enter__ does
+                yield peak
+        finally:
+            self.peak = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _DEVICE:  # no read, no collective, no storage: none of the three records it
+            if type(args[0]) is FakeTensor:  # answered as the fake mode would, one mode sooner
+                return _FAKE_DEVICE(args)
+            return func(*args, **kwargs)
+        out = self.reads.intercept(func)
+        if out is _PASS:
+            self.log.observe(func, args, kwargs)
+            out = func(*args, **kwargs)
+        if self.peak is not None:
+            self.peak.track(func, args, out)
         return out
