@@ -166,14 +166,6 @@ class Pipeline:
         spec = folded.spec
         pp = spec.pp
         check_pipeline(pp, model.cfg, microbatches, schedule, virtual)
-        master = next(p.dtype for p in model.parameters())
-        if recompute != "none" and data_parallel == "fsdp" and compute_dtype not in (None, master):
-            # FSDP2's mixed-precision hooks on the experts' group run differently in the recompute
-            # under the schedule's gradient-sync-off backward, which selective checkpointing's
-            # op-count check rejects (benchmarks/RESULTS.md, "Activation recomputation")
-            raise ValueError(f"recompute = {recompute!r} with pp = {pp}, FSDP2 and compute_dtype = "
-                             f"{compute_dtype} (master {master}) is not supported; valid: recompute = "
-                             f"'none', or compute_dtype = None / {master}")
         self.folded, self.microbatches = folded, microbatches
         n = pp * virtual
         layers = chunk_layers(model.cfg.layers, n)

@@ -65,39 +65,42 @@ aten = torch.ops.aten
 # often. FSDP2's hooks on a group nested in the block (the experts, on the MoE mesh) run in the
 # recompute too, in the state of the backward (a group already unsharded, or unsharded again;
 # gradient sync off under a pipeline schedule), so they may mark profiler ranges, allocate,
-# all-gather and copy unsharded weights a different number of times than in the forward (found
-# so with fp32 and bf16 compute, with and without pp; an op missing here raises at recompute,
-# naming it). None of these ops is ever kept (the policy keeps no mutating op or collective), so
-# SAC may run them uncounted: they join the ops it already treats so
-# (torch.utils.checkpoint.SAC_IGNORED_OPS, e.g. checkpoint's own detach calls), but only while one
-# of meshfold's checkpointed blocks runs or recomputes (:func:`_hook_ops_ignored`), so another
-# library's selective checkpointing in the same process still sees them.
+# all-gather, view and copy unsharded weights a different number of times than in the forward
+# (found so with fp32 and bf16 compute, with and without pp: under pp 2 x cp 2 x etp 2 the
+# recompute met one more aten.view than the forward). The count matters only for the ops the
+# policy may keep: a kept op's outputs are matched to its calls by their index, while every other
+# op is run again anyway. So inside one of meshfold's blocks (forward and recompute) SAC ignores
+# every op but those (:data:`ROUTING_OPS`, :data:`SAVED_PRODUCTS`), via the set it already
+# treats so (torch.utils.checkpoint.SAC_IGNORED_OPS, e.g. checkpoint's own detach calls); outside
+# them the set is torch's own, so another library's selective checkpointing in the same process
+# sees every op (:func:`_hook_ops_ignored`).
 
 
-def _namespace_ops(*namespaces: str) -> set:
-    """Every registered overload of the ops in ``namespaces`` (e.g. "c10d")."""
-    names = [n.split("::") for n in torch._C._dispatch_get_all_op_names() if n.split("::")[0] in namespaces]
-    return {getattr(packet, o) for packet in (getattr(getattr(torch.ops, ns), op) for ns, op in names)
-            for o in packet.overloads()}
+def _all_ops() -> set:
+    """Every op overload registered now ("ns::name.overload" -> torch.ops.ns.name.overload)."""
+    out = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        ns, rest = qualified.split("::", 1)
+        name, _, overload = rest.partition(".")
+        try:
+            out.add(getattr(getattr(getattr(torch.ops, ns), name), overload or "default"))
+        except (AttributeError, RuntimeError):  # namespaces torch.ops does not expose
+            continue
+    return out
 
 
-def _fsdp_hook_ops() -> set:
-    importlib.import_module("torch.distributed.fsdp")  # registers torch.ops.fsdp
-    return (_namespace_ops("fsdp", "c10d")
-            | {torch.ops.profiler._record_function_enter_new.default,
-               torch.ops.profiler._record_function_exit._RecordFunction,
-               aten.copy_.default, aten._foreach_copy_.default, aten.split_with_sizes_copy.out,
-               aten.empty.memory_format, aten._to_copy.default})
-
-
-_HOOK_OPS = frozenset(_fsdp_hook_ops()) - torch.utils.checkpoint.SAC_IGNORED_OPS
+_HOOK_OPS: frozenset = frozenset()  # filled at the first block: every op overload but the kept ones
 _hook_ops_depth = 0  # blocks running or recomputing now (nested: a recompute inside a backward)
 
 
 @contextlib.contextmanager
 def _hook_ops_ignored():
     """SAC ignores :data:`_HOOK_OPS` inside this context; the set is torch's own again outside."""
-    global _hook_ops_depth
+    global _hook_ops_depth, _HOOK_OPS
+    if not _HOOK_OPS:
+        importlib.import_module("torch.distributed.fsdp")  # registers torch.ops.fsdp
+        kept = {getattr(p, o) for p in ROUTING_OPS + SAVED_PRODUCTS for o in p.overloads()}
+        _HOOK_OPS = frozenset(_all_ops() - kept - torch.utils.checkpoint.SAC_IGNORED_OPS)
     if _hook_ops_depth == 0:
         torch.utils.checkpoint.SAC_IGNORED_OPS.update(_HOOK_OPS)
     _hook_ops_depth += 1
@@ -107,6 +110,7 @@ def _hook_ops_ignored():
         _hook_ops_depth -= 1
         if _hook_ops_depth == 0:
             torch.utils.checkpoint.SAC_IGNORED_OPS.difference_update(_HOOK_OPS)
+
 
 ROUTING_OPS = (aten.topk, aten.sort)  # top-k experts; dropping and permute orders
 

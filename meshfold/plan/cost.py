@@ -193,8 +193,10 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
     every proposed layout through them): heads, KV groups, the dense and shared-expert ffn over
     tp, experts over ep, expert ffn over etp, the sequence over 2 cp tp (cp's load-balanced
     chunks) or tp, the global batch over dp * mbs; pp * vpp chunks of at least one layer each;
-    1F1B with at least pp micro-batches, interleaved 1F1B with a multiple of pp; no recomputation
-    under a pipeline with FSDP2 and bf16 compute (``Pipeline`` refuses it). The Megatron
+    1F1B with at least pp micro-batches, interleaved 1F1B with a multiple of pp; and no
+    recomputation under a pipeline with FSDP2, which meshfold runs but the planner does not model
+    (its pipeline moments, ``memory._pipeline_activations``, hold no recomputed block's working
+    set and were compared with the dry run without recomputation). The Megatron
     comparison rows (``zero1``) keep Megatron-Core's rules instead: pp * vpp divides the layers,
     cp divides the sequence.
     """
@@ -237,8 +239,8 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
             (not pipelined or layout.schedule != "interleaved-1f1b" or m % s.pp == 0,
              f"interleaved-1f1b needs micro-batches={m} a multiple of pp={s.pp}"),
             (not (pipelined and layout.sharding == "fsdp" and layout.recompute != "none"),
-             f"recompute={layout.recompute!r} with pp={s.pp} under FSDP2 and bf16 compute is refused by "
-             f"meshfold's Pipeline; valid: recompute='none', or sharding='allreduce'"),
+             f"recompute={layout.recompute!r} with pp={s.pp} under FSDP2 is not modelled by the planner "
+             f"(meshfold runs it); valid: recompute='none', or sharding='allreduce'"),
         )
     return next((why for ok, why in rules if not ok), "")
 

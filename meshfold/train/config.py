@@ -340,11 +340,6 @@ class TrainConfig:
         if t.init_from is not None and t.data_parallel != "fsdp":
             raise ValueError(f"train.data_parallel = {t.data_parallel!r} with train.init_from: a checkpoint is "
                              f"loaded into FSDP2's layout; valid: 'fsdp'")
-        if spec.pp > 1 and t.recompute != "none" and t.data_parallel == "fsdp" and t.dtype != t.master_dtype:
-            raise ValueError(f"train.recompute = {t.recompute!r} with fold.pp = {spec.pp}, FSDP2 and train.dtype = "
-                             f"{t.dtype} over {t.master_dtype} masters is refused by the pipeline; valid: "
-                             f"recompute = 'none', train.data_parallel = 'allreduce', or train.dtype = "
-                             f"{t.master_dtype}")
         if spec.pp > 1 and t.init_from is not None:
             raise ValueError(f"train.init_from with fold.pp = {spec.pp}: pipeline stages do not load Hugging "
                              f"Face checkpoints yet; use pp = 1")
