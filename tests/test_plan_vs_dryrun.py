@@ -6,7 +6,7 @@ Real shapes, one layer: Mixtral-8x22B's Table 1 folded config, one pipeline stag
 that fix its edp rank 0 held the whole expert, params 1.73x the planner's shard) with gradient
 accumulation; the same fold over pp = 2 (both stages: the first with the embedding and two
 micro-batches in flight under 1F1B, the last with the head and the loss), G8T8's under GPipe with
-one micro-batch and Mixtral's uneven 1 + 2 layer split; Llama3-8x70B's stage
+one micro-batch, Mixtral's uneven 1 + 2 layer split and its interleaved schedule (virtual 2); Llama3-8x70B's stage
 (tp8 | ep8: its fp32 root re-gathered by the second micro-batch sets the peak); Qwen2-57B-A14B
 with full recomputation; Mixtral's layer on cp 2 x etp 2 with one micro-batch, whose peak is the
 end of backward (the root's tp all-reduce, after the activations are gone): the planner once added
@@ -46,6 +46,10 @@ PIPELINES = [
     # uneven 1 + 2 layers: stage 0 peaks in its second backward, whose bf16 expert gradients FSDP2
     # adds in place to the fp32 ones (the planner counted an fp32 copy of the largest too, 1.13)
     pipeline_cases()[3],
+    # interleaved, virtual 2: rank 0 peaks at its first backward (chunk 2's re-gather, four
+    # chunk-micro-batches in flight, no gradients), rank 1 at chunk 3's second backward (only its
+    # gradients formed); counting 1F1B's moments (every group gathered, every gradient) gave 1.25
+    pipeline_cases()[4],
 ]
 
 

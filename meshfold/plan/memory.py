@@ -26,7 +26,9 @@ The planner's memory model (docs/plan.md, *Memory*), per pipeline rank ``r`` of 
   master dtype). Without pp the step's gradients, gathered weights and activations are those of
   its largest phase (:func:`fsdp_step_phases`: the root's gather, the loss backward, the layers'
   backward, the root's gradient reduction), each summing only what is alive then; with pp every
-  group stays gathered after its first backward.
+  group stays gathered after its first backward, and the peak is the largest of 1F1B's moments
+  (:func:`_pipeline_activations`), under interleaving (vpp > 1) counted chunk by chunk along
+  torch's order of ops (:mod:`meshfold.plan.interleaved`).
 
   ``allreduce`` (``parallelize(data_parallel="allreduce")``): whole fp32 replicas, 4 + 4 + 8
   bytes per local parameter, plus the bf16 copy of each weight the parametrization casts for
@@ -242,11 +244,28 @@ def fsdp_step_phases(model: ModelShape, layout, st: StageParams, acts_of_stage: 
     return out
 
 
-def _wide_shared(model: ModelShape, layout, st: StageParams) -> float:
-    """Parameters of the rank's gated shared experts, which FSDP2 gathers in fp32 under tp > 1."""
+def _wide_shared(model: ModelShape, layout, layers) -> float:
+    """Parameters of the gated shared experts of ``layers``, which FSDP2 gathers in fp32 under tp > 1."""
     if layout.spec.tp == 1 or not (model.shared_ffn and model.shared_gate):
         return 0.0
-    return sum(map(model.is_moe_layer, st.layers)) * 3 * model.hidden * model.shared_ffn / layout.spec.tp
+    return sum(map(model.is_moe_layer, layers)) * 3 * model.hidden * model.shared_ffn / layout.spec.tp
+
+
+def _regathered(model: ModelShape, layout, layers) -> tuple[float, float]:
+    """(parameters of the largest FSDP2 group among ``layers`` that a backward re-gathers, x2 for
+    experts sharded off dim 0; parameters of the largest weight: the experts' fused gate/up
+    [E / ep, h, 2 f_e / etp], else the dense MLP's)."""
+    s = layout.spec
+    groups, largest = [0.0], [0.0]
+    for moe in {model.is_moe_layer(i) for i in layers}:
+        p = model.layer_params(moe)
+        if s.dp * s.cp > 1:
+            groups.append(p.replicated + p.tp_split / s.tp)
+        if moe and s.edp > 1:
+            off_dim0 = (model.experts // s.ep) % s.edp != 0
+            groups.append((2 if off_dim0 else 1) * p.experts / (s.ep * s.etp))
+        largest.append(2 / 3 * (p.experts / (s.ep * s.etp) if moe else model.dense_ffn * 3 * model.hidden / s.tp))
+    return max(groups), max(largest)
 
 
 def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: StageParams, flight: float,
@@ -284,23 +303,14 @@ def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: Stage
     neighbours = sum(c != 0 for c in chunks) + sum(c != n - 1 for c in chunks)
     recv = m * neighbours * a * Tr_h
     kept_out = 0.0 if st.last and layout.vpp == 1 else flight * a * Tr_h
-    groups, largest = [0.0], [0.0]   # parameters of each FSDP2 group it re-gathers (x2: off dim 0)
-    for moe in {model.is_moe_layer(i) for i in st.layers}:
-        p = model.layer_params(moe)
-        if s.dp * s.cp > 1:
-            groups.append(p.replicated + p.tp_split / s.tp)
-        if moe and s.edp > 1:
-            off_dim0 = (model.experts // s.ep) % s.edp != 0
-            groups.append((2 if off_dim0 else 1) * p.experts / (s.ep * s.etp))
-        # the largest weight: the experts' fused gate/up [E / ep, h, 2 f_e / etp], else the MLP's
-        largest.append(2 / 3 * (p.experts / (s.ep * s.etp) if moe else model.dense_ffn * 3 * model.hidden / s.tp))
+    group, largest = _regathered(model, layout, st.layers)
     gpipe = layout.schedule == "gpipe"
-    regather = flight * stored + kept_out + a * max(groups)
+    regather = flight * stored + kept_out + a * group
     phases = [regather]
     if not gpipe and m > flight:
         phases.append(G + regather)
     if flight >= 2:
-        phases.append(G + (flight - 1) * stored + kept_out + a * max(largest))
+        phases.append(G + (flight - 1) * stored + kept_out + a * largest)
     if st.last:
         loss = flight * stored + logits + a * layout.mbs * seq / (s.cp * s.tp) * model.vocab + head_copy
         phases.append(loss + (G if not gpipe and m > 1 else 0.0))
@@ -350,9 +360,15 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
         elif layout.sharding == "fsdp":
             root = st.ends * (FP32 if s.tp > 1 else a)          # stays gathered forward to backward
             # every group stays unsharded after its first backward
-            gathered = a * (st.total - st.ends) + root + (FP32 - a) * _wide_shared(model, layout, st)
-            mem["activations"] = _pipeline_activations(model, layout, seq, m, st, flight, stored, logits,
-                                                       head_copy)
+            gathered = a * (st.total - st.ends) + root + (FP32 - a) * _wide_shared(model, layout, st.layers)
+            if layout.vpp > 1:
+                from meshfold.plan.interleaved import interleaved_activations  # it reads this module's
+
+                mem["activations"] = interleaved_activations(model, layout, seq, m, st, acts, logits, head_copy,
+                                                             gathered)
+            else:
+                mem["activations"] = _pipeline_activations(model, layout, seq, m, st, flight, stored, logits,
+                                                           head_copy)
             mem.update(params=FP32 * sharded, grads=FP32 * st.total, optimizer=8 * sharded, buffers=gathered)
         else:  # allreduce
             layers = st.total - st.ends
