@@ -112,7 +112,10 @@ def newest_step(out_dir) -> int:
 def test_ranks_never_outlive_the_launcher(tmp_path, reference, sig, to_group):
     """Whatever ends the launcher, every rank (and the forkserver) ends within seconds; SIGTERM and
     Ctrl-C (SIGINT to the whole terminal group) stop it with one line, not a traceback."""
-    proc = start(tmp_path)
+    # Signalled once checkpoint 2 exists; 6 steps of 0.75 s remain, so the run is still training
+    # when the signal lands even if this process is not scheduled for seconds (with 0.15 s steps,
+    # at a load average of 90, a run once finished all 8 steps before its Ctrl-C arrived)
+    proc = start(tmp_path, faults="step_sleep=0.75")
     try:
         wait_until(lambda: newest_step(tmp_path) >= 2 or proc.poll() is not None, 120, "checkpoint 2")
         assert proc.poll() is None, proc.stderr.read()[-3000:]
