@@ -176,8 +176,11 @@ def _replay_state(layers, seen: list):
 
 
 @contextlib.contextmanager
-def _both(outer, inner):
-    with outer, inner:
+def _stacked(*contexts):
+    """``contexts`` entered in order (the first outermost)."""
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
         yield
 
 
@@ -195,8 +198,8 @@ class BlockRecompute:
     def _contexts(self):
         forward, recompute = create_selective_checkpoint_contexts(self.policy)
         seen: list = []
-        return (_both(_hook_ops_ignored(), _both(_record_state(self.layers, seen), forward)),
-                _both(_hook_ops_ignored(), _both(_replay_state(self.layers, seen), recompute)))
+        return (_stacked(_hook_ops_ignored(), _record_state(self.layers, seen), forward),
+                _stacked(_hook_ops_ignored(), _replay_state(self.layers, seen), recompute))
 
     def __call__(self, fn, *args):
         if not torch.is_grad_enabled():

@@ -50,8 +50,8 @@ class FoldedPruner:
     def _params(self):
         for i, layer in enumerate(self.layers):
             ex = layer.experts
-            yield f"{i}.w_gate_up", layer, ex.w_gate_up, "experts.mask_gate_up", ex.mask_gate_up
-            yield f"{i}.w_down", layer, ex.w_down, "experts.mask_down", ex.mask_down
+            yield f"{i}.w_gate_up", ex.w_gate_up, ex.mask_gate_up
+            yield f"{i}.w_down", ex.w_down, ex.mask_down
 
     @staticmethod
     def _full(t):
@@ -62,7 +62,7 @@ class FoldedPruner:
         """Add this step's (dL/dW * W)^2 (full tensors; call after gradients are reduced)."""
         if self.config.score != "taylor" or self._done():
             return
-        for name, _, p, _, _ in self._params():
+        for name, p, _ in self._params():
             if p.grad is None:
                 continue
             score = (self._full(p.grad).float() * self._full(p).float()).pow(2)
@@ -79,7 +79,7 @@ class FoldedPruner:
             return False
         self.last_target = target
         group = {}
-        for name, _, p, _, mask in self._params():
+        for name, p, mask in self._params():
             w = self._full(p).detach().clone()
             E, K = w.shape[0], w.shape[1]
             group[name] = (w.reshape(E, K, -1), mask.view(E, mask.shape[1], -1))
@@ -89,7 +89,7 @@ class FoldedPruner:
                 pruner.taylor[name] = self.taylor[name].reshape(group[name][0].shape)
         pruner.prune_to(target)  # updates the shared, full masks in place
         self.taylor.clear()
-        for _, _, p, _, mask in self._params():
+        for _, p, mask in self._params():
             E, K = p.shape[0], p.shape[1]  # the whole weight's shape, as the full mask's
             keep = expand_tile_mask(mask.reshape(E, mask.shape[1], -1), K, p.shape[1:].numel() // K)
             mask_weight_(p, shard_like(keep.reshape(p.shape), p), self.optimizer)
