@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from meshfold.kernels import cpu_grouped
+from meshfold.kernels import cpu_grouped, cpu_sparse
 from meshfold.kernels.reference import apply_tile_mask, grouped_mm_reference, tile_shape
 
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -172,6 +172,8 @@ def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         from meshfold.kernels.triton_grouped import triton_grouped_mm
 
         return triton_grouped_mm(x.contiguous(), w, offsets, tile_mask)
+    if tile_mask is not None and x.device.type == "cpu":
+        return cpu_sparse.sparse_mm(x, w, offsets, tile_mask)
     return _torch_rows(x, _masked(w, tile_mask), offsets)
 
 
@@ -183,6 +185,8 @@ def _grouped_mm_dx_op(dy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         from meshfold.kernels.triton_grouped import triton_grouped_mm_dx
 
         return triton_grouped_mm_dx(dy.contiguous(), w, offsets, tile_mask)
+    if tile_mask is not None and dy.device.type == "cpu":
+        return cpu_sparse.sparse_mm_dx(dy.contiguous(), w, offsets, tile_mask)
     return _torch_rows(dy.contiguous(), _masked(w, tile_mask).transpose(1, 2), offsets)
 
 
@@ -194,6 +198,8 @@ def _grouped_mm_dw_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         from meshfold.kernels.triton_grouped import triton_grouped_mm_dw
 
         return triton_grouped_mm_dw(x.contiguous(), dy.contiguous(), offsets, tile_mask, x.dtype)
+    if tile_mask is not None and x.device.type == "cpu":
+        return cpu_sparse.sparse_mm_dw(x.contiguous(), dy.contiguous(), offsets, tile_mask)
     dw = _torch_dw(x.contiguous(), dy.contiguous(), offsets)
     return _masked(dw, tile_mask)
 
