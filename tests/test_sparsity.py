@@ -201,3 +201,72 @@ def test_pruner_rejects_a_mask_of_the_wrong_shape():
     w = torch.nn.Parameter(torch.randn(2, 16, 16))
     with pytest.raises(ValueError, match=r"experts: mask torch.bool \(2, 4, 4\) does not match"):
         TilePruner({"experts": (w, torch.ones(2, 4, 4, dtype=torch.bool))}, ExpertSparsity(tile=TILE))
+
+
+# ---- folded training on the compacted CPU path -------------------------------------------------
+SPARSE_TRAINING_STEPS = 4  # prunes to 0.25 after step 2 and to 0.5 after step 3
+
+
+def _sparse_training(rank, world_size, case):
+    """4 steps of a tiny fp64 MoE transformer, tile-sparse experts (16 x 16 tiles, Taylor score,
+    pruned after steps 2 and 3), laid out on ``spec`` with ``data_parallel``, as ``meshfold
+    train`` steps it (global loss, gradient reduction, prune, AdamW), once on the masked GEMMs
+    and once on the compacted ones. Returns each run's losses, full gradients per step (after
+    the prune, as AdamW sees them) and this rank's count of compacted GEMMs."""
+    from meshfold.kernels import cpu_sparse
+    from meshfold.models import MoEConfig
+    from meshfold.models.transformer import MoETransformer, TransformerConfig
+    from meshfold.models.transformer_parallel import parallelize, reduce_gradients, single_device_name
+    from meshfold.train.loop import _global_loss
+    from meshfold.train.pruning import FoldedPruner
+
+    spec, data_parallel, pattern = case
+    sp = ExpertSparsity(tile=(16, 16), schedule=(0.25, 0.5), pattern=pattern, stripe=32 if pattern == "tw" else None,
+                        start_step=2, steps_per_stage=1)
+    moe = MoEConfig(hidden=32, ffn=32 * spec.etp, num_experts=4, topk=2, router_dtype=torch.float64,
+                    expert_sparsity=sp)
+    cfg = TransformerConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=32, moe=moe)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (SPARSE_TRAINING_STEPS, 2 * spec.dp, 16 * spec.tp), generator=g)
+    targets = torch.randint(0, 64, tokens.shape, generator=g)
+    runs = {}
+    for mode in ("masked", "compact"):
+        torch.manual_seed(1)
+        model = parallelize(MoETransformer(cfg, dtype=torch.float64), cached_fold(spec), data_parallel=data_parallel)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), foreach=False)
+        pruner = FoldedPruner(model, sp, opt)
+        losses, grads = [], []
+        cpu_sparse.executions()  # reset the counts
+        with cpu_sparse.execution(mode):
+            for n in range(1, SPARSE_TRAINING_STEPS + 1):
+                losses.append(_global_loss(model, tokens[n - 1], targets[n - 1], spec, rank, backward=True))
+                reduce_gradients(model)
+                pruner.accumulate()
+                pruner.step(n)
+                grads.append({single_device_name(k): p.grad.full_tensor() for k, p in model.named_parameters()})
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        runs[mode] = (losses, grads, cpu_sparse.executions()["compact"], pruner.sparsity())
+    return runs
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("spec, data_parallel, pattern", [
+    (FoldSpec(4, ep=2, etp=2), "allreduce", "tile"),  # moe ep2 x etp2: the masks' etp slices
+    (FoldSpec(4, ep=2), "fsdp", "tw"),                 # moe edp2 x ep2: FSDP2 cuts the local experts
+    (FoldSpec(4, tp=2, ep=4), "fsdp", "tile"),         # attn dp2 x tp2, moe ep4 (one local expert)
+])
+def test_folded_training_on_the_compacted_gemms_equals_the_masked_path_across_prunes(worlds, spec, data_parallel,
+                                                                                   pattern):
+    """Loss and every gradient of each step equal the masked path's in fp64 (across the prunes
+    after steps 2 and 3), on every rank, and the compacted GEMMs really ran there."""
+    for runs in worlds(4).run(_sparse_training, (spec, data_parallel, pattern), timeout=300):
+        (losses, grads, masked_compact, sparsity), (c_losses, c_grads, compact, c_sparsity) = runs["masked"], runs["compact"]
+        assert masked_compact == 0 and compact > 0
+        assert sparsity == c_sparsity == 0.5
+        torch.testing.assert_close(c_losses, losses, rtol=1e-12, atol=0)
+        for step, (want, got) in enumerate(zip(grads, c_grads), 1):
+            assert want.keys() == got.keys()
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-13,
+                                           msg=lambda m: f"step {step} {name}: {m}")

@@ -262,7 +262,7 @@ def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peaks, t0)
         record["tokens_per_expert"] = [m["tokens_per_expert"] for m in moe]
         record["dropped_fraction"] = sum(m["dropped_fraction"] for m in moe) / len(moe)
     if pruner is not None:
-        record["expert_sparsity"] = pruner.sparsity()
+        record.update(pruner.metrics())
     return record
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshfold.kernels import cpu_sparse
 from meshfold.kernels.reference import expand_tile_mask
 from meshfold.sparsity import ExpertSparsity, TilePruner, mask_weight_
 
@@ -101,3 +102,12 @@ class FoldedPruner:
     def sparsity(self) -> float:
         masks = [m for *_, m in self._params()]
         return 1.0 - sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
+
+    def metrics(self) -> dict:
+        """A step's record: ``expert_sparsity`` (pruned fraction of the tiles) and
+        ``compact_gemms``, the share of this rank's pruned expert GEMMs (forward, dX, dW) since
+        the last record that ran compacted on the CPU (:mod:`meshfold.kernels.cpu_sparse`); None
+        when none ran on the CPU with pruned tiles (before the first prune, or on a GPU)."""
+        ran = cpu_sparse.executions()
+        pruned = ran["compact"] + ran["masked"]
+        return {"expert_sparsity": self.sparsity(), "compact_gemms": ran["compact"] / pruned if pruned else None}
