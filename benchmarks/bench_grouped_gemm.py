@@ -13,9 +13,7 @@ Every row is compared with one dense GEMM [M, K] @ [K, N] of equal FLOPs timed i
 * ``loop``: one matmul per expert with host-side counts (cuBLAS / MKL per expert);
 * ``dense``: the equal-FLOP GEMM itself.
 
-Sparse rows time ``grouped_mm`` with a tile mask at densities 1, 0.75, 0.5, 0.25 and report the
-speedup over the unmasked call. On CPU the torch path multiplies by the mask (no tile skipping),
-so its sparse rows measure overhead, not the kernel's skipping.
+Tile-sparse GEMMs have their own benchmark, ``benchmarks/bench_tile_sparse.py`` (both devices).
 
 Passes: ``fwd`` (y = x @ w_e) and ``fwd+bwd`` (plus dX and dW). Writes
 ``benchmarks/results/grouped_gemm_<device>.json``; prints a markdown table.
@@ -46,8 +44,6 @@ CPU_SHAPES = {  # scaled down ~4x per dim so the CPU run stays within a few minu
     "coarse E8 top2": (8, 2, 1024, 1024, 3584),
     "fine E64 top8": (64, 8, 512, 896, 640),
 }
-DENSITIES = (1.0, 0.75, 0.5, 0.25)
-SPARSE_TILE = {"cuda": (128, 128), "cpu": (64, 64)}
 
 
 def token_counts(M: int, E: int, dist: str) -> list[int]:
@@ -145,30 +141,11 @@ def bench_shape(name, shape, dist, dtype, device, passes, measure):
     return rows
 
 
-def bench_sparse(name, shape, dtype, device, passes, measure):
-    """grouped_mm with a random tile mask of each density: speedup over the unmasked call and
-    over the dense GEMM of the unpruned FLOPs (``vs_dense``)."""
-    x, w, offsets, dy, _, flops = problem(shape, "balanced", dtype, device, seed=1)
-    flops *= 1 if passes == "fwd" else 3
-    E, K, N = w.shape
-    bk, bn = SPARSE_TILE[device]
-    g = torch.Generator(device=device).manual_seed(2)
-    masks = {d: torch.rand(E, K // bk, N // bn, device=device, generator=g) < d for d in DENSITIES}
-    fns = {"dense": make_pass(lambda a, b: a @ b[0], x, w[:1], dy, passes),
-           "unmasked": make_pass(lambda a, b: grouped_mm(a, b, offsets), x, w, dy, passes)}
-    for d, mask in masks.items():
-        fns[d] = make_pass(lambda a, b, m=mask: grouped_mm(a, b, offsets, tile_mask=m), x, w, dy, passes)
-    times = measure(fns)
-    return [dict(shape=name, dist="balanced", dtype=str(dtype).removeprefix("torch."), passes=passes,
-                 method=f"tile-sparse {bk}x{bn}", density=d, ms=times[d], dense_equiv_tflops=flops / times[d] / 1e9,
-                 speedup=times["unmasked"] / times[d], vs_dense=times["dense"] / times[d]) for d in DENSITIES]
-
-
 def fmt(v, spec):
     return "n/a" if v is None else format(v, spec)
 
 
-def print_tables(grouped, sparse, unit):
+def print_tables(grouped, unit):
     scale = 1e3 if unit == "GFLOP/s" else 1.0
     print(f"| shape | tokens | dtype | pass | method | ms | {unit} | vs dense |")
     print("|---|---|---|---|---|---|---|---|")
@@ -176,12 +153,6 @@ def print_tables(grouped, sparse, unit):
         tf = None if r["tflops"] is None else r["tflops"] * scale
         print(f"| {r['shape']} | {r['dist']} | {r['dtype']} | {r['passes']} | {r['method']} | {fmt(r['ms'], '.2f')} "
               f"| {fmt(tf, '.1f')} | {fmt(r['vs_dense'], '.2f')} |")
-    print()
-    print("| shape | dtype | pass | method | density | ms | speedup over unmasked | vs dense |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in sparse:
-        print(f"| {r['shape']} | {r['dtype']} | {r['passes']} | {r['method']} | {r['density']} | {r['ms']:.2f} "
-              f"| {r['speedup']:.2f} | {r['vs_dense']:.2f} |")
 
 
 def main(argv=None):
@@ -197,21 +168,19 @@ def main(argv=None):
     shapes = CUDA_SHAPES if device == "cuda" else CPU_SHAPES
     dtypes = [getattr(torch, d) for d in (args.dtypes or (["bfloat16"] if device == "cuda" else ["float32", "bfloat16"]))]
     measure = timer(device, args.reps)
-    grouped, sparse = [], []
+    grouped = []
     for dtype in dtypes:
         for passes in args.passes:
             for name, shape in shapes.items():
                 for dist in ("balanced", "skewed"):
                     grouped += bench_shape(name, shape, dist, dtype, device, passes, measure)
-            sparse += bench_sparse("coarse E8 top2", shapes["coarse E8 top2"], dtype, device, passes, measure)
 
     env = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-               torch=torch.__version__, threads=torch.get_num_threads(), shapes=shapes,
-               sparse_tile=SPARSE_TILE[device])
+               torch=torch.__version__, threads=torch.get_num_threads(), shapes=shapes)
     out = args.out or Path(__file__).resolve().parent / "results" / f"grouped_gemm_{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(env=env, grouped=grouped, sparse=sparse), indent=1))
-    print_tables(grouped, sparse, "TFLOP/s" if device == "cuda" else "GFLOP/s")
+    out.write_text(json.dumps(dict(env=env, grouped=grouped), indent=1))
+    print_tables(grouped, "TFLOP/s" if device == "cuda" else "GFLOP/s")
     print(f"\nwrote {out}")
 
 

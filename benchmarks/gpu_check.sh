@@ -9,7 +9,9 @@
 #    and a partial tail (the tests skipped "needs CUDA" on CPU machines), and a meta-built model on a
 #    1-rank NCCL group holding and communicating only CUDA tensors (tests/test_devices.py);
 # 2. benchmarks/bench_grouped_gemm.py --device cuda: Triton vs F.grouped_mm vs per-expert cuBLAS vs
-#    one dense cuBLAS GEMM of equal FLOPs, measured in the same run;
+#    one dense cuBLAS GEMM of equal FLOPs, measured in the same run; then
+#    benchmarks/bench_tile_sparse.py --device cuda: the tile-skipping Triton kernels' speedup over
+#    the unmasked call at densities 1 / 0.75 / 0.5 / 0.25 (tile and TW masks);
 # 3. torchrun --nproc-per-node 1 -m meshfold train: tiny-moe in bf16 on NCCL for 30 steps, MFU
 #    against the h200 preset (meshfold plan's), and the metrics of its last step;
 # 4. benchmarks/bench_overlap.py under a 1-rank NCCL group (bf16, about 20 s): the shared expert
@@ -35,6 +37,8 @@ k=${PIPESTATUS[0]}; [ "$k" = 0 ] || status=1
 
 echo "== 2/4 grouped GEMM benchmark (CUDA) =="
 timeout 150 "$PY" benchmarks/bench_grouped_gemm.py --device cuda --out "$OUT/grouped_gemm_cuda.json" 2>&1 | tail -40
+b=${PIPESTATUS[0]}; [ "$b" = 0 ] || status=1
+timeout 150 "$PY" benchmarks/bench_tile_sparse.py --device cuda --out "$OUT/tile_sparse_cuda.json" 2>&1 | tail -12
 b=${PIPESTATUS[0]}; [ "$b" = 0 ] || status=1
 
 echo "== 3/4 one-GPU training (NCCL, bf16 compute, MFU vs $GPU) =="

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from meshfold.kernels import cpu_grouped
-from meshfold.kernels.cpu_pool import blocks, run_tasks
+from meshfold.kernels.cpu_grouped import TASKS_PER_WORKER
+from meshfold.kernels.cpu_pool import MAX_WORKERS, blocks, run_tasks
 from meshfold.kernels.reference import apply_tile_mask, tile_shape
 
 __all__ = ["EXECUTIONS", "Plan", "Stripe", "choose", "execution", "executions", "plan", "sparse_mm",
@@ -247,18 +248,31 @@ def _row_blocks(ends: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _gathers(p: Plan, e: int) -> list[Stripe]:
-    """Stripes of expert e that keep some reduction tiles but not all: the ones that gather."""
-    return [s for s in p.stripes[e] if s.kept is not None and s.rows]
+def _chunks(stripes: tuple[Stripe, ...], parts: int) -> list[tuple[Stripe, ...]]:
+    """``stripes`` in at most ``parts`` consecutive runs of about equal kept work (one pool task
+    each: fewer, longer tasks keep Python's per-task cost small)."""
+    parts = max(1, min(parts, len(stripes)))
+    total = sum(max(s.rows, 1) * (s.c1 - s.c0) for s in stripes)
+    out, run, done = [], [], 0
+    for s in stripes:
+        run.append(s)
+        done += max(s.rows, 1) * (s.c1 - s.c0)
+        if done * parts >= total * (len(out) + 1) and len(out) < parts - 1:
+            out.append(tuple(run))
+            run = []
+    return out + [tuple(run)] if run else out
 
 
-def _transposes(a: torch.Tensor, spans: list[tuple[int, int]], br: int) -> dict[tuple[int, int], torch.Tensor]:
-    """{(r0, r1): a[r0:r1]^T as a contiguous [R // br, br, r1 - r0] tensor} (reduction tiles first),
-    one task per span on the pool: ``index_select`` over its tiles then copies whole contiguous
-    runs (on a strided view it copies element by element, several times slower)."""
-    out = {(r0, r1): a.new_empty((a.shape[1] // br, br, r1 - r0)) for r0, r1 in spans}
-    run_tasks([functools.partial(out[r0, r1].view(a.shape[1], r1 - r0).copy_, a[r0:r1].t()) for r0, r1 in spans])
-    return out
+def _tasks_per(units: int) -> int:
+    """Pool tasks to cut each of ``units`` independent pieces of work into, so that every worker
+    gets several tasks."""
+    return -(-TASKS_PER_WORKER * min(torch.get_num_threads(), MAX_WORKERS) // max(units, 1))
+
+
+def _kept_columns(a: torch.Tensor, s: Stripe, br: int) -> torch.Tensor:
+    """a [m, R] (contiguous rows) -> its columns kept by stripe ``s`` as a contiguous [m, rows]
+    tensor, gathered tile by tile (runs of br elements: no transposed copy needed)."""
+    return a.view(a.shape[0], -1, br).index_select(1, s.kept).view(a.shape[0], s.rows)
 
 
 def _compact_weight(w_e: torch.Tensor, s: Stripe, p: Plan, transposed: bool) -> torch.Tensor:
@@ -266,87 +280,89 @@ def _compact_weight(w_e: torch.Tensor, s: Stripe, p: Plan, transposed: bool) -> 
     or w_e^T for ``transposed`` (w_e [C, R]; then the result is a transposed view of a contiguous
     [c1 - c0, rows] tensor). Each gathers contiguous runs of w_e's rows, the fastest of the ways
     measured."""
-    br, cw = p.tile[0], s.c1 - s.c0
     if transposed:
-        return w_e[s.c0:s.c1].view(cw, p.R // br, br).index_select(1, s.kept).view(cw, s.rows).t()
+        return _kept_columns(w_e[s.c0:s.c1], s, p.tile[0]).t()
     return w_e[:, s.c0:s.c1].index_select(0, s.kept_rows)
 
 
 def _rows_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, p: Plan, *, transposed: bool) -> torch.Tensor:
     """c [M, C] = a [M, R] @ B_e per expert row group over the kept tiles of plan ``p``, with
     B_e = w_e [R, C], or w_e^T for ``transposed`` (w [E, C, R]: dX with the transposed mask's
-    plan). A first pass on the pool gathers each stripe's compact weight and transposes each row
-    block of ``a``; then one GEMM per (row block, stripe) over the rows it keeps."""
-    a, w = a.detach(), w.detach().contiguous()
+    plan). A first pass on the pool gathers each stripe's compact weight; then one GEMM per
+    (row block, stripe) over the columns of ``a`` the stripe keeps, gathered from the block."""
+    a, w = a.detach().contiguous(), w.detach().contiguous()
+    br = p.tile[0]
     ends = offsets.tolist()
     c = a.new_empty((a.shape[0], p.C))
     c[ends[-1]:] = 0
     row_blocks = _row_blocks(ends)
-    spans = [(r0, r1) for e, r0, r1 in row_blocks if _gathers(p, e)]
     weights: dict[tuple[int, int], torch.Tensor] = {}
 
     def compact_weights(e: int) -> None:
-        for s in _gathers(p, e):
-            weights[e, s.c0] = _compact_weight(w[e], s, p, transposed)
+        for s in p.stripes[e]:
+            if s.kept is not None and s.rows:
+                weights[e, s.c0] = _compact_weight(w[e], s, p, transposed)
 
     run_tasks([functools.partial(compact_weights, e) for e in sorted({e for e, _, _ in row_blocks})])
-    a_T = _transposes(a, spans, p.tile[0])
 
-    def gemm(e: int, r0: int, r1: int, s: Stripe) -> None:
-        out = c[r0:r1, s.c0:s.c1]
-        if not s.rows:
-            out.zero_()
-        elif s.kept is None:
-            b = w[e, s.c0:s.c1].t() if transposed else w[e, :, s.c0:s.c1]
-            torch.mm(a[r0:r1], b, out=out)
-        else:
-            a_g = a_T[r0, r1].index_select(0, s.kept).view(s.rows, r1 - r0)  # the kept columns of a, as rows
-            torch.mm(a_g.t(), weights[e, s.c0], out=out)
+    def gemms(e: int, r0: int, r1: int, stripes: tuple[Stripe, ...]) -> None:
+        for s in stripes:
+            out = c[r0:r1, s.c0:s.c1]
+            if not s.rows:
+                out.zero_()
+            elif s.kept is None:
+                torch.mm(a[r0:r1], w[e, s.c0:s.c1].t() if transposed else w[e, :, s.c0:s.c1], out=out)
+            else:
+                torch.mm(_kept_columns(a[r0:r1], s, br), weights[e, s.c0], out=out)
 
-    run_tasks([functools.partial(gemm, e, r0, r1, s) for e, r0, r1 in row_blocks for s in p.stripes[e]])
+    parts = _tasks_per(len(row_blocks))
+    run_tasks([functools.partial(gemms, e, r0, r1, chunk) for e, r0, r1 in row_blocks
+               for chunk in _chunks(p.stripes[e], parts)])
     return c
 
 
 def _dw_mm(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, p: Plan, pT: Plan) -> torch.Tensor:
     """dw [E, K, N] = x_e^T @ dy_e over the kept tiles of plan ``p`` (of the [E, Kt, Nt] mask;
-    ``pT``: of its transpose): one GEMM per stripe over the rows it keeps, the reduction over the
-    expert's rows inside it (nothing accumulates across GEMMs), its result scattered tile by tile
-    into a zeroed dw: pruned tiles and experts without rows are exact zeros, never computed.
+    ``pT``: of its transpose): one GEMM per stripe over the columns it keeps, the reduction over
+    the expert's rows inside it (nothing accumulates across GEMMs), its result scattered tile by
+    tile into the stripe's block of dw, which the same task zeroes first: pruned tiles and
+    experts without rows are exact zeros, never computed.
 
     Either plan's stripes cover dw: the N stripes of ``p`` (each keeps K tiles: x's kept columns
     are gathered) or the K stripes of ``pT`` (each keeps N tiles: dy's kept columns are gathered).
     The one with fewer stripes runs, as fewer, larger GEMMs run the BLAS closer to its rate (a
     tile mask of a wide weight has fewer K stripes; TW, fewer N stripes)."""
-    x, dy = x.detach(), dy.detach()
+    x, dy = x.detach().contiguous(), dy.detach().contiguous()
     K, N, E = x.shape[1], dy.shape[1], offsets.numel()
     ends = offsets.tolist()
     starts = [0] + ends[:-1]
-    busy = [e for e in range(E) if ends[e] > starts[e]]
-    by_k = sum(len(pT.stripes[e]) for e in busy) < sum(len(p.stripes[e]) for e in busy)
-    q, reduce_, other = (pT, x, dy) if by_k else (p, dy, x)  # q's stripes split ``reduce_``'s columns
-    dw = x.new_zeros((E, K, N))
-    br = q.tile[0]
-    gathered = _transposes(other, [(starts[e], ends[e]) for e in busy if _gathers(q, e)], br)
+    by_k = sum(map(len, pT.stripes)) < sum(map(len, p.stripes))
+    q = pT if by_k else p  # q's stripes cut dw's K rows (by_k) or N columns
+    dw = x.new_empty((E, K, N))
 
-    def gemm(e: int, s: Stripe) -> None:
+    def gemms(e: int, stripes: tuple[Stripe, ...]) -> None:
         m0, m1 = starts[e], ends[e]
-        if by_k:  # dw[e, c0:c1, kept N] = x_e[:, c0:c1]^T @ dy_e[:, kept N]
-            a = x[m0:m1, s.c0:s.c1].t().contiguous()  # the BLAS runs a thin GEMM faster on contiguous operands
-            out = dw[e, s.c0:s.c1]
-        else:  # dw[e, kept K, c0:c1] = x_e[:, kept K]^T @ dy_e[:, c0:c1]
-            a = dy[m0:m1, s.c0:s.c1].contiguous()
-            out = dw[e, :, s.c0:s.c1]
-        if s.kept is None:
-            g = other[m0:m1]
-        else:
-            g = gathered[m0, m1].index_select(0, s.kept).view(s.rows, m1 - m0).t()  # [M_e, rows]
-        part = torch.mm(a, g) if by_k else torch.mm(g.t(), a)  # [c1 - c0, rows] / [rows, c1 - c0]
-        if s.kept is None:
-            out.copy_(part)
-        elif by_k:
-            out.view(s.c1 - s.c0, N // br, br).index_copy_(1, s.kept, part.view(s.c1 - s.c0, -1, br))
-        else:
-            out.view(K // br, br, s.c1 - s.c0).index_copy_(0, s.kept, part.view(-1, br, s.c1 - s.c0))
+        for s in stripes:
+            out = dw[e, s.c0:s.c1] if by_k else dw[e, :, s.c0:s.c1]
+            if m1 == m0 or not s.rows:
+                out.zero_()
+            elif by_k:  # dw[e, c0:c1, kept N] = x_e[:, c0:c1]^T @ dy_e[:, kept N]
+                x_s = x[m0:m1, s.c0:s.c1].t().contiguous()  # the BLAS runs a thin GEMM faster on contiguous operands
+                if s.kept is None:
+                    torch.mm(x_s, dy[m0:m1], out=out)
+                else:
+                    part = torch.mm(x_s, _kept_columns(dy[m0:m1], s, q.tile[0]))  # [c1 - c0, rows]
+                    out.zero_()
+                    out.view(s.c1 - s.c0, -1, q.tile[0]).index_copy_(1, s.kept, part.view(s.c1 - s.c0, -1, q.tile[0]))
+            else:  # dw[e, kept K, c0:c1] = x_e[:, kept K]^T @ dy_e[:, c0:c1]
+                dy_s = dy[m0:m1, s.c0:s.c1].contiguous()
+                if s.kept is None:
+                    torch.mm(x[m0:m1].t(), dy_s, out=out)
+                else:
+                    part = torch.mm(_kept_columns(x[m0:m1], s, q.tile[0]).t(), dy_s)  # [rows, c1 - c0]
+                    out.zero_()
+                    out.view(-1, q.tile[0], s.c1 - s.c0).index_copy_(0, s.kept, part.view(-1, q.tile[0], s.c1 - s.c0))
 
-    run_tasks([functools.partial(gemm, e, s) for e in busy for s in q.stripes[e] if s.rows])
+    parts = _tasks_per(E)
+    run_tasks([functools.partial(gemms, e, chunk) for e in range(E) for chunk in _chunks(q.stripes[e], parts)])
     return dw
