@@ -62,6 +62,34 @@ def test_fold_shares_process_groups_between_views(worlds):
     assert created < unshared
 
 
+def _two_folds_sharing_tp(rank, world_size):
+    """Fold two layouts with the same tp rank groups, release them one by one, and use the
+    survivor's tp group in between."""
+    from meshfold.mesh import FoldSpec
+
+    a = fold(FoldSpec(world_size, tp=2, ep=world_size))
+    b = fold(FoldSpec(world_size, tp=2, ep=2, etp=2))
+    shared = a.attn.get_group("tp") is b.attn.get_group("tp") is b.moe.get_group("etp")
+    a.destroy()
+    t = torch.tensor([rank])
+    b_tp = b.attn.get_group("tp")
+    dist.all_reduce(t, group=b_tp)  # b's group outlives a
+    b.destroy()
+    c = fold(FoldSpec(world_size, tp=2, ep=world_size))
+    fresh = c.attn.get_group("tp") is not b_tp  # released with b: made anew
+    c.destroy()
+    return shared, int(t), fresh
+
+
+def test_folds_share_the_process_groups_of_equal_rank_partitions(worlds):
+    """A long-lived process that folds many layouts keeps one process group per distinct rank
+    partition (each idle gloo group costs a polling thread), released with the last fold using it."""
+    results = worlds(4).run(_two_folds_sharing_tp)
+    assert [r[0] for r in results] == [True] * 4
+    assert [r[1] for r in results] == [1, 1, 5, 5]  # tp pairs {0, 1} and {2, 3}
+    assert [r[2] for r in results] == [True] * 4
+
+
 def _raise_on_rank_one(rank, world_size):
     if rank == 1:
         raise ValueError("deliberate failure on rank one")
