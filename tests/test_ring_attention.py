@@ -48,6 +48,29 @@ def test_block_plan_skips_future_and_marks_the_diagonal():
     assert ring.block_plan((1, 6), (3, 4)) == [(1, 0, False), (1, 1, False)]
 
 
+@pytest.mark.parametrize("off_cpu", [False, True], ids=["cpu", "off-cpu"])
+def test_load_balanced_accepts_exactly_the_ring_layout_on_every_device(off_cpu):
+    """The ring runs only on this rank's two chunks (each sequence up to an offset), on the CPU
+    and off it alike (off it the check used to trust any even length): other layouts take the
+    generic path. Off the CPU the answer is remembered per positions tensor until it changes."""
+    from meshfold.testing import OffCPU
+
+    cp, n = 4, 3
+
+    def positions(rows):
+        t = torch.tensor(rows)
+        return OffCPU(t) if off_cpu else t
+
+    chunks = [list(range(c * n, (c + 1) * n)) for c in range(2 * cp)]
+    layout = positions(chunks[1] + chunks[6])  # rank 1 holds chunks 1 and 6
+    assert ring.load_balanced(layout, 1, cp)
+    assert ring.load_balanced(positions([[p + 10 for p in chunks[1] + chunks[6]]] * 2), 1, cp)  # an offset
+    for other in (chunks[1] + chunks[2], list(range(2 * n)), chunks[6] + chunks[1], chunks[0] + chunks[7]):
+        assert not ring.load_balanced(positions(other), 1, cp), other
+    assert not ring.load_balanced(positions(chunks[1] + chunks[6][:-1]), 1, cp)  # odd length
+    assert not ring.load_balanced(layout.neg_(), 1, cp)  # changed in place: checked again
+
+
 # ---- the attention function on a cp mesh -----------------------------------------------------
 def _chunk_positions(spec, rank, n):
     c = cached_fold(spec).stage("attn").get_local_rank("cp")

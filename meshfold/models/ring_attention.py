@@ -47,6 +47,8 @@ buffers itself (in place, inside the context), while meshfold's data layer
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from meshfold.placements.ring import ring_shift
@@ -275,13 +277,30 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, dim:
 
 def load_balanced(pos: torch.Tensor, rank: int, cp: int) -> bool:
     """Whether ``pos`` [2n] or [B, 2n] are cp rank ``rank``'s two chunks (each sequence up to one
-    offset), i.e. whether the ring applies. Checked on the CPU only: on an accelerator the check
-    would be a device sync per layer, so there the layout is trusted (True for an even length)."""
-    if pos.shape[-1] % 2:
+    offset), i.e. whether the ring applies; positions in any other layout take the generic path.
+
+    Checked on every device, from the steps between neighbours (1 inside a chunk, the gap to the
+    second chunk between them), so no index tensor is built. Off the CPU the answer is a host
+    read: it is remembered for the last positions tensor seen (until it changes in place), so the
+    layers of one forward, which share their positions, read once. Under ``torch.compile`` the
+    layout is trusted (a read would break the graph)."""
+    length = pos.shape[-1]
+    if length % 2 or length == 0:
         return False
-    if pos.device.type != "cpu" or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return True
-    n = pos.shape[-1] // 2
+    global _last_checked
+    key = (pos._version, rank, cp)
+    if pos.device.type != "cpu" and _last_checked[0]() is pos and _last_checked[1] == key:
+        return _last_checked[2]
+    n = length // 2
     first, second = rank_chunks(rank, cp)
-    expected = torch.cat([torch.arange(first * n, (first + 1) * n), torch.arange(second * n, (second + 1) * n)])
-    return bool(((pos - pos[..., :1]) == expected - first * n).all())
+    steps = pos[..., 1:] - pos[..., :-1]  # [..., 2n - 1]
+    gap = (second - first - 1) * n + 1  # from the last position of chunk `first` to the first of `second`
+    ok = bool((steps[..., :n - 1] == 1).all() & (steps[..., n:] == 1).all() & (steps[..., n - 1] == gap).all())
+    if pos.device.type != "cpu":
+        _last_checked = (weakref.ref(pos), key, ok)
+    return ok
+
+
+_last_checked = (lambda: None, None, False)  # (positions, (version, rank, cp), answer)
