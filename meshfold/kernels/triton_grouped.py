@@ -253,13 +253,12 @@ def _prune_configs(configs, named_args, *, dw=False, smem_limit=None, ieee=None,
         divides = not has_mask or (mask_bk % kw["BLOCK_K"] == 0 and mask_bn % kw["BLOCK_N"] == 0)
         inner = kw["BLOCK_M"] if dw else kw["BLOCK_K"]
         tile = (kw["BLOCK_M"] * kw["BLOCK_K"] + inner * kw["BLOCK_N"]) * elem
+        smem = cfg.num_stages * tile
         if has_mask and not dw and divides:
             # the masked main loop loads MASK_BK // BLOCK_K sub-tiles per iteration (a static loop),
             # and the pipeliner buffers each of them: up to num_stages - 1 copies of all of them
             # (compiled for sm_90: 128 x 128 x 32 fp32 at 3 or 4 stages takes 262148 bytes)
-            smem = max(cfg.num_stages - 1, 1) * (mask_bk // kw["BLOCK_K"]) * tile
-        else:
-            smem = cfg.num_stages * tile
+            smem = max(smem, max(cfg.num_stages - 1, 1) * (mask_bk // kw["BLOCK_K"]) * tile)
         return divides and smem <= limit
 
     kept = [c for c in configs if (table is None or any(c is t for t in table)) and fits(c)]
