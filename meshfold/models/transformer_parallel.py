@@ -20,7 +20,7 @@ from outside:
   full / diagonal / future from the chunk indices on the host, and their outputs are merged by
   log-sum-exp; no [S/cp, S] mask or score tensor exists, so per-rank attention memory falls as
   1/cp. MLA rings its compressed latent instead and expands it per block
-  (:class:`~meshfold.models.mla_parallel.LatentContext`). Positions outside that layout (checked on the CPU) take the generic path: K/V all-gathered
+  (:class:`~meshfold.models.mla_parallel.LatentContext`). Positions outside that layout take the generic path: K/V all-gathered
   over ``cp`` (all-gather-v, whose backward reduce-scatters their gradients), masked by position.
 * **DP**: batch over ``dp``; gradients of dense weights are summed over ``dp x cp`` (and over
   ``tp`` for weights applied to local tokens), expert weights over ``edp``. By default with FSDP2
@@ -164,10 +164,10 @@ class _ContextAttention:
     load-balanced layout of :func:`local_positions`, else the generic path (K/V all-gathered,
     masked by position, one mask per forward from the shared ``masks``).
 
-    Which path is decided on the host. Positions on the CPU are checked (each sequence: this cp
-    rank's two chunks, up to one offset per sequence). On an accelerator that check would be a
-    device sync per layer, so there the layout is trusted; ``method = "gather"`` forces the
-    generic path for positions in another layout."""
+    Which path is decided on the host, from the positions (each sequence: this cp rank's two
+    chunks, up to one offset per sequence), on every device; on an accelerator that costs one host
+    read per positions tensor (:func:`~meshfold.models.ring_attention.load_balanced`).
+    ``method = "gather"`` forces the generic path."""
 
     def __init__(self, mesh, cp: int, masks: CausalMaskCache, method: str = "ring"):
         self.mesh, self.cp, self.masks, self.method = mesh, cp, masks, method

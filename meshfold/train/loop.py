@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold.malloc import retain_freed_memory
-from meshfold.mesh import fold
+from meshfold.mesh import backend_device_type, fold
 from meshfold.models.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
 from meshfold.models.transformer_parallel import (batch_rows, grad_norm, parallelize, reduce_gradients,
@@ -118,6 +118,19 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _rank_device() -> torch.device:
+    """This rank's compute device, from the process group's config: under gloo (local spawn, or
+    torchrun on CPUs) the CPU; under NCCL (torchrun on GPUs, as ``nccl`` or ``cpu:gloo,cuda:nccl``)
+    the GPU the launcher selected from LOCAL_RANK."""
+    device_type = backend_device_type()
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device_type != "cpu":
+        raise ValueError(f"process group backend {dist.get_backend_config()!r} computes on {device_type!r}; "
+                         f"meshfold train runs on 'cpu' (gloo) or 'cuda' (nccl)")
+    return torch.device("cpu")
+
+
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     spec, mcfg = cfg.validate()
     t = cfg.train
@@ -125,10 +138,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     out = Path(t.out_dir)
     ckpt_dir = out / "checkpoints"
     torch.manual_seed(t.seed)
-    # gloo ranks (local spawn, or torchrun on CPUs) train on the CPU; nccl ranks (torchrun on
-    # GPUs) on their own GPU, which the launcher already selected from LOCAL_RANK
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    device = _rank_device()
     if device.type == "cpu" and t.retain_cpu_memory:
         retain_freed_memory()  # reuse large activation buffers across steps (meshfold.malloc)
     folded = fold(spec, device.type)
