@@ -4,7 +4,8 @@
 #
 #   benchmarks/torch_matrix.sh VERSION [STEPS]
 #
-# The venv is /work/venvs/torch-VERSION (MATRIX_VENVS sets the parent folder), made anew each run.
+# The venv is /work/venvs/torch-VERSION (MATRIX_VENVS sets the parent folder), made anew each run
+# (MATRIX_REUSE=1 keeps one that exists, installing only meshfold into it again).
 # torch comes from pip's configured indexes; a folder of wheels at $MATRIX_VENVS/wheels-VERSION,
 # where present, is searched first (pip downloads CUDA builds of several GB). A release that pip's
 # configuration caps away installs with that configuration bypassed for this run only:
@@ -37,15 +38,23 @@ TESTS=(tests/test_mesh.py tests/test_placements.py tests/test_moe_layer.py tests
 
 stamp() { date +%s; }
 t0=$(stamp)
-echo "torch_matrix $VERSION: fresh venv $VENV"
-rm -rf "$VENV"
-python3 -m venv "$VENV" || exit 1
 links=()
 [ -d "$WHEELS" ] && links=(--find-links "$WHEELS")
-{
-  "$VENV/bin/pip" install "${links[@]}" "torch==$VERSION" &&
-  "$VENV/bin/pip" install "${links[@]}" -e "$REPO[test]"
-} >"$LOG.install.log" 2>&1
+if [ "${MATRIX_REUSE:-0}" = 1 ] && [ -x "$VENV/bin/python" ]; then
+  # a venv this script (or the same pip commands) made before: only meshfold is installed again
+  echo "torch_matrix $VENV: reused (MATRIX_REUSE=1)"
+  venv_kind=reused
+  "$VENV/bin/pip" install --no-compile "${links[@]}" "torch==$VERSION" -e "$REPO[test]" >"$LOG.install.log" 2>&1
+else
+  echo "torch_matrix $VERSION: fresh venv $VENV"
+  venv_kind=fresh
+  rm -rf "$VENV"
+  python3 -m venv "$VENV" || exit 1
+  {
+    "$VENV/bin/pip" install --no-compile "${links[@]}" "torch==$VERSION" &&
+    "$VENV/bin/pip" install --no-compile "${links[@]}" -e "$REPO[test]"
+  } >"$LOG.install.log" 2>&1
+fi
 install_rc=$?
 t1=$(stamp)
 if [ $install_rc -ne 0 ]; then
@@ -77,7 +86,7 @@ echo "torch_matrix $VERSION: tests exit $tests_rc: $summary ($((t3 - t2)) s)"
 
 python - "$OUT/$VERSION.json" <<EOF
 import json, sys
-json.dump({"torch": "$VERSION", "versions": "$versions", "steps": $STEPS, "install_s": $((t1 - t0)),
+json.dump({"torch": "$VERSION", "venv": "$venv_kind", "versions": "$versions", "steps": $STEPS, "install_s": $((t1 - t0)),
            "train_exit": $train_rc, "final_loss": "${final_loss:-}", "train_s": $((t2 - t1)),
            "tests_exit": $tests_rc, "tests": "$summary", "tests_s": $((t3 - t2)),
            "load_avg": open("/proc/loadavg").read().split()[:3]}, open(sys.argv[1], "w"), indent=1)

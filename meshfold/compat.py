@@ -22,6 +22,10 @@ newer API (first release)                                       fallback
                                                                 the placement splits data
 ==============================================================  ==========================================
 
+One difference is of behaviour, not of API: from 2.14 a pipeline schedule on a fake process group
+skips the first step's warm-up vote a real group runs; :func:`pipeline_votes_on_fake_groups` makes
+the dry run's fake side vote as the real side does, so its collectives equal the real step's.
+
 :func:`hiding` makes this module take the fallbacks on a torch that has the newer API, so tests
 compare both paths on the same release.
 """
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["SUPPORTED", "VERSIONED", "Versioned", "all_gather_single", "check_torch_version", "fully_shard_over",
-           "has", "hiding", "needs", "parse_version", "reduce_scatter_single", "resolve", "strided_shard_indices",
+           "has", "pipeline_votes_on_fake_groups", "hiding", "needs", "parse_version", "reduce_scatter_single", "resolve", "strided_shard_indices",
            "torch_version"]
 
 SUPPORTED = ((2, 11), (2, 16))  # torch releases meshfold runs on: from the first, up to (not including) the second
@@ -198,6 +202,42 @@ def strided_shard_indices(placement, size: int, num_chunks: int, index: int) -> 
     positions = torch.arange(size).view([1] * placement.dim + [size])  # split along the placement's dim
     shards, _ = placement._split_tensor(positions, num_chunks, with_padding=False, contiguous=True)
     return shards[index].flatten().tolist()
+
+
+# ---- pipelining on a fake process group -------------------------------------------------------------
+class _VotingDist:
+    """``torch.distributed`` as ``torch.distributed.pipelining.schedules`` sees it inside
+    :func:`pipeline_votes_on_fake_groups`: the fake backend does not call itself ``fake``."""
+
+    def __getattr__(self, name):
+        import torch.distributed as dist
+
+        return getattr(dist, name)
+
+    @staticmethod
+    def get_backend(group=None):
+        import torch.distributed as dist
+
+        backend = dist.get_backend(group)
+        return "fake (voting)" if backend == "fake" else backend
+
+
+@contextlib.contextmanager
+def pipeline_votes_on_fake_groups():
+    """Pipeline schedules on a fake process group run the first step's warm-up vote, as on a real one.
+
+    From torch 2.14 a schedule whose stages sit on a fake group settles their shape-inference mode
+    locally (static when every stage was given its shapes) and skips the vote a real group runs at
+    its first step: each stage sends the product of the votes so far to the next (4 bytes) and the
+    result travels back (4 bytes). torch 2.13 votes on both, and torch 2.11 has no vote. Inside this
+    block a fake group votes too, so a dry run issues the point-to-point messages the real first
+    step does on every release; its host read of the result is answered like any other (static)."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import schedules
+
+    with mock.patch.object(schedules, "dist", _VotingDist()):
+        yield
 
 
 # ---- FSDP2 over some dims of a mesh ------------------------------------------------------------------
