@@ -168,11 +168,11 @@ def _fallback_run(rank, world_size, case):
     return gathered, out[:3].clone()
 
 
-@pytest.mark.parametrize("spec", [FoldSpec(4, tp=2, ep=2), FoldSpec(4, cp=2, ep=2, etp=2)],
-                         ids=["tp2-dp2-ep2-edp2", "cp2-dp2-ep2-etp2"])
-def test_fallbacks_compute_what_one_device_computes(worlds, spec):
-    """FSDP2 without dp_mesh_dims (tp-partial norms, dp x cp flattened, experts over edp) gives
-    the single-device gradients in fp64, and the older collectives gather and reduce-scatter."""
+def test_fallbacks_compute_what_one_device_computes(worlds):
+    """FSDP2 without dp_mesh_dims (norms' gradients partial over tp, dense weights over dp x cp
+    flattened, experts over edp) gives the single-device gradients in fp64, and the older
+    collectives gather and reduce-scatter."""
+    spec = FoldSpec(4, tp=2, ep=2)  # dp 2, edp 2
     case = (spec, 2 * spec.dp, 4 * spec.cp * spec.tp, 3, True, True, False, 0.01)
     for rank, (gathered, scattered) in enumerate(worlds(4).run(_fallback_run, case)):
         assert gathered.tolist() == [float(10 * r + i) for r in range(4) for i in range(3)]
