@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["SUPPORTED", "VERSIONED", "Versioned", "all_gather_single", "check_torch_version", "fully_shard_over",
-           "has", "pipeline_votes_on_fake_groups", "hiding", "needs", "parse_version", "reduce_scatter_single", "resolve", "strided_shard_indices",
-           "torch_version"]
+           "has", "hiding", "needs", "parse_version", "pipeline_votes_on_fake_groups", "reduce_scatter_single",
+           "resolve", "strided_shard_indices", "torch_version"]
 
 SUPPORTED = ((2, 11), (2, 16))  # torch releases meshfold runs on: from the first, up to (not including) the second
 
