@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from meshfold import compat
 from meshfold.mesh import FoldSpec
 from meshfold.placements import all_gather_v, reduce_scatter_v
 from meshfold.placements import collectives
@@ -28,11 +29,15 @@ HALF = (torch.bfloat16, torch.float16)
 PRIMITIVES = ("all_gather_single", "reduce_scatter_single", "all_to_all_single")
 
 
+def _home(name):  # the native gather / scatter go through meshfold.compat (older torch: older names)
+    return dist if name == "all_to_all_single" else compat
+
+
 @contextlib.contextmanager
 def counting():
     """Count calls of the torch.distributed primitives the collectives use (this process)."""
     calls = Counter()
-    saved = {name: getattr(dist, name) for name in PRIMITIVES}
+    saved = {name: getattr(_home(name), name) for name in PRIMITIVES}
 
     def wrap(name, fn):
         def counted(*args, **kwargs):
@@ -41,12 +46,12 @@ def counting():
         return counted
 
     for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
+        setattr(_home(name), name, wrap(name, fn))
     try:
         yield calls
     finally:
         for name, fn in saved.items():
-            setattr(dist, name, fn)
+            setattr(_home(name), name, fn)
 
 
 @contextlib.contextmanager

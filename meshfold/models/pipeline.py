@@ -236,12 +236,15 @@ class Pipeline:
         for calls in self._calls:
             calls.log.clear()
         # return_outputs=False: torch's last stage would otherwise keep every micro-batch's
-        # logits [b, s, V] until the step ends, to merge them into an output nobody reads
+        # logits [b, s, V] until the step ends, to merge them into an output nobody reads.
+        # Only a rank holding the first stage hands the schedule the tokens: later stages receive
+        # activations (and torch 2.11's shape inference refuses inputs given to them).
+        inputs = (tokens,) if 0 in self.stage_ids else ()
         if backward:
-            self.schedule.step(tokens, target=targets, losses=losses, return_outputs=False)
+            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
         else:
             with torch.no_grad():
-                self.schedule.eval(tokens, target=targets, losses=losses, return_outputs=False)
+                self.schedule.eval(*inputs, target=targets, losses=losses, return_outputs=False)
         for calls in self._calls:
             calls.forget_extra(self.microbatches)
         share = torch.zeros((), dtype=torch.float64, device=count.device)

@@ -103,15 +103,16 @@ class _Local(nn.Module):
     """Parametrization: the module sees the local shard of its DTensor parameter, in ``dtype``
     (None: the parameter's own). The cast is autograd's ``to``, so the gradient flows back in the
     parameter's (master) dtype; under FSDP2 the shard arrives in the compute dtype already and the
-    cast is a no-op."""
+    cast is a no-op. The gradient's placements follow the parameter's mesh and placements when it
+    is used (:func:`~meshfold.placements.params.partial_grads`): FSDP2 may hand the module the
+    parameter on another mesh than the one it was laid out on (meshfold.compat.fully_shard_over)."""
 
-    def __init__(self, grad_placements, dtype: torch.dtype | None = None):
+    def __init__(self, dtype: torch.dtype | None = None):
         super().__init__()
-        self.grad_placements = tuple(grad_placements)
         self.dtype = dtype
 
     def forward(self, p):
-        local = p.to_local(grad_placements=self.grad_placements)
+        local = p.to_local(grad_placements=partial_grads(p.placements))
         return local if self.dtype is None else local.to(self.dtype)
 
 
@@ -280,7 +281,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
-        parametrize.register_parametrization(module, attr, _Local(partial_grads(placements), compute_dtype),
+        parametrize.register_parametrization(module, attr, _Local(compute_dtype),
                                              unsafe=True)
     masks = CausalMaskCache()  # generic cp path: one mask per forward for all layers
     for block in blocks.values():

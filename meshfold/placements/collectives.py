@@ -71,7 +71,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from meshfold import simulated
+from meshfold import compat, simulated
 from meshfold.mesh import backend_device_type, collective_backend
 from meshfold.simulated import pick
 
@@ -196,7 +196,7 @@ def _gather_v(x, sizes, rank, group):
     if out.numel() == 0:
         return out  # every rank sees the same sizes, so every rank skips together
     if _native_gather(sizes):
-        dist.all_gather_single(out, x, group=group)
+        compat.all_gather_single(out, x, group=group)
         return out
     # Send my rows to every rank: input_splits = [n_me] * G, output_splits = sizes.
     send = x.repeat(G, *[1] * (x.dim() - 1))  # one copy (an expand's reshape would be a view per rank
@@ -212,7 +212,7 @@ def _scatter_v(x, sizes, rank, group):
     if _native_scatter(sizes, x.dtype, group, x.device.type):
         src = x.float() if half else x.contiguous()  # half precision: sum in fp32, round once
         out = src.new_empty((sizes[rank], *x.shape[1:]))
-        dist.reduce_scatter_single(out, src, group=group)
+        compat.reduce_scatter_single(out, src, group=group)
         return out.to(x.dtype) if half else out
     # Send rows sizes[j] to rank j, receive G copies of my slice, sum them in rank order.
     mine = pick(sizes, rank)
