@@ -27,20 +27,13 @@ from meshfold.plan.hardware import HARDWARE
 from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig
 from meshfold.train.flops import train_flops_per_step
+from meshfold.train.optim import build_optimizer, lr_at
 from meshfold.train.progress import Progress
 from meshfold.train.pruning import FoldedPruner
 
 __all__ = ["train_rank", "accumulate", "microbatch_counts"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def _lr(step: int, t) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
-    if step < t.warmup:
-        return t.lr * (step + 1) / t.warmup
-    frac = (step - t.warmup) / max(1, t.steps - t.warmup)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
 def _measure_peak(seconds: float = 0.5, device=None, dtype=torch.float32) -> float:
@@ -151,8 +144,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                              data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
         else:
             parallelize(model, folded, data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                            betas=(0.9, 0.95), foreach=False)
+    opt = build_optimizer(model, t)
     from meshfold.data import load_corpus
 
     corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
@@ -182,7 +174,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         n = step + 1  # steps are counted from 1 in logs, checkpoints and settings
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = _lr(step, t)
+            group["lr"] = lr_at(n, t)
         tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed, rows=own_rows)
         faults.before_step(injected, rank, n)
         loss = _global_loss(model, tokens, targets, spec, rank, backward=True,

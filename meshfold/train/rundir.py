@@ -34,8 +34,10 @@ __all__ = ["RunLock", "identity", "prepare"]
 LOCK = ".lock"
 IDENTITY = "run.json"
 # train.* settings that change what is trained; the others change how the run is watched or kept
-IDENTITY_TRAIN = ("batch", "seq", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
-                  "master_dtype", "init_from")
+IDENTITY_TRAIN = ("batch", "seq", "lr", "min_lr_ratio", "warmup", "weight_decay", "no_weight_decay", "betas", "eps",
+                  "grad_clip", "seed", "dtype", "master_dtype", "init_from")
+# what a run.json written before these settings existed trained with
+BEFORE_RECORDED = {"train.betas": [0.9, 0.95], "train.eps": 1e-8, "train.no_weight_decay": []}
 
 
 class RunLock:
@@ -128,6 +130,9 @@ def _recorded(out: Path, cfg, now: dict) -> tuple[dict, int | None]:
             ident = rec["identity"]
             if "train.dtype" in ident:  # recorded before train.master_dtype: weights were train.dtype
                 ident.setdefault("train.master_dtype", ident["train.dtype"])
+            if "train.batch" in ident:  # recorded before the optimizer's settings
+                for key, value in BEFORE_RECORDED.items():
+                    ident.setdefault(key, value)
             return ident, rec.get("steps")
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path} is damaged ({err}); move it aside to continue the run "
@@ -182,6 +187,9 @@ def prepare(lock: RunLock, cfg, mcfg) -> list[str]:
         if old_steps is not None and old_steps != steps:
             notes.append(f"train.steps {old_steps} -> {steps}: the learning-rate schedule now spans "
                          f"{steps} steps (warm-up {cfg.train.warmup}, cosine decay to step {steps})")
+    if cfg.train.warmup >= steps:
+        notes.append(f"train.warmup = {cfg.train.warmup} >= train.steps = {steps}: the run ends inside the "
+                     f"warm-up, at lr x {steps}/{cfg.train.warmup}, before any decay")
     tmp = out / (IDENTITY + ".tmp")
     tmp.write_text(json.dumps({"identity": now, "steps": steps}, indent=1) + "\n")
     os.replace(tmp, out / IDENTITY)
