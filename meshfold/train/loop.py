@@ -88,20 +88,28 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], bac
     ``model.loss`` of micro-batch i is its global mean, ``sum_i / counts[i]``; weighting it by
     ``counts[i] / sum(counts)`` makes the micro-batches add up to the whole batch's mean loss and
     gradients (up to summation order), as Pipeline's schedules do. MoE balancing losses are
-    computed per micro-batch (Megatron-Core's definition) and attach with their full coefficient,
-    as under Pipeline: their gradients add up over the micro-batches, where Megatron-Core scales
-    each by 1 / microbatches. Under FSDP2 only the last backward reduce-scatters.
+    computed per micro-batch (Megatron-Core's definition) and each enters the backward scaled by
+    1 / microbatches, as under Pipeline and in Megatron-Core (``MoELayer.balancing_scale``), so
+    their gradient is the mean over the micro-batches. Under FSDP2 only the last backward
+    reduce-scatters.
     """
     m, total = len(counts), sum(counts)
     sync = getattr(model, "set_requires_gradient_sync", None)
+    layers = model.moe_layers()
+    for layer in layers:
+        layer.balancing_scale = 1 / m
     loss = 0.0
-    for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
-        if sync is not None and backward:
-            sync(i == m - 1)
-        part = model.loss(tokens_ms, targets_ms, positions) * (counts[i] / total)
-        if backward:
-            part.backward()
-        loss += part.item()
+    try:
+        for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
+            if sync is not None and backward:
+                sync(i == m - 1)
+            part = model.loss(tokens_ms, targets_ms, positions) * (counts[i] / total)
+            if backward:
+                part.backward()
+            loss += part.item()
+    finally:
+        for layer in layers:
+            layer.balancing_scale = 1.0
     return loss
 
 
@@ -176,6 +184,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(n, t)
         tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed, rows=own_rows)
+        for layer in model.moe_layers():
+            layer.reset_step()  # the step's MoE metrics cover all of its micro-batches
         faults.before_step(injected, rank, n)
         loss = _global_loss(model, tokens, targets, spec, rank, backward=True,
                             microbatches=t.microbatches or 1)  # the same on every rank
@@ -259,12 +269,15 @@ def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peaks, t0)
 
 
 def _moe_metrics(model) -> list[dict]:
-    """Per MoE layer, in layer order: losses, tokens per expert, dropped fraction (collective:
-    ``last_losses`` sums over the stage's ranks; with pp, the stages' layers are gathered)."""
-    mine = [(i, {"losses": {k: float(v) for k, v in b.mlp.last_losses.items()},
-                 "tokens_per_expert": b.mlp.last_metrics["tokens_per_expert"].tolist(),
-                 "dropped_fraction": float(b.mlp.last_metrics["dropped_fraction"])})
-            for i, b in model.moe_blocks()]
+    """Per MoE layer, in layer order, over every micro-batch of the step: losses, tokens per
+    expert, dropped fraction (collective: ``step_metrics`` sums over the stage's ranks; with pp,
+    the stages' layers are gathered)."""
+    mine = []
+    for i, b in model.moe_blocks():
+        m = b.mlp.step_metrics()
+        mine.append((i, {"losses": {k: float(v) for k, v in m["losses"].items()},
+                         "tokens_per_expert": m["tokens_per_expert"].tolist(),
+                         "dropped_fraction": float(m["dropped_fraction"])}))
     if not isinstance(model, Pipeline):
         return [m for _, m in mine]
     everyone = [None] * dist.get_world_size()
