@@ -211,6 +211,17 @@ class TrainSettings:
     schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
                             choices=("gpipe", "1f1b", "interleaved-1f1b"))
     virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
+    tensorboard: bool = setting(False, bool, "also write the metrics as TensorBoard event files into "
+                                "<out_dir>/tensorboard/ (needs the tensorboard package: pip install "
+                                "\"meshfold[tensorboard]\")")
+    wandb: bool = setting(False, bool, "also log the metrics to Weights & Biases (needs the wandb package: pip "
+                          "install \"meshfold[wandb]\"; project, entity and mode come from its WANDB_* "
+                          "environment variables, e.g. WANDB_MODE=offline)")
+    profile_steps: list | None = setting(None, list, "[a, b]: record steps a to b (inclusive) with "
+                                         "torch.profiler into <out_dir>/profile/ (a Chrome trace per rank; on "
+                                         "CUDA also a memory snapshot) (default: unset, no profile)",
+                                         item=int, length=2, low=1, optional=True)
+    profile_ranks: str = setting("rank0", str, "which ranks train.profile_steps records", choices=("rank0", "all"))
     recompute: str = setting("none", str, "activation recomputation of every transformer block: selective "
                              "keeps the matrix products' outputs and recomputes norms, RoPE, attention "
                              "core and activations; full keeps only each block's input (both replay "
@@ -367,6 +378,9 @@ class TrainConfig:
                              f"gives 2*cp load-balanced chunks, each split over tp = {spec.tp})")
         if t.seq > cfg.max_seq:
             raise ValueError(f"train.seq = {t.seq} exceeds model max_seq = {cfg.max_seq}")
+        if t.profile_steps is not None and not t.profile_steps[0] <= t.profile_steps[1] <= t.steps:
+            raise ValueError(f"train.profile_steps = {t.profile_steps} must be [a, b] with a <= b <= train.steps "
+                             f"= {t.steps}")
         if spec.pp == 1 and t.microbatches and (t.batch // spec.dp) % t.microbatches:
             raise ValueError(f"train.batch / dp = {t.batch // spec.dp} sequences per rank is not "
                              f"divisible by train.microbatches = {t.microbatches}")

@@ -29,6 +29,7 @@ from meshfold.train.config import TrainConfig
 from meshfold.train.flops import train_flops_per_step
 from meshfold.train.optim import build_optimizer, lr_at
 from meshfold.train.progress import Progress
+from meshfold.train.tracking import Profiler, StepMemory, Trackers
 from meshfold.train.pruning import FoldedPruner
 
 __all__ = ["train_rank", "accumulate", "microbatch_counts"]
@@ -173,6 +174,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         _truncate_metrics(out / "metrics.jsonl", start)
     metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
     progress = Progress(t.steps, start) if rank == 0 else None
+    memory, profiler = StepMemory(device), Profiler(t, out, rank, device)
+    trackers = Trackers(t, out, start) if rank == 0 else None
     if rank == 0 and resumed_from:
         print(f"resumed from {resumed_from} at step {start}", flush=True)
     last_good = resumed_from
@@ -180,6 +183,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     end = t.steps if t.stop_at is None else min(t.steps, t.stop_at)
     for step in range(start, end):
         n = step + 1  # steps are counted from 1 in logs, checkpoints and settings
+        profiler.begin(n)
+        memory.start()
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(n, t)
@@ -193,12 +198,14 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             loss = float("nan")  # all ranks stop or skip together
         if math.isfinite(loss):
             record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, (peak_hw, peak), t0)
+            record["memory"] = memory.gather()  # every rank's peak of the step (a collective)
             if n % t.eval_every == 0 or n == t.steps:
                 record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
             if rank == 0:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
                 progress.update(record)
+                trackers.log(record)
             history.append(record)
         elif t.skip_nonfinite:
             opt.zero_grad(set_to_none=True)
@@ -217,9 +224,11 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                      "world_size": world_size, "train_steps": t.steps, "init_from": t.init_from}
             crash = faults.crash_in_save(injected, n)
             last_good = str(checkpoint.save(ckpt_dir, n, model, opt, state, crash_before_rename=crash))
+        profiler.end(n)
     if rank == 0:
         progress.close()
         metrics_file.close()
+        trackers.close()
     return {"final_loss": history[-1]["loss"] if history else None, "steps": len(history),
             "start": start, "checkpoint": last_good}
 
