@@ -139,7 +139,8 @@ class Profiler:
             return
         if n == self.first:
             cuda = self.device.type == "cuda"
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            kinds = torch.profiler.ProfilerActivity
+            activities = [kinds.CPU, kinds.CUDA] if cuda else [kinds.CPU]
             self._prof = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
             self._prof.__enter__()
             if cuda:
