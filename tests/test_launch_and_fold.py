@@ -81,10 +81,13 @@ def _two_folds_sharing_tp(rank, world_size):
     return shared, int(t), fresh
 
 
-def test_folds_share_the_process_groups_of_equal_rank_partitions(worlds):
+def test_folds_share_the_process_groups_of_equal_rank_partitions():
     """A long-lived process that folds many layouts keeps one process group per distinct rank
-    partition (each idle gloo group costs a polling thread), released with the last fold using it."""
-    results = worlds(4).run(_two_folds_sharing_tp)
+    partition (each idle gloo group costs a polling thread), released with the last fold using it.
+    Its own world: the session's shared worlds hold cached folds (``meshfold.testing.cached_fold``)
+    whose groups would outlive ``b`` and make ``c`` reuse them."""
+    with World(4, timeout=60.0) as world:
+        results = world.run(_two_folds_sharing_tp)
     assert [r[0] for r in results] == [True] * 4
     assert [r[1] for r in results] == [1, 1, 5, 5]  # tp pairs {0, 1} and {2, 3}
     assert [r[2] for r in results] == [True] * 4
