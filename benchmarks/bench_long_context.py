@@ -86,7 +86,7 @@ def _rank(rank, world_size, S, recompute, ep, layers=2, capacity_factor=None, st
 
     from meshfold.mesh import FoldSpec, fold
     from meshfold.models.transformer import MoETransformer
-    from meshfold.models.transformer_parallel import parallelize, shard_batch
+    from meshfold.parallel.transformer import parallelize, shard_batch
     from peak_rss import peak_rss_mib
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: freed blocks leave the RSS
@@ -149,8 +149,8 @@ def main() -> None:
     ap.add_argument("--label", default="after")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from meshfold.launch import spawn
-    from meshfold.models.transformer_parallel import parallelize
+    from meshfold.runtime.launch import spawn
+    from meshfold.parallel.transformer import parallelize
 
     offered = MODES if "recompute" in inspect.signature(parallelize).parameters else ("none",)
     modes = [m for m in args.recompute if m in offered]

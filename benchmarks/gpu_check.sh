@@ -4,10 +4,10 @@
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repository root
 #
-# 1. tests/test_kernels*.py on CUDA: the Triton forward and both backward kernels (dX, dW) against
+# 1. tests/kernels/test_kernels*.py on CUDA: the Triton forward and both backward kernels (dX, dW) against
 #    the plain torch reference in fp32, bf16 and fp16, dense and tile-masked, with empty experts
 #    and a partial tail (the tests skipped "needs CUDA" on CPU machines), and a meta-built model on a
-#    1-rank NCCL group holding and communicating only CUDA tensors (tests/test_devices.py);
+#    1-rank NCCL group holding and communicating only CUDA tensors (tests/parallel/test_devices.py);
 # 2. benchmarks/bench_grouped_gemm.py --device cuda: Triton vs F.grouped_mm vs per-expert cuBLAS vs
 #    one dense cuBLAS GEMM of equal FLOPs, measured in the same run;
 # 3. torchrun --nproc-per-node 1 -m meshfold train: tiny-moe in bf16 on NCCL for 30 steps, MFU
@@ -28,8 +28,8 @@ GPU="${MESHFOLD_GPU_PRESET:-h200}"
 status=0
 
 echo "== 1/4 kernel numerics (CUDA) =="
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_interpret.py \
-    tests/test_devices.py::test_under_nccl_everything_is_on_the_gpu \
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_kernels_interpret.py \
+    tests/parallel/test_devices.py::test_under_nccl_everything_is_on_the_gpu \
     --junitxml "$OUT/gpu_kernels.xml" 2>&1 | tee "$OUT/gpu_kernels.log" | tail -15
 k=${PIPESTATUS[0]}; [ "$k" = 0 ] || status=1
 

@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 from meshfold.kernels.cpu_pool import in_parts
 from meshfold.kernels.grouped_mm import grouped_mm
 from meshfold.kernels.reference import grouped_mm_reference
-from meshfold.simulated import per_rank_op
+from meshfold.runtime.simulated import per_rank_op
 
 __all__ = ["expert_ffn", "swiglu", "swiglu_reference", "gelu", "PART_ELEMENTS"]
 

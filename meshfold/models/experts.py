@@ -58,7 +58,7 @@ class Experts(nn.Module):
         self.register_buffer("mask_down", init.ones_(sp.new_mask(E, Fn, H, etp=etp, etp_dim="K")))
 
     def sparse_layers(self) -> dict:
-        """``{name: (weight parameter, mask [E, Kt, Nt])}`` for ``meshfold.sparsity.TilePruner``:
+        """``{name: (weight parameter, mask [E, Kt, Nt])}`` for ``meshfold.train.sparsity.TilePruner``:
         ``w_down`` [E, F, H]; ``w_gate_up`` [E, H, 2, F], which the pruner reads as [E, H, 2F]
         (gate columns, then up), with its mask [E, H/bk, 2, F/bn] viewed the same way."""
         m = self.mask_gate_up

@@ -4,10 +4,10 @@ Legend: B = sequences, S = sequence length (this rank's slice), T = B*S tokens o
 H = hidden, E = experts, k = top-k, N = routed rows, M = rows this rank's experts receive.
 
 Written as single-device code. ``MoELayer(cfg)`` runs on one device; ``MoELayer(cfg, mesh=fm)``
-(or :func:`~meshfold.models.moe_parallel.parallelize_moe`) runs folded: each rank passes its own
+(or :func:`~meshfold.parallel.moe.parallelize_moe`) runs folded: each rank passes its own
 tokens (batch over dp, sequence over cp and, with sequence parallelism, over tp) and gets them
 back in the same layout. The only difference is the ``comm`` object the layer asks for
-collectives (see :mod:`meshfold.models.moe_parallel`).
+collectives (see :mod:`meshfold.parallel.moe`).
 
 The pieces, one file each: :mod:`.router` (top-k routing), :mod:`.dispatcher` (dropping,
 permute / unpermute), :mod:`.experts`, :mod:`.token_stats` (the counts and their reductions over
@@ -26,7 +26,7 @@ from meshfold.models.balancing import attach_loss, balancing_loss_shares
 from meshfold.models.config import MoEConfig
 from meshfold.models.dispatcher import drop_pairs, permute, unpermute
 from meshfold.models.experts import Experts, SharedExpert
-from meshfold.models.moe_parallel import LocalComm, parallelize_moe
+from meshfold.parallel.moe import LocalComm, parallelize_moe
 from meshfold.models.router import Router
 from meshfold.models.token_stats import routing_metrics, token_stats
 
@@ -89,7 +89,7 @@ class MoELayer(nn.Module):
         return y_TH.reshape(shape)
 
     def sparse_layers(self) -> dict:
-        """The experts' ``{name: (weight, mask)}`` for ``meshfold.sparsity.TilePruner``
+        """The experts' ``{name: (weight, mask)}`` for ``meshfold.train.sparsity.TilePruner``
         (:meth:`Experts.sparse_layers`). Single device: under ETP each rank would prune its
         shard with its own threshold."""
         if self.cfg.expert_sparsity is None:

@@ -69,8 +69,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from meshfold import simulated
-from meshfold.simulated import pick
+from meshfold.runtime import simulated
+from meshfold.runtime.simulated import pick
 
 __all__ = ["all_to_all_v", "all_gather_v", "all_gather_replicated", "reduce_scatter_v", "sum_partial",
            "exchange_splits", "sum_statistic", "sum_in_place", "gather_equal", "all_agree", "on_dim",

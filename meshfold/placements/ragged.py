@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshfold.placements.collectives import all_gather_replicated, on_dim, sum_partial
-from meshfold.simulated import pick
+from meshfold.runtime.simulated import pick
 
 __all__ = ["RaggedShard", "RaggedTensor", "chunk_sizes", "explicit_shards"]
 

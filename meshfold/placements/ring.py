@@ -1,6 +1,6 @@
 """A ring shift over one named mesh dim: every rank sends to the next and receives from the previous.
 
-Ring attention (:mod:`meshfold.models.ring_attention`) passes key/value blocks (and, in the
+Ring attention (:mod:`meshfold.parallel.ring_attention`) passes key/value blocks (and, in the
 backward, their gradient accumulators) around the ``cp`` ranks this way. The shift is
 asynchronous, so the caller computes on the block it holds while the next one travels, and it is
 not differentiable: the ring attention's own backward sends the gradients back around the ring.
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from meshfold import simulated
+from meshfold.runtime import simulated
 
 __all__ = ["ring_shift"]
 

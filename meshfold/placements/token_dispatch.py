@@ -39,7 +39,7 @@ from torch.distributed.tensor import Partial, Replicate
 from meshfold.placements.collectives import (_group, all_gather_v, all_to_all_v, all_to_all_v_start, gather_equal,
                                              reduce_scatter_v)
 from meshfold.placements.ragged import RaggedShard, RaggedTensor
-from meshfold.simulated import per_rank
+from meshfold.runtime.simulated import per_rank
 
 __all__ = ["Routed", "DispatchInFlight", "block_counts", "dispatch", "dispatch_start", "combine"]
 

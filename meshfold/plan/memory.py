@@ -54,11 +54,11 @@ __all__ = ["StageParams", "stage_layers", "stage_params", "in_flight", "layer_ac
            "expert_shard", "REDUCE_BUCKET_BYTES"]
 
 BF16, FP32 = 2, 4  # bytes
-REDUCE_BUCKET_BYTES = 16 * 2**20  # meshfold.models.data_parallel.REDUCE_BUCKET_BYTES (a test checks)
+REDUCE_BUCKET_BYTES = 16 * 2**20  # meshfold.parallel.data_parallel.REDUCE_BUCKET_BYTES (a test checks)
 
 
 def stage_layers(layers: int, pp: int, vpp: int) -> list[list[int]]:
-    """Layer ids each pipeline rank holds, as ``meshfold.models.pipeline.chunk_layers`` cuts them
+    """Layer ids each pipeline rank holds, as ``meshfold.parallel.pipeline.chunk_layers`` cuts them
     (rank r: chunks r, r + pp, ...; a test compares the two)."""
     n = pp * vpp
     chunks = [list(range(i * layers // n, (i + 1) * layers // n)) for i in range(n)]
@@ -100,7 +100,7 @@ class StageParams:
 def stage_params(model: ModelShape, layout) -> list[StageParams]:
     """Per pipeline rank, the parameters one of its ranks holds under ``layout``'s tp / ep / etp
     (before dp x cp / edp sharding): the numbers ``parallelize`` gives every rank's local tensors,
-    ``to_local().numel()`` summed (tests/test_plan.py checks it on gloo)."""
+    ``to_local().numel()`` summed (tests/plan/test_plan.py checks it on gloo)."""
     s = layout.spec
     vocab_parallel = layout.sharding == "zero1"  # Megatron's; meshfold replicates them over tp
     moe, dense = model.layer_params(True), model.layer_params(False)

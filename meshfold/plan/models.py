@@ -7,7 +7,7 @@ and communication volume of a MoE transformer: attention in every layer, then ei
 a dense SwiGLU MLP of ``dense_ffn``. :meth:`ModelShape.from_config` reads them off any config
 object (meshfold's model configs, a Hugging Face config, a Megatron args namespace).
 
-Parameters are counted as meshfold builds them (``tests/test_plan.py`` checks the count against
+Parameters are counted as meshfold builds them (``tests/plan/test_plan.py`` checks the count against
 ``sum(p.numel())`` of every named config built on meta) and split by how ``parallelize`` lays them
 over ``tp`` (:meth:`ModelShape.layer_params`): replicated (norms, router, the shared expert's
 gate, MLA's latent down projections and norms, embeddings and head) or split by head / ffn.
@@ -308,8 +308,8 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("tiny-moe", hidden=512, layers=4, heads=8, kv_groups=2, experts=8, topk=2,
                expert_ffn=1024, vocab=1024),
     # the rest of meshfold.models.configs.CONFIGS, so `plan --model` and `train model.name` take
-    # the same names (tests/test_train_settings.py checks both lists and every shape against its
-    # config; tests/test_plan.py every parameter count against the built model).
+    # the same names (tests/train/test_train_settings.py checks both lists and every shape against its
+    # config; tests/plan/test_plan.py every parameter count against the built model).
     ModelShape("qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_groups=4, experts=128, topk=8,
                expert_ffn=768, vocab=151936, head_dim=128, qk_norm=True),
     ModelShape("tiny-mixtral", hidden=64, layers=2, heads=4, kv_groups=2, experts=4, topk=2,

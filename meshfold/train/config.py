@@ -18,7 +18,7 @@ ep = 4
 [train]
 steps = 200
 
-[sparsity]  # tile-sparse experts (meshfold.sparsity.ExpertSparsity fields)
+[sparsity]  # tile-sparse experts (meshfold.train.sparsity.ExpertSparsity fields)
 tile = [16, 16]
 schedule = [0.25, 0.5]
 start_step = 50
@@ -113,7 +113,7 @@ def setting(default, kind, doc, **rule):
 
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16")
-RECOMPUTE_MODES = ("none", "selective", "full")  # meshfold.models.recompute.RECOMPUTE (checked by a test)
+RECOMPUTE_MODES = ("none", "selective", "full")  # meshfold.parallel.recompute.RECOMPUTE (checked by a test)
 DTYPE_BITS = {"bfloat16": 16, "float32": 32, "float64": 64}
 
 
@@ -163,7 +163,7 @@ class TrainSettings:
     timeout: float = setting(300.0, float, "seconds a collective may wait, and half of it a rank may go "
                              "without a heartbeat, before the job is declared hung", low=0, open_low=True)
     retain_cpu_memory: bool = setting(False, bool, "CPU ranks keep freed memory for reuse "
-                                      "(meshfold.malloc): fewer page faults, the peak heap held until exit")
+                                      "(meshfold.runtime.malloc): fewer page faults, the peak heap held until exit")
     microbatches: int | None = setting(None, int, "micro-batches per step: the pipeline schedule's with "
                                        "fold.pp > 1 (default pp), else gradient accumulation (default 1)",
                                        low=1, optional=True)
@@ -273,7 +273,7 @@ class TrainConfig:
         if self.sparsity:
             if moe is None:
                 raise ValueError("[sparsity] settings given but the model has no MoE layers")
-            from meshfold.sparsity import ExpertSparsity
+            from meshfold.train.sparsity import ExpertSparsity
 
             sp = dict(self.sparsity)
             for key in ("tile", "schedule"):
@@ -300,7 +300,7 @@ class TrainConfig:
         import json
         from pathlib import Path
 
-        from meshfold.models.hf import config_from_hf
+        from meshfold.interop.hf import config_from_hf
 
         path = Path(self.train.init_from) / "config.json"
         if not path.is_file():
@@ -344,7 +344,7 @@ class TrainConfig:
             raise ValueError(f"train.init_from with fold.pp = {spec.pp}: pipeline stages do not load Hugging "
                              f"Face checkpoints yet; use pp = 1")
         if spec.pp > 1:
-            from meshfold.models.pipeline import check_pipeline
+            from meshfold.parallel.pipeline import check_pipeline
 
             mb = t.microbatches or spec.pp
             try:
@@ -358,7 +358,7 @@ class TrainConfig:
             if self.sparsity:
                 raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
                                  "all layers, which pipeline stages hold apart; use pp = 1")
-        from meshfold.models.transformer_parallel import check_fold
+        from meshfold.parallel.transformer import check_fold
 
         check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts
         return spec, cfg

@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshfold.malloc import retain_freed_memory
+from meshfold.runtime.malloc import retain_freed_memory
 from meshfold.mesh import fold
-from meshfold.models.pipeline import Pipeline
+from meshfold.parallel.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
-from meshfold.models.transformer_parallel import (batch_rows, grad_norm, parallelize, reduce_gradients,
-                                                  shard_batch)
+from meshfold.parallel.transformer import batch_rows, grad_norm, parallelize, reduce_gradients, shard_batch
 from meshfold.plan.hardware import HARDWARE
 from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig
@@ -130,13 +129,13 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
     if device.type == "cpu" and t.retain_cpu_memory:
-        retain_freed_memory()  # reuse large activation buffers across steps (meshfold.malloc)
+        retain_freed_memory()  # reuse large activation buffers across steps (meshfold.runtime.malloc)
     folded = fold(spec, device.type)
     compute = DTYPES[t.dtype]
     last = checkpoint.latest(ckpt_dir) if t.resume else None
     if t.init_from is not None and last is None:  # (a resume reads its own checkpoint instead)
-        from meshfold.models.hf import from_pretrained
-        from meshfold.models.recompute import apply_recompute
+        from meshfold.interop.hf import from_pretrained
+        from meshfold.parallel.recompute import apply_recompute
 
         # laid out as parallelize lays it out, each rank reading only its own slices (pp = 1)
         model = from_pretrained(t.init_from, mesh=folded, dtype=DTYPES[t.master_dtype], cfg=mcfg,
@@ -153,7 +152,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             parallelize(model, folded, data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                             betas=(0.9, 0.95), foreach=False)
-    from meshfold.data import load_corpus
+    from meshfold.data.corpus import load_corpus
 
     corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
     own_rows = batch_rows(t.batch, spec, rank)  # the only rows of each global batch this rank reads

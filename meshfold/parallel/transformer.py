@@ -1,0 +1,410 @@
+"""How a MoETransformer runs on a FoldedMesh: tensor, sequence, context, data and expert parallel.
+
+The model (:mod:`meshfold.models.transformer`) is single-device code. :func:`parallelize` applies,
+from outside:
+
+* **layout as data** (:data:`TRANSFORMER_LAYOUT`): every dense parameter becomes a DTensor on the
+  attention mesh ``(dp, cp, tp)`` of its pipeline stage; every MoE layer gets
+  :data:`~meshfold.parallel.moe.MOE_LAYOUT` on the MoE mesh ``(edp, ep, etp)``. The module
+  still sees plain local tensors: a parametrization returns ``to_local(grad_placements=...)`` with
+  ``Partial()`` on every dim where the weight is replicated but the tokens differ, so gradients
+  come back as Partial DTensors and :func:`reduce_gradients` (the data-parallel step) sums them.
+* **TP with sequence parallelism**: each rank holds ``S / (cp * tp)`` tokens of a sequence. Before
+  attention and the dense MLP the tokens of the tp group are all-gathered (all-gather-v over
+  ``tp``); heads (``wq``/``wk``/``wv`` columns, ``wo`` rows) and the ffn are split over ``tp``; the
+  outputs are reduce-scattered back. Layer norms and MoE layers run on the local tokens.
+* **CP with causal load balancing**: the sequence is cut into ``2 * cp`` chunks and cp rank ``c``
+  holds chunks ``c`` and ``2cp - 1 - c``, so every rank has the same amount of causal work.
+  Attention is a ring (:mod:`meshfold.parallel.ring_attention`): each rank keeps its queries, K/V
+  blocks travel around ``cp`` (the next in flight while this one computes), blocks are classified
+  full / diagonal / future from the chunk indices on the host, and their outputs are merged by
+  log-sum-exp; no [S/cp, S] mask or score tensor exists, so per-rank attention memory falls as
+  1/cp. MLA rings its compressed latent instead and expands it per block
+  (:class:`~meshfold.parallel.mla.LatentContext`). Positions outside that layout (checked on the CPU) take the generic path: K/V all-gathered
+  over ``cp`` (all-gather-v, whose backward reduce-scatters their gradients), masked by position.
+* **DP**: batch over ``dp``; gradients of dense weights are summed over ``dp x cp`` (and over
+  ``tp`` for weights applied to local tokens), expert weights over ``edp``. By default with FSDP2
+  (``fully_shard`` in its SPMD mode): dense weights are sharded over ``dp x cp``, expert weights
+  over ``edp``, all-gathered per block and reduce-scattered after backward; ``data_parallel=
+  "allreduce"`` keeps whole replicas and sums in :func:`reduce_gradients`.
+* **Recomputation** (``recompute``): activation checkpointing of every block
+  (:mod:`meshfold.parallel.recompute`), inside the block's FSDP2 group; the recompute reissues the
+  block's collectives in backward, in the same order on every rank.
+* **PP**: :mod:`meshfold.parallel.pipeline` cuts the model into chunks and parallelizes each with
+  this function on the rank's pipeline stage (``folded.stage``).
+* **Mixed precision** (``compute_dtype``, e.g. bf16, over fp32 *master* parameters): the
+  parameters, their gradients and the optimizer state stay in the master dtype; the modules see
+  each parameter in the compute dtype; gradients are summed over ranks and micro-batches in at
+  least fp32. With FSDP2 that is its own ``MixedPrecisionPolicy(param_dtype=compute,
+  reduce_dtype=fp32)``: the all-gather runs in bf16, the reduce-scatter in fp32, and gradients
+  accumulate in fp32 while gradient sync is off. The router keeps its ``router_dtype`` (its own
+  FSDP group and policy). With ``"allreduce"`` PyTorch has no parameter-cast policy (DDP's is
+  private and DDP cannot hold these DTensor parameters), and autocast casts per op, not for
+  meshfold's own expert kernels, which take weights and inputs of one dtype: so the
+  parametrization that already hands a module its local shard casts it (:class:`_Local`), and
+  the cast's backward returns the gradient in the master dtype, where it accumulates and is
+  summed. Both paths round each weight once to the compute dtype and compute the same ops.
+  Under FSDP2 with ``tp > 1``, weights replicated over ``tp`` (norms, embeddings, head, the
+  shared expert's gate, MLA's latent down projections ``wq_a`` / ``wkv_a``, modules of their own
+  for this) are all-gathered in the master dtype and cast by the parametrization,
+  because FSDP2 sums their ``tp`` shares in its param_dtype (see :func:`meshfold.parallel.data_parallel.fully_shard_folded`).
+
+The loss each rank returns is its share (sum of its tokens' cross-entropy over the global token
+count), so the shares add up to the single-device mean loss and so do the gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.utils.parametrize as parametrize
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from meshfold.parallel import ring_attention as ring
+from meshfold.models.attention import CausalMaskCache, attend
+from meshfold.parallel.data_parallel import fully_shard_folded, grad_norm, reduce_dtype, reduce_gradients  # noqa: F401
+from meshfold.models.init import materialize
+from meshfold.models.mla import MLA
+from meshfold.parallel.mla import MLA_LAYOUT, LatentContext, check_mla_fold
+from meshfold.models.moe import MoELayer
+from meshfold.models.transformer import MoETransformer
+from meshfold.parallel.moe import check_moe_fold, parallelize_moe, place
+from meshfold.parallel.recompute import apply_recompute, check_recompute
+from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
+
+__all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "reduce_dtype", "shard_batch",
+           "local_positions", "grad_norm", "full_state_dict", "single_device_name"]
+
+R = Replicate()
+ATTN_DIMS = ("dp", "cp", "tp")
+
+# parameter name suffix -> placements over attn (dp, cp, tp)
+TRANSFORMER_LAYOUT = {
+    "attn.wq": (R, R, Shard(1)),  # columns = query heads
+    "attn.wk": (R, R, Shard(1)),
+    "attn.wv": (R, R, Shard(1)),
+    "attn.bq": (R, R, Shard(0)),
+    "attn.bk": (R, R, Shard(0)),
+    "attn.bv": (R, R, Shard(0)),
+    "attn.wo": (R, R, Shard(0)),  # rows = query heads
+    "mlp.w_gate_up": (R, R, Shard(2)),  # dense MLP ffn over tp
+    "mlp.w_down": (R, R, Shard(0)),
+}
+
+
+def _placements(name: str):
+    for suffix, placements in (MLA_LAYOUT | TRANSFORMER_LAYOUT).items():
+        if name.endswith(suffix):
+            return placements
+    return (R, R, R)  # embeddings, norms, q/k norms, head
+
+
+class _Local(nn.Module):
+    """Parametrization: the module sees the local shard of its DTensor parameter, in ``dtype``
+    (None: the parameter's own). The cast is autograd's ``to``, so the gradient flows back in the
+    parameter's (master) dtype; under FSDP2 the shard arrives in the compute dtype already and the
+    cast is a no-op."""
+
+    def __init__(self, grad_placements, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.grad_placements = tuple(grad_placements)
+        self.dtype = dtype
+
+    def forward(self, p):
+        local = p.to_local(grad_placements=self.grad_placements)
+        return local if self.dtype is None else local.to(self.dtype)
+
+
+class _TensorParallel(nn.Module):
+    """Sequence-parallel entry/exit around a TP-sharded attention or dense MLP."""
+
+    def __init__(self, inner: nn.Module, mesh, tp: int, positional: bool):
+        super().__init__()
+        self.inner, self.mesh, self.tp, self.positional = inner, mesh, tp, positional
+
+    def _sizes(self, n: int) -> list[int]:
+        return [n] * self.tp  # every tp rank holds the same number of tokens (validated)
+
+    def forward(self, x, positions=None, rope=None):
+        B, s, H = x.shape
+        sizes = self._sizes(s)
+        x_full = all_gather_v(x.transpose(0, 1).contiguous(), sizes, self.mesh, "tp").transpose(0, 1)
+        if self.positional:
+            pos = _gather_positions(positions, sizes, self.mesh, "tp")
+            y = self.inner(x_full, pos, None)  # RoPE tables recomputed for the gathered tokens
+        else:
+            y = self.inner(x_full)
+        return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, self.mesh, "tp").transpose(0, 1)
+
+
+def _gather_positions(pos, sizes, mesh, dim):
+    if pos.dim() == 1:
+        return all_gather_v(pos, sizes, mesh, dim)
+    return all_gather_v(pos.transpose(0, 1).contiguous(), sizes, mesh, dim).transpose(0, 1)
+
+
+class _KVGather:
+    """Context-parallel hook for Attention: all-gather K/V (and positions) over ``cp``."""
+
+    def __init__(self, mesh, cp: int):
+        self.mesh, self.cp = mesh, cp
+
+    def __call__(self, k, v, k_pos):
+        sizes = [k.shape[2]] * self.cp
+
+        def gather(t):  # [B, g, S, d] -> gather the S dim
+            return all_gather_v(t.permute(2, 0, 1, 3).contiguous(), sizes, self.mesh, "cp").permute(1, 2, 0, 3)
+
+        return gather(k), gather(v), _gather_positions(k_pos, sizes, self.mesh, "cp")
+
+
+class _ContextAttention:
+    """Context-parallel attention core for Attention (its ``context`` hook): ring attention over
+    ``cp`` (:func:`~meshfold.parallel.ring_attention.ring_attention`) when the queries are in the
+    load-balanced layout of :func:`local_positions`, else the generic path (K/V all-gathered,
+    masked by position, one mask per forward from the shared ``masks``).
+
+    Which path is decided on the host. Positions on the CPU are checked (each sequence: this cp
+    rank's two chunks, up to one offset per sequence). On an accelerator that check would be a
+    device sync per layer, so there the layout is trusted; ``method = "gather"`` forces the
+    generic path for positions in another layout."""
+
+    def __init__(self, mesh, cp: int, masks: CausalMaskCache, method: str = "ring"):
+        self.mesh, self.cp, self.masks, self.method = mesh, cp, masks, method
+        self.gather = _KVGather(mesh, cp)
+
+    def __call__(self, q, k, v, positions):
+        if self.method == "ring" and self._load_balanced(positions):
+            return ring.ring_attention(q, k, v, self.mesh, "cp")
+        k_all, v_all, k_pos = self.gather(k, v, positions)
+        return attend(q, k_all, v_all, positions, k_pos, self.masks)
+
+    def _load_balanced(self, pos) -> bool:
+        return ring.load_balanced(pos, self.mesh.get_local_rank("cp"), self.cp)
+
+
+def _moe_prefix(model, name: str) -> str | None:
+    """``layers.N.mlp`` if parameter ``name`` belongs to a MoE layer, else None."""
+    if ".mlp." not in name:
+        return None
+    prefix = name.split(".mlp.")[0] + ".mlp"
+    return prefix if isinstance(model.get_submodule(prefix), MoELayer) else None
+
+
+def param_layouts(model: nn.Module, folded) -> dict[str, tuple]:
+    """``{parameter name: (mesh, placements)}`` for every parameter of an unparallelized model:
+    what :func:`parallelize` will do, as data (used to read only each rank's checkpoint slices)."""
+    from meshfold.parallel.moe import FoldedComm, moe_param_layout
+
+    attn_mesh = folded.stage("attn")
+    comm = FoldedComm(folded)
+    out = {}
+    for name, _ in model.named_parameters():
+        prefix = _moe_prefix(model, name)
+        out[name] = (moe_param_layout(name[len(prefix) + 1:], comm) if prefix
+                     else (attn_mesh, _placements(name)))
+    return out
+
+
+DATA_PARALLEL = ("fsdp", "allreduce")
+
+
+def check_fold(cfg, spec) -> None:
+    """Raise ``ValueError`` naming the model size that does not divide over ``spec`` (a
+    :class:`~meshfold.mesh.FoldSpec`): heads, kv_heads and the dense ffn over ``tp``, and the MoE
+    sizes (:func:`~meshfold.parallel.moe.check_moe_fold`). Needs no mesh, so a config can
+    be checked before any process starts; :func:`parallelize` runs the same checks."""
+    if getattr(cfg, "mla", None) is not None:
+        check_mla_fold(cfg.heads, spec.tp)
+    for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
+        if n % spec.tp:
+            raise ValueError(f"{what} = {n} is not divisible by tp = {spec.tp}")
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.layers)) and cfg.ffn % spec.tp:
+        raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
+    if cfg.moe is not None:
+        check_moe_fold(cfg.moe, spec.ep, spec.etp, spec.tp)
+
+
+def parallelize(model: nn.Module, folded, local_state: dict | None = None,
+                data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
+                recompute: str = "none") -> nn.Module:
+    """Lay ``model`` out on ``folded``, from identical full weights on every rank; from a model
+    built on the meta device (``MoETransformer(cfg, device="meta")``), each rank then
+    materializing only its own shards (TP / EP / ETP slices, then FSDP2 shards) on its device,
+    with the same global values as the model built whole (:mod:`meshfold.models.init`); or,
+    given ``local_state`` (``{name: this rank's shard}``, see :func:`param_layouts`), from shards
+    only (the model may then live on the meta device).
+
+    ``data_parallel``: ``"fsdp"`` shards every parameter over its data-parallel dims with FSDP2
+    (:func:`fully_shard`; dense weights over ``dp x cp``, expert weights over ``edp``), which also
+    reduces the gradients; ``"allreduce"`` keeps whole replicas and leaves the gradients Partial
+    until :func:`reduce_gradients`. Either way the reduced gradients are the single-device ones.
+
+    ``compute_dtype`` (None: the parameters' dtype): the dtype the modules compute in, e.g. bf16
+    over an fp32 model, whose parameters stay the master weights (see *Mixed precision* above);
+    routers keep their ``router_dtype``.
+
+    ``recompute``: activation checkpointing of every block, ``"none"``, ``"selective"`` or
+    ``"full"`` (:mod:`meshfold.parallel.recompute`: what each keeps and why; checkpoint inside
+    each block's FSDP2 group, whose hooks unshard the weights for the recompute).
+
+    Raises ``ValueError`` naming the size that does not divide (heads, kv_heads, ffn over tp;
+    experts over ep; expert ffn over etp). Returns the model (modified in place).
+    """
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel = {data_parallel!r}; valid: {list(DATA_PARALLEL)}")
+    check_recompute(recompute)
+    spec = folded.spec
+    if spec.pp != 1 and isinstance(model, MoETransformer):
+        raise ValueError(f"pp = {spec.pp}: a whole MoETransformer runs with pp = 1; for pipeline "
+                         f"parallelism use meshfold.parallel.pipeline.Pipeline, which parallelizes "
+                         f"each rank's model chunks")
+    cfg = model.cfg
+    blocks = dict(model.layers.named_children())  # ModuleList, or a pipeline chunk's ModuleDict
+    check_fold(cfg, spec)
+    on_meta = local_state is None and any(p.is_meta for p in model.parameters())
+    if on_meta and getattr(model, "inits", None) is None:
+        raise ValueError("the model is on the meta device but records no initialization; build it "
+                         "with MoETransformer(cfg, device='meta') or pass local_state")
+    attn_mesh = folded.stage("attn")
+    for i, block in blocks.items():
+        if isinstance(block.mlp, MoELayer):
+            prefix = f"layers.{i}.mlp."
+            sub = None if local_state is None else {
+                n[len(prefix):]: t for n, t in local_state.items() if n.startswith(prefix)}
+            parallelize_moe(block.mlp, folded, sub, compute_dtype=compute_dtype)
+    for name, param in list(model.named_parameters()):
+        if _moe_prefix(model, name):
+            continue
+        placements = _placements(name)
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
+        parametrize.register_parametrization(module, attr, _Local(partial_grads(placements), compute_dtype),
+                                             unsafe=True)
+    masks = CausalMaskCache()  # generic cp path: one mask per forward for all layers
+    for block in blocks.values():
+        if spec.cp > 1:
+            hook = LatentContext if isinstance(block.attn, MLA) else _ContextAttention  # MLA rings its latent
+            block.attn.context = hook(attn_mesh, spec.cp, masks)
+        if spec.tp > 1:
+            block.attn = _TensorParallel(block.attn, attn_mesh, spec.tp, positional=True)
+            if not isinstance(block.mlp, MoELayer):
+                block.mlp = _TensorParallel(block.mlp, attn_mesh, spec.tp, positional=False)
+    apply_recompute(blocks.values(), recompute)
+    model.folded = folded
+    model.gather_logits = _GlobalLogits(attn_mesh, spec)
+    model.reduce_loss = _GlobalMeanLoss(attn_mesh)
+    if data_parallel == "fsdp":
+        fully_shard_folded(model, folded, compute_dtype)
+    if on_meta:  # after FSDP2 has sharded: each rank allocates and draws only what it keeps
+        materialize(model, model.inits, model.init_seed, folded.device, name_of=single_device_name)
+    return model
+
+
+class _GlobalLogits:
+    """Local logits [b, s, V] -> DTensor on the attention mesh, placements (Shard(0), Shard(1),
+    Shard(1)) over (dp, cp, tp) in natural sequence order, so ``.full_tensor()`` is the global
+    [B, S, V]. Without cp, the local pieces already are that layout (a relabel, no copy). With
+    cp, ranks hold mirrored chunks, so the cp x tp group all-gathers its sequence, reorders it and
+    keeps its natural slice: the loss path (``model.loss``) never needs this."""
+
+    def __init__(self, mesh, spec):
+        self.mesh, self.spec = mesh, spec
+
+    def __call__(self, logits):
+        natural = (Shard(0), Shard(1), Shard(1))
+        z = DTensor.from_local(logits, self.mesh, natural, run_check=False)
+        if self.spec.cp == 1:
+            return z
+        full = z.redistribute(self.mesh, (Shard(0), R, R)).to_local()  # [b, S, V], chunk order
+        S = full.shape[1]
+        order = torch.cat([local_positions(S, self.spec, r) for r in self._cp_tp_ranks()])
+        natural_full = torch.empty_like(full).index_copy(1, order.to(full.device), full)
+        return DTensor.from_local(natural_full, self.mesh, (Shard(0), R, R),
+                                  run_check=False).redistribute(self.mesh, natural)
+
+    def _cp_tp_ranks(self):
+        """Global ranks of this rank's (cp, tp) block, in (cp, tp) order."""
+        me = self.spec.coords(self.mesh.get_rank())["attn"]
+        return [self.spec.rank("attn", **{**me, "cp": c, "tp": t})
+                for c in range(self.spec.cp) for t in range(self.spec.tp)]
+
+
+class _GlobalMean(torch.autograd.Function):
+    """Forward: sum of every rank's ``(loss sum, token count)`` over the attention mesh,
+    divided. Backward: each rank's local sum gets ``1 / global count``, its own share (not the
+    all-reduce's adjoint, which would count every rank's gradient world-size times)."""
+
+    @staticmethod
+    def forward(ctx, total, count, mesh):
+        both = sum_statistic(torch.stack([total.detach().double(), count.double()]), mesh, ATTN_DIMS)
+        ctx.n = both[1]
+        return (both[0] / both[1]).to(total.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.n.to(grad.dtype), None, None
+
+
+class _GlobalMeanLoss:
+    """``model.reduce_loss``: a rank's (cross-entropy sum, token count) -> the global mean."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def __call__(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return _GlobalMean.apply(total, count, self.mesh)
+
+
+# ---- data layout -----------------------------------------------------------------------------
+def local_positions(S: int, spec, rank: int) -> torch.Tensor:
+    """Absolute positions [S / (cp * tp)] of this rank's tokens of a length-S sequence.
+
+    cp rank c holds chunks c and 2cp-1-c of 2cp equal chunks (causal load balance); that part is
+    split contiguously over tp.
+    """
+    c = spec.coords(rank)["attn"]
+    split = 2 * spec.cp * spec.tp if spec.cp > 1 else spec.tp
+    if S % split:
+        raise ValueError(f"sequence length {S} is not divisible by {split} (cp = {spec.cp} gives "
+                         f"2*cp load-balanced chunks, each split over tp = {spec.tp})")
+    if spec.cp > 1:
+        chunk = S // (2 * spec.cp)
+        part = torch.cat([torch.arange(c["cp"] * chunk, (c["cp"] + 1) * chunk),
+                          torch.arange((2 * spec.cp - 1 - c["cp"]) * chunk, (2 * spec.cp - c["cp"]) * chunk)])
+    else:
+        part = torch.arange(S)
+    n = part.numel() // spec.tp
+    return part[c["tp"] * n:(c["tp"] + 1) * n]
+
+
+def shard_batch(tokens: torch.Tensor, spec, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of a global [B, S] batch (batch over dp, sequence over cp x tp) and the
+    positions of its tokens."""
+    B, S = tokens.shape
+    rows = batch_rows(B, spec, rank)
+    pos = local_positions(S, spec, rank)
+    return tokens[rows.start:rows.stop][:, pos], pos
+
+
+def batch_rows(batch: int, spec, rank: int) -> range:
+    """The rows of a global batch of ``batch`` sequences that ``rank``'s dp rank trains on."""
+    if batch % spec.dp:
+        raise ValueError(f"batch of {batch} sequences is not divisible by dp = {spec.dp}")
+    b, d = batch // spec.dp, spec.coords(rank)["attn"]["dp"]
+    return range(d * b, (d + 1) * b)
+
+
+def single_device_name(name: str) -> str:
+    """The single-device name of a parameter of a parallelized model (parallelize adds
+    ``parametrizations.<attr>.original`` and wraps TP modules in ``.inner``)."""
+    return name.replace("parametrizations.", "").replace(".original", "").replace(".inner", "")
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full tensor, under its single-device name (collective)."""
+    out = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        out[single_device_name(name)] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+    return out
