@@ -51,7 +51,8 @@ def _rank(rank, world_size, layers, mode):
 
     from meshfold.mesh import FoldSpec, fold
     from meshfold.models.transformer import MoETransformer
-    from meshfold.parallel.transformer import parallelize, shard_batch
+    from meshfold.parallel.transformer import parallelize
+    from meshfold.parallel.batch import shard_batch
     from peak_rss import _status_kib, peak_rss_mib
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: big blocks are mmapped

@@ -33,8 +33,9 @@ def _bench(rank, world_size, seqs, heads, kv_heads, head_dim, reps):
 
     from meshfold.mesh import FoldSpec
     from meshfold.models.attention import CausalMaskCache, attend
-    from meshfold.parallel.transformer import _ContextAttention, local_positions
-    from meshfold.testing.strategies import cached_fold
+    from meshfold.parallel.context import _ContextAttention
+    from meshfold.parallel.batch import local_positions
+    from meshfold.testing.worlds import cached_fold
 
     class Largest(TorchDispatchMode):
         n = 0

@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 from meshfold import FoldSpec, fold
 from meshfold.runtime.launch import spawn
 from meshfold.interop.hf import from_pretrained
-from meshfold.parallel.transformer import shard_batch
+from meshfold.parallel.batch import shard_batch
 
 WORLD, B, S = 4, 4, 32
 

@@ -1,8 +1,11 @@
 """The ``meshfold`` command: ``meshfold layout``, ``meshfold plan``, ... (argparse subcommands).
 
-Each subcommand lives beside the concept it drives and exposes ``configure(parser)`` and
-``main(args) -> int``; this file only wires them together, importing each lazily so that
-``meshfold layout`` does not pay for importing torch.
+Each subcommand is one file of this package that exposes ``configure(parser)`` and ``main(args)
+-> int``: argparse, then calls into the library (``meshfold.train``, ``meshfold.plan``, ...).
+This file only wires them together, importing each lazily so that ``meshfold layout`` does not
+pay for importing torch.
+
+Layer: the top one; may import every other (``tests/test_layers.py``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ from meshfold import __version__
 SUBCOMMANDS = {
     "train": ("meshfold.cli.train", "train a MoE transformer folded over local ranks (default: a "
               "4-rank CPU run on the Python standard library)", ""),
-    "generate": ("meshfold.cli.train", "sample text from a trained checkpoint", "_generate"),
-    "export": ("meshfold.cli.train", "write a checkpoint in Hugging Face format", "_export"),
+    "generate": ("meshfold.cli.generate", "sample text from a trained checkpoint", "_generate"),
+    "export": ("meshfold.cli.export", "write a checkpoint in Hugging Face format", "_export"),
     "tokenize": ("meshfold.cli.tokenize", "write pre-tokenized shards of text files for meshfold train", ""),
-    "upcycle": ("meshfold.interop.upcycle", "turn a dense Hugging Face checkpoint (Llama, Mistral, Qwen2, DeepSeek-V3) "
+    "upcycle": ("meshfold.cli.upcycle", "turn a dense Hugging Face checkpoint (Llama, Mistral, Qwen2, DeepSeek-V3) "
                 "into an MoE one (Mixtral, Qwen2-MoE, DeepSeek-V3) equal to it at initialization", ""),
     "layout": ("meshfold.cli.layout", "print the attention and MoE views of a fold", ""),
     "plan": ("meshfold.cli.plan", "choose a folded layout for a cluster (cost and memory model)", ""),

@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 
+from meshfold.catalog import RECOMPUTE
+
 __all__ = ["configure", "main", "parse_fold", "train_config"]
 
 GIB = 1024 ** 3
@@ -31,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gbs", type=int, default=256, help="global batch in sequences (default 256)")
     parser.add_argument("--mbs", type=int, default=1,
                         help="micro-batch in sequences per dp rank: gbs / dp / mbs micro-batches (default 1)")
-    parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float64"),
                         help="compute dtype (master weights and AdamW state: float32 or wider)")
     parser.add_argument("--gpu", default="h100", help="hardware preset whose memory is the budget (default h100)")

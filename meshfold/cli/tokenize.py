@@ -7,9 +7,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-__all__ = ["configure", "main", "tokenize"]
+__all__ = ["configure", "main"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -22,25 +21,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", help="text files or folders (hidden and binary files skipped)")
 
 
-def tokenize(files: list[str], out: str | Path, tokenizer: str | None = None, train_vocab: int | None = None,
-             shard_tokens: int = 1 << 27) -> dict:
-    """Tokenize ``files`` into ``out`` with a given tokenizer or one trained on them; the index."""
-    from meshfold.data.corpus import corpus_files
-    from meshfold.data.tokens import load_tokenizer, train_tokenizer, write_shards
-
-    if shard_tokens < 1:
-        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
-    out = Path(out)
-    paths = corpus_files(files)
-    if train_vocab is not None:
-        tok = train_tokenizer(paths, train_vocab, out)
-        name = str(out / "tokenizer.json")
-    else:
-        tok, name = load_tokenizer(tokenizer), str(tokenizer)
-    return write_shards(tok, paths, out, name, shard_tokens)
-
-
 def main(args: argparse.Namespace) -> int:
+    from meshfold.data.tokens import tokenize
+
     index = tokenize(args.files, args.out, args.tokenizer, args.train_tokenizer, args.shard_tokens)
     print(f"wrote {index['tokens']:,} tokens (vocab {index['vocab_size']:,}, {index['dtype']}) in "
           f"{len(index['shards'])} shards to {args.out}/; train on them with meshfold train --data {args.out} "

@@ -1,4 +1,4 @@
-"""``meshfold train``, ``meshfold generate`` and ``meshfold export``."""
+"""``meshfold train``: settings from the command line, checks, then the ranks (and what ends them)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-__all__ = ["configure", "main", "configure_generate", "main_generate", "configure_export", "main_export"]
+__all__ = ["configure", "main"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -205,92 +205,3 @@ def _count_params(mcfg) -> int:
     with torch.device("meta"):
         model = MoETransformer(mcfg)
     return sum(p.numel() for p in model.parameters())
-
-
-# ---- loading a trained model on one process -----------------------------------------------------
-def load_trained(run_or_checkpoint: str):
-    """(model, trainer state) from a run folder (its newest checkpoint) or a checkpoint folder."""
-    from meshfold.models.transformer import MoETransformer
-    from meshfold.train import checkpoint
-    from meshfold.train.config import TrainConfig
-    from meshfold.train.loop import DTYPES
-
-    path = Path(run_or_checkpoint)
-    if (path / "checkpoints").is_dir():
-        found = checkpoint.latest(path / "checkpoints")
-        if found is None:
-            raise ValueError(f"{path}/checkpoints has no complete checkpoint")
-        path = found
-    if not (path / "trainer.json").exists():
-        raise ValueError(f"{path} is neither a run folder nor a checkpoint (no trainer.json)")
-    checkpoint.verify(path)  # names a damaged trainer.json or shard before torch reads it
-    state = json.loads((path / "trainer.json").read_text())
-    cfg = TrainConfig(model=state["model"], moe=state.get("moe", {}), sparsity=state.get("sparsity", {}))
-    cfg.train.init_from = state.get("init_from")  # the model's shape is that checkpoint's config.json
-    cfg.train.dtype = state.get("dtype", "float32")  # checkpoints before train.master_dtype: float32, as then
-    cfg.train.master_dtype = state.get("master_dtype", "float32")
-    model = MoETransformer(cfg.model_config(), dtype=DTYPES[cfg.train.master_dtype])  # the master weights
-    checkpoint.load(path, model, None, restore_rng=False)
-    return model.eval(), state
-
-
-def configure_generate(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", nargs="?", default="runs/default",
-                        help="run folder or checkpoint folder (default runs/default)")
-    parser.add_argument("--prompt", default="def ", help="text to continue")
-    parser.add_argument("--tokens", type=int, default=200, help="bytes to generate")
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def main_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    if args.tokens < 1 or args.temperature <= 0 or args.top_k < 1:
-        raise ValueError(f"need --tokens >= 1, --temperature > 0, --top-k >= 1; got {args.tokens}, "
-                         f"{args.temperature}, {args.top_k}")
-    model, state = load_trained(args.checkpoint)
-    g = torch.Generator().manual_seed(args.seed)
-    ids = list(args.prompt.encode("utf-8")) or [10]
-    max_seq = model.cfg.max_seq
-    with torch.no_grad():
-        for _ in range(args.tokens):
-            ctx = torch.tensor([ids[-max_seq:]])
-            logits = model(ctx)[0, -1].float() / args.temperature
-            top = torch.topk(logits, min(args.top_k, logits.numel()))
-            probs = torch.softmax(top.values, -1)
-            ids.append(int(top.indices[torch.multinomial(probs, 1, generator=g)]))
-    print(bytes(ids).decode("utf-8", errors="replace"))
-    return 0
-
-
-def configure_export(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="run folder or checkpoint folder")
-    parser.add_argument("out", help="output folder for config.json + model.safetensors")
-    parser.add_argument("--arch", default=None, help="Hugging Face architecture (default: Mixtral, "
-                                                      "or Qwen2-MoE when the model has shared experts)")
-    parser.add_argument("--force", action="store_true", help="write into a folder that is not empty")
-    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default=None,
-                        help="dtype of the written weights, routers excepted (default: the run's compute "
-                             "dtype, train.dtype; checkpoints hold the master weights)")
-
-
-def main_export(args: argparse.Namespace) -> int:
-    from meshfold.interop.hf import save_pretrained
-
-    src, dst = Path(args.checkpoint).resolve(), Path(args.out).resolve()
-    run = src.parent.parent if src.parent.name == "checkpoints" else src
-    if dst in (run, src) or run / "checkpoints" in (dst, *dst.parents):
-        raise ValueError(f"export target {args.out} is the run being read or inside its checkpoints; "
-                         f"choose a folder of its own")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.force:
-        raise ValueError(f"export target {args.out} is not empty; choose an empty or new folder, or pass "
-                         f"--force to overwrite its config.json and model.safetensors")
-    model, state = load_trained(args.checkpoint)
-    from meshfold.train.loop import DTYPES
-
-    dtype = args.dtype or state.get("dtype", "float32")
-    save_pretrained(model, args.out, arch=args.arch, dtype=DTYPES[dtype])
-    print(f"wrote {args.out}/config.json and model.safetensors (Hugging Face format, {dtype})")
-    return 0

@@ -12,63 +12,16 @@ the batches an uninterrupted run would have seen, with no data-loader state to s
 from __future__ import annotations
 
 import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["ByteCorpus", "corpus_files", "default_corpus_paths", "load_corpus", "split_point", "split_sizes"]
+from meshfold.data.files import corpus_files, default_corpus_paths
+from meshfold.data.tokens import TokenStream, is_token_folder
 
-
-def default_corpus_paths(limit_bytes: int = 8_000_000) -> list[Path]:
-    """The standard library's ``*.py`` files (sorted), up to about ``limit_bytes``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
-            continue
-        try:
-            size = path.stat().st_size
-        except OSError:
-            continue
-        out.append(path)
-        total += size
-        if total >= limit_bytes:
-            break
-    if not out:
-        raise FileNotFoundError(f"no Python sources found under {root}; pass --data")
-    return out
-
-
-def _is_binary(path: Path) -> bool:
-    """A file whose first 8 KiB hold a NUL byte (images, archives, compiled code): not text."""
-    try:
-        with open(path, "rb") as f:
-            return b"\0" in f.read(8192)
-    except OSError:
-        return False  # reading it later names the error
-
-
-def corpus_files(paths: list[str | Path]) -> list[Path]:
-    """The files ``--data`` names: files as given, folders' files in sorted order without hidden
-    files and folders (``.git/``, ``.venv/``) or binary files."""
-    files = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            for f in sorted(p.rglob("*")):
-                rel = f.relative_to(p).parts
-                if f.is_file() and not any(part.startswith(".") for part in rel) and not _is_binary(f):
-                    files.append(f)
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise ValueError(f"--data {p}: no such file or folder")
-    if not files:
-        raise ValueError(f"--data {' '.join(map(str, paths))}: no text files found (hidden and binary "
-                         f"files are skipped)")
-    return files
+__all__ = ["ByteCorpus", "load_corpus", "split_point", "split_sizes", "corpus_description"]
 
 
 def split_point(total: int, val_fraction: float) -> int:
@@ -131,8 +84,6 @@ def load_corpus(paths: list[str | Path] | None = None, val_fraction: float = 0.0
     folder holding a token index (``meshfold tokenize``) is memory-mapped instead."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    from meshfold.data.tokens import TokenStream, is_token_folder
-
     if paths and is_token_folder(paths):
         stream = TokenStream(paths[0])
         cut = split_point(len(stream), val_fraction)
@@ -150,4 +101,5 @@ def load_corpus(paths: list[str | Path] | None = None, val_fraction: float = 0.0
 
 
 def corpus_description(paths) -> str:
+    """How a run's header names its text: the standard library, or the ``--data`` paths."""
     return "Python standard library sources" if not paths else ", ".join(map(os.fspath, paths))

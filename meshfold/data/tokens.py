@@ -29,7 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TokenStream", "is_token_folder", "load_tokenizer", "read_index", "train_tokenizer", "write_shards"]
+from meshfold.data.files import corpus_files, default_corpus_paths
+
+__all__ = ["TokenStream", "is_token_folder", "load_tokenizer", "read_index", "tokenize", "train_tokenizer",
+           "write_shards"]
 
 FORMAT = "meshfold-tokens-1"
 INDEX = "index.json"
@@ -124,6 +127,21 @@ def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_t
     return index
 
 
+def tokenize(files: list[str], out: str | Path, tokenizer: str | None = None, train_vocab: int | None = None,
+             shard_tokens: int = 1 << 27) -> dict:
+    """Tokenize ``files`` into ``out`` with a given tokenizer or one trained on them; the index."""
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    out = Path(out)
+    paths = corpus_files(files)
+    if train_vocab is not None:
+        tok = train_tokenizer(paths, train_vocab, out)
+        name = str(out / "tokenizer.json")
+    else:
+        tok, name = load_tokenizer(tokenizer), str(tokenizer)
+    return write_shards(tok, paths, out, name, shard_tokens)
+
+
 def sources(files: list[Path]) -> list:
     """What a token folder was made from: ``[path, size, mtime_ns]`` of each file, to reuse it
     only while the text (and the tokenizer file) is unchanged."""
@@ -133,8 +151,6 @@ def sources(files: list[Path]) -> list:
 def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdout) -> Path:
     """``data.tokenizer``: the text ``paths`` tokenized into ``folder`` (reused while the text
     and the tokenizer are the same); returns the folder to train on."""
-    from meshfold.data.corpus import corpus_files, default_corpus_paths
-
     files = corpus_files(paths) if paths else default_corpus_paths()
     file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
     try:

@@ -19,8 +19,7 @@ Like is compared with like (per rank of a pipeline stage, per step):
 * ``total``: the planner's memory per GPU against the dry run's ``peak_bytes``.
 * one row per ``(kind, dim)`` collective either side issues, in bytes per step.
 
-A real-shape step costs the dry run about 10 s per layer on this machine's loaded cores, so both
-sides run the same reduced model (``layers``) and the same number of micro-batches
+A real-shape step costs the dry run seconds per layer on a CPU, so both sides run the same reduced model (``layers``) and the same number of micro-batches
 (``global_batch = dp x mbs x microbatches``): per-layer terms scale with the layer count and
 per-micro-batch terms with the micro-batches, while hidden sizes, heads, experts, the sequence
 and the fold keep every byte of a layer the real one. With pp > 1 each pipeline stage is
@@ -38,13 +37,13 @@ from dataclasses import dataclass
 from meshfold.mesh import FoldSpec
 from meshfold.plan.cost import Layout, estimate
 from meshfold.plan.hardware import hardware
-from meshfold.plan.memory import FP32, expert_shard
+from meshfold.plan.stages import FP32, expert_shard
 from meshfold.plan.models import MODELS
 
 __all__ = ["Case", "Row", "compare", "cases", "pipeline_cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
            "TOLERANCE"]
 
-TOLERANCE = 0.10  # the issue's bar: every term within 10%
+TOLERANCE = 0.10  # every term within 10%: the accuracy the planner states (docs/plan.md)
 
 
 @dataclass(frozen=True)

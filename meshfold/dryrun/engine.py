@@ -106,7 +106,8 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
     of block counts ``C`` (real runs record them for :class:`~meshfold.dryrun.routing.Replay`)."""
     from meshfold.parallel.pipeline import Pipeline
     from meshfold.models.transformer import MoETransformer
-    from meshfold.parallel.transformer import grad_norm, parallelize, reduce_gradients
+    from meshfold.parallel.transformer import parallelize
+    from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
     from meshfold.train.loop import DTYPES, _global_loss
 
     t0 = time.perf_counter()
@@ -116,7 +117,7 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
     model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")
     with contextlib.ExitStack() as stack:
         if fake is not None:  # fake storage of each shard's size, nothing drawn
-            stack.enter_context(mock.patch("meshfold.parallel.transformer.materialize",
+            stack.enter_context(mock.patch("meshfold.parallel.transformer.materialize_shards",
                                            lambda module, *a, **k: _fake_materialize(module, fake)))
         if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
             stack.enter_context(_static_stages(cfg, spec, mcfg, fake))

@@ -17,11 +17,11 @@ A checkpoint directory is ``config.json`` plus ``*.safetensors`` (one file, or s
               model.layers.N.mlp.shared_expert_gate.weight [1, H]          (Qwen2-MoE)
               model.layers.N.mlp.{gate,up,down}_proj.weight                (dense layers)
 
-Each meshfold parameter has a *recipe* (:class:`Leaf` = one checkpoint tensor, maybe
-transposed; :class:`Stack` = parts stacked along a dim, e.g. experts along 0 and gate/up along
-the ``2`` axis of ``w_gate_up``), so :func:`load_state` can turn any slice of a meshfold parameter
-into slices of checkpoint tensors and read only those (``safe_open(...).get_slice``): a folded
-layout asks each rank's shard through ``select``.
+Each meshfold parameter has a *recipe* (:mod:`meshfold.interop.recipes`: a ``Leaf`` = one
+checkpoint tensor, maybe transposed; a ``Stack`` = parts stacked along a dim, e.g. experts along 0
+and gate/up along the ``2`` axis of ``w_gate_up``), so :func:`load_state` can turn any slice of a
+meshfold parameter into slices of checkpoint tensors and read only those
+(``safe_open(...).get_slice``): a folded layout asks each rank's shard through ``select``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from meshfold.interop import hf_deepseek
+from meshfold.interop.recipes import Leaf, Stack, gate_up, leaves, linear
 from meshfold.models.config import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 
@@ -214,36 +215,11 @@ def config_to_hf(cfg: TransformerConfig, arch: str | None = None, dtype: torch.d
 # ---------------------------------------------------------------------------- recipes
 
 
-@dataclass(frozen=True)
-class Leaf:
-    """One checkpoint tensor; ``transpose``: stored [out, in] (nn.Linear), used as [in, out]."""
-
-    key: str
-    transpose: bool = False
-
-
-@dataclass(frozen=True)
-class Stack:
-    """``torch.stack(parts, dim)``: e.g. experts along 0, or (gate, up) along the 2-axis."""
-
-    parts: tuple
-    dim: int
-
-
-def _linear(key: str) -> Leaf:
-    return Leaf(key, transpose=True)
-
-
-def _gate_up(prefix: str, gate: str, up: str) -> Stack:
-    # [H, 2, F] from gate/up [F, H] each
-    return Stack((_linear(f"{prefix}.{gate}.weight"), _linear(f"{prefix}.{up}.weight")), dim=1)
-
-
 def checkpoint_map(cfg: TransformerConfig, arch: str) -> dict[str, Leaf | Stack]:
     """meshfold parameter name (and buffer name, for checkpointed buffers such as DeepSeek-V3's
     expert bias) -> recipe over checkpoint tensors of ``arch``."""
     if arch == hf_deepseek.ARCH:
-        return hf_deepseek.checkpoint_map(cfg, Leaf, _linear, _gate_up, Stack)
+        return hf_deepseek.checkpoint_map(cfg)
     mixtral = arch == "MixtralForCausalLM"
     r: dict[str, Leaf | Stack] = {"embed.weight": Leaf("model.embed_tokens.weight"),
                                   "norm.weight": Leaf("model.norm.weight")}
@@ -254,7 +230,7 @@ def checkpoint_map(cfg: TransformerConfig, arch: str) -> dict[str, Leaf | Stack]
         r[f"{mf}.attn_norm.weight"] = Leaf(f"{hf}.input_layernorm.weight")
         r[f"{mf}.mlp_norm.weight"] = Leaf(f"{hf}.post_attention_layernorm.weight")
         for w, p in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "o")):
-            r[f"{mf}.attn.w{w}"] = _linear(f"{hf}.self_attn.{p}_proj.weight")
+            r[f"{mf}.attn.w{w}"] = linear(f"{hf}.self_attn.{p}_proj.weight")
         if cfg.qkv_bias:
             for w in "qkv":
                 r[f"{mf}.attn.b{w}"] = Leaf(f"{hf}.self_attn.{w}_proj.bias")
@@ -262,28 +238,20 @@ def checkpoint_map(cfg: TransformerConfig, arch: str) -> dict[str, Leaf | Stack]
             for w in "qk":
                 r[f"{mf}.attn.{w}_norm.weight"] = Leaf(f"{hf}.self_attn.{w}_norm.weight")
         if not cfg.is_moe_layer(i):
-            r[f"{mf}.mlp.w_gate_up"] = _gate_up(f"{hf}.mlp", "gate_proj", "up_proj")
-            r[f"{mf}.mlp.w_down"] = _linear(f"{hf}.mlp.down_proj.weight")
+            r[f"{mf}.mlp.w_gate_up"] = gate_up(f"{hf}.mlp", "gate_proj", "up_proj")
+            r[f"{mf}.mlp.w_down"] = linear(f"{hf}.mlp.down_proj.weight")
             continue
         blk = f"{hf}.block_sparse_moe" if mixtral else f"{hf}.mlp"
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         E = range(cfg.moe.num_experts)
         r[f"{mf}.mlp.router.weight"] = Leaf(f"{blk}.gate.weight")
-        r[f"{mf}.mlp.experts.w_gate_up"] = Stack(tuple(_gate_up(f"{blk}.experts.{e}", gate, up) for e in E), 0)
-        r[f"{mf}.mlp.experts.w_down"] = Stack(tuple(_linear(f"{blk}.experts.{e}.{down}.weight") for e in E), 0)
+        r[f"{mf}.mlp.experts.w_gate_up"] = Stack(tuple(gate_up(f"{blk}.experts.{e}", gate, up) for e in E), 0)
+        r[f"{mf}.mlp.experts.w_down"] = Stack(tuple(linear(f"{blk}.experts.{e}.{down}.weight") for e in E), 0)
         if cfg.moe.shared_ffn:
-            r[f"{mf}.mlp.shared.w_gate_up"] = _gate_up(f"{blk}.shared_expert", "gate_proj", "up_proj")
-            r[f"{mf}.mlp.shared.w_down"] = _linear(f"{blk}.shared_expert.down_proj.weight")
+            r[f"{mf}.mlp.shared.w_gate_up"] = gate_up(f"{blk}.shared_expert", "gate_proj", "up_proj")
+            r[f"{mf}.mlp.shared.w_down"] = linear(f"{blk}.shared_expert.down_proj.weight")
             r[f"{mf}.mlp.shared.gate"] = Leaf(f"{blk}.shared_expert_gate.weight")
     return r
-
-
-def _leaves(recipe):
-    if isinstance(recipe, Leaf):
-        yield recipe
-    else:
-        for p in recipe.parts:
-            yield from _leaves(p)
 
 
 # ---------------------------------------------------------------------------- loading
@@ -361,7 +329,7 @@ def load_state(path, cfg: TransformerConfig, select: Select | None = None,
             idx = tuple(idx or ()) + (slice(None),) * (len(shape) - len(tuple(idx or ())))
             state[name] = _read(recipes[name], shape, idx, ckpt, name, shape).contiguous()
         if select is None:
-            used = {leaf.key for r in recipes.values() for leaf in _leaves(r)}
+            used = {leaf.key for r in recipes.values() for leaf in leaves(r)}
             ignorable = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if cfg.tie_embeddings else ())
             mtp = f"model.layers.{cfg.layers}." if arch == hf_deepseek.ARCH else None  # multi-token prediction
             extra = sorted(k for k in ckpt.where if k not in used and not k.endswith(ignorable)
@@ -405,7 +373,8 @@ def from_pretrained(path, mesh=None, dtype: torch.dtype | None = None, cfg: Tran
 
 
 def _from_pretrained_folded(path, hf, cfg, model, mesh, compute_dtype=None) -> MoETransformer:
-    from meshfold.models.init import fill_, shard_indices
+    from meshfold.models.init import fill_
+    from meshfold.parallel.materialize import shard_indices
     from meshfold.parallel.moe import local_slices
     from meshfold.parallel.transformer import param_layouts, parallelize, single_device_name
 

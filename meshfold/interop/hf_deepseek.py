@@ -28,8 +28,10 @@ picks the groups and experts, the weights are the unbiased scores); ``n_group`` 
 
 from __future__ import annotations
 
+from meshfold.interop.recipes import Leaf, Stack, gate_up, linear
 from meshfold.models.config import MoEConfig
 from meshfold.models.mla import MLAConfig, YaRN
+from meshfold.models.transformer import TransformerConfig
 
 ARCH = "DeepseekV3ForCausalLM"
 
@@ -59,10 +61,8 @@ def _yarn(rope: dict, max_seq: int) -> YaRN | None:
                 attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)))
 
 
-def config_from_hf(hf: dict):
+def config_from_hf(hf: dict) -> TransformerConfig:
     """A DeepseekV3 ``config.json`` dict -> :class:`~meshfold.models.transformer.TransformerConfig`."""
-    from meshfold.models.transformer import TransformerConfig
-
     c = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     if "q_lora_rank" in hf and hf["q_lora_rank"] is None:  # null: a plain q projection
         c["q_lora_rank"] = None
@@ -143,25 +143,25 @@ def config_to_hf(cfg, dtype_name: str | None = None) -> dict:
     return hf
 
 
-def checkpoint_map(cfg, leaf, linear, gate_up, stack) -> dict:
-    """meshfold name -> recipe (built with hf.py's ``Leaf``, ``_linear``, ``_gate_up``, ``Stack``),
-    for the parameters and the expert-bias buffers."""
-    r = {"embed.weight": leaf("model.embed_tokens.weight"), "norm.weight": leaf("model.norm.weight")}
+def checkpoint_map(cfg) -> dict:
+    """meshfold name -> recipe (:mod:`meshfold.interop.recipes`), for the parameters and the
+    expert-bias buffers."""
+    r = {"embed.weight": Leaf("model.embed_tokens.weight"), "norm.weight": Leaf("model.norm.weight")}
     if not cfg.tie_embeddings:
-        r["head.weight"] = leaf("lm_head.weight")
+        r["head.weight"] = Leaf("lm_head.weight")
     for i in range(cfg.layers):
         hf, mf = f"model.layers.{i}", f"layers.{i}"
         att = f"{hf}.self_attn"
-        r[f"{mf}.attn_norm.weight"] = leaf(f"{hf}.input_layernorm.weight")
-        r[f"{mf}.mlp_norm.weight"] = leaf(f"{hf}.post_attention_layernorm.weight")
+        r[f"{mf}.attn_norm.weight"] = Leaf(f"{hf}.input_layernorm.weight")
+        r[f"{mf}.mlp_norm.weight"] = Leaf(f"{hf}.post_attention_layernorm.weight")
         if cfg.mla.q_lora_rank is None:
             r[f"{mf}.attn.wq"] = linear(f"{att}.q_proj.weight")
         else:
             r[f"{mf}.attn.wq_a.weight"] = linear(f"{att}.q_a_proj.weight")
-            r[f"{mf}.attn.q_norm.weight"] = leaf(f"{att}.q_a_layernorm.weight")
+            r[f"{mf}.attn.q_norm.weight"] = Leaf(f"{att}.q_a_layernorm.weight")
             r[f"{mf}.attn.wq_b"] = linear(f"{att}.q_b_proj.weight")
         r[f"{mf}.attn.wkv_a.weight"] = linear(f"{att}.kv_a_proj_with_mqa.weight")
-        r[f"{mf}.attn.kv_norm.weight"] = leaf(f"{att}.kv_a_layernorm.weight")
+        r[f"{mf}.attn.kv_norm.weight"] = Leaf(f"{att}.kv_a_layernorm.weight")
         r[f"{mf}.attn.wkv_b"] = linear(f"{att}.kv_b_proj.weight")
         r[f"{mf}.attn.wo"] = linear(f"{att}.o_proj.weight")
         blk = f"{hf}.mlp"
@@ -170,11 +170,11 @@ def checkpoint_map(cfg, leaf, linear, gate_up, stack) -> dict:
             r[f"{mf}.mlp.w_down"] = linear(f"{blk}.down_proj.weight")
             continue
         E = range(cfg.moe.num_experts)
-        r[f"{mf}.mlp.router.weight"] = leaf(f"{blk}.gate.weight")
-        r[f"{mf}.mlp.router.expert_bias"] = leaf(f"{blk}.gate.e_score_correction_bias")
-        r[f"{mf}.mlp.experts.w_gate_up"] = stack(tuple(gate_up(f"{blk}.experts.{e}", "gate_proj", "up_proj")
+        r[f"{mf}.mlp.router.weight"] = Leaf(f"{blk}.gate.weight")
+        r[f"{mf}.mlp.router.expert_bias"] = Leaf(f"{blk}.gate.e_score_correction_bias")
+        r[f"{mf}.mlp.experts.w_gate_up"] = Stack(tuple(gate_up(f"{blk}.experts.{e}", "gate_proj", "up_proj")
                                                        for e in E), 0)
-        r[f"{mf}.mlp.experts.w_down"] = stack(tuple(linear(f"{blk}.experts.{e}.down_proj.weight") for e in E), 0)
+        r[f"{mf}.mlp.experts.w_down"] = Stack(tuple(linear(f"{blk}.experts.{e}.down_proj.weight") for e in E), 0)
         if cfg.moe.shared_ffn:
             r[f"{mf}.mlp.shared.w_gate_up"] = gate_up(f"{blk}.shared_experts", "gate_proj", "up_proj")
             r[f"{mf}.mlp.shared.w_down"] = linear(f"{blk}.shared_experts.down_proj.weight")

@@ -1,6 +1,11 @@
 """What is computed: routers, dispatchers, experts, MoE layers and the MoE transformer, written as
 single-device code; their parallel layouts are declared and applied from outside
-(:mod:`meshfold.parallel`), Hugging Face checkpoints read and written by :mod:`meshfold.interop`."""
+(:mod:`meshfold.parallel`), Hugging Face checkpoints read and written by :mod:`meshfold.interop`.
+
+Layer: single-device math. Imports torch, ``meshfold.kernels``, ``meshfold.catalog``
+and ``meshfold.runtime``; never ``meshfold.placements``, ``torch.distributed`` or ``meshfold.parallel``
+(``tests/test_layers.py``).
+"""
 
 from meshfold.models.config import MoEConfig
 from meshfold.models.moe import MoELayer

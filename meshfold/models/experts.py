@@ -70,7 +70,7 @@ class SharedExpert(nn.Module):
     """A dense SwiGLU MLP every token goes through (Qwen2-MoE / DeepSeek shared experts).
 
     ``kind="qwen2"`` scales its output by ``sigmoid(gate(x))`` (a [1, H] linear); ``"deepseek"``
-    is ungated. Laid out like a dense TP MLP on the attention mesh (see moe_parallel).
+    is ungated. Laid out like a dense TP MLP on the attention mesh (``meshfold.parallel.layouts.MOE_LAYOUT``).
     """
 
     def __init__(self, hidden: int, ffn: int, kind: str = "qwen2", dtype: torch.dtype | None = None):

@@ -213,7 +213,6 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(rkv, LATENT_NORM_EPS, dtype)
         self.wkv_b = weight(rkv, heads * (cfg.qk_nope_head_dim + dv))  # [rkv, h*(dn+dv)]
         self.wo = weight(heads * dv, hidden)  # [h*dv, H]
-        self.k_norm = None  # no per-head norms (read by data_parallel alongside q_norm)
         self.context = None
 
     def expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor, wkv_b: torch.Tensor):

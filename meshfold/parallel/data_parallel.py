@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshfold.models.moe import MoELayer
+from meshfold.parallel.layouts import OWN_GROUP_OVER_TP, single_device_name
 from meshfold.placements import sum_in_place
 
 __all__ = ["REDUCE_BUCKET_BYTES", "reduce_dtype", "expert_shard_placement", "fully_shard_folded", "reduce_gradients", "grad_norm"]
@@ -90,11 +91,10 @@ def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | No
             if tp_summed and shared is not None and shared.gate is not None:
                 fully_shard(shared, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
         if tp_summed:
-            inner = getattr(block.attn, "inner", block.attn)
-            for module in (block.attn_norm, block.mlp_norm, inner.q_norm, inner.k_norm,
-                           *(getattr(inner, name, None) for name in ("kv_norm", "wq_a", "wkv_a"))):  # MLA's latents
-                if isinstance(module, nn.Module):
-                    fully_shard(module, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
+            modules = {single_device_name(name): m for name, m in block.named_modules()}
+            for name in OWN_GROUP_OVER_TP:
+                if name in modules:
+                    fully_shard(modules[name], mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
         fully_shard(block, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=mp)
     fully_shard(model, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)  # embeddings, final norm, head
     for method in ("loss", "local_logits"):  # entry points besides forward: gather the root's weights too
@@ -120,9 +120,8 @@ def reduce_gradients(model: nn.Module) -> None:
     Gradients that are partial over the same mesh dims are all-reduced together, in buckets of
     about ``REDUCE_BUCKET_BYTES`` (a larger gradient is summed alone, in place): one all-reduce
     per bucket and dim instead of one per parameter, and the sums are copied back into the
-    gradients' own storage, so the step holds at most one bucket beyond the gradients.
-    (One flat buffer of all of them held every gradient twice for a moment: at cp = 4 that was
-    the training step's peak, benchmarks/RESULTS.md, bench_model (c).) Sums run in
+    gradients' own storage, so the step holds at most one bucket beyond the gradients (one flat
+    buffer of all of them would hold every gradient twice for a moment). Sums run in
     :func:`reduce_dtype` (at least fp32): bf16 gradients are summed in an fp32 bucket.
     """
     buckets: dict = {}

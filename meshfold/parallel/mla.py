@@ -2,8 +2,10 @@
 
 Legend as in :mod:`meshfold.models.mla` (h heads, rq / rkv latent ranks, dn / dr / dv head dims).
 
+Its parameters' placements are :data:`meshfold.parallel.layouts.MLA_LAYOUT`.
+
 **TP** (with sequence parallelism, as for GQA: the tp group's tokens are all-gathered before
-attention and the output reduce-scattered after it, by ``transformer_parallel._TensorParallel``):
+attention and the output reduce-scattered after it, by ``meshfold.parallel.transformer._TensorParallel``):
 
 * the down projections to the latents, ``wq_a`` [H, rq] and ``wkv_a`` [H, rkv + dr], and the
   latent norms ``q_norm`` / ``kv_norm`` are **replicated** over tp: every tp rank computes the
@@ -30,33 +32,18 @@ its gradient), expanded, masked by position, as for GQA.
 **PP, FSDP2, DP**: nothing MLA-specific: blocks are cut into stages by
 :mod:`meshfold.parallel.pipeline`, every dense weight above is sharded over ``dp x cp`` by FSDP2
 (``fully_shard`` per block) on top of its tp placement, and gradients summed as for GQA.
-**EP / ETP / EDP**: the MoE layers follow :data:`~meshfold.parallel.moe.MOE_LAYOUT`
+**EP / ETP / EDP**: the MoE layers follow :data:`~meshfold.parallel.layouts.MOE_LAYOUT`
 (routed experts over ep, their ffn over etp, replicas over edp; the router and its expert bias
 replicated; the ungated shared experts a tp-split dense MLP on the attention mesh).
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
-
-from meshfold.parallel import ring_attention as ring
 from meshfold.models.attention import CausalMaskCache, attend
+from meshfold.parallel import ring_attention as ring
 from meshfold.placements import all_gather_v
 
-__all__ = ["MLA_LAYOUT", "LatentContext", "LatentGather", "check_mla_fold"]
-
-R = Replicate()
-
-# parameter name suffix -> placements over attn (dp, cp, tp)
-MLA_LAYOUT = {
-    "attn.wq_a.weight": (R, R, R),  # down to the q latent: replicated over tp
-    "attn.q_norm.weight": (R, R, R),
-    "attn.wq_b": (R, R, Shard(1)),  # up from the q latent: columns = heads
-    "attn.wkv_a.weight": (R, R, R),  # down to the kv latent + shared rope key: replicated over tp
-    "attn.kv_norm.weight": (R, R, R),
-    "attn.wkv_b": (R, R, Shard(1)),  # up from the kv latent: columns = heads (nope key, value)
-    # attn.wq (no q latent): columns = heads, attn.wo: rows = heads, as TRANSFORMER_LAYOUT says
-}
+__all__ = ["LatentContext", "LatentGather", "check_mla_fold"]
 
 
 class LatentGather:

@@ -1,13 +1,15 @@
-"""How an MoE layer runs on a FoldedMesh: its layout as data, and the collectives it needs.
+"""How an MoE layer runs on a FoldedMesh: its layout applied, and the collectives it needs.
 
-The layer itself (:mod:`meshfold.models.moe`) is single-device code that asks a *comm* object for
-five things: the local shard of each parameter, sums of token statistics over attention dims,
-gathering routing over ``(cp, tp)`` for full-sequence dropping, the dispatch / combine pair around
-the experts, and the TP entry / exit of the shared expert. :class:`LocalComm` answers them on one
-device (identities); :class:`FoldedComm` answers them on the folded mesh with meshfold's ragged
-collectives. Model files make no process-group calls.
+The layer itself (:mod:`meshfold.models.moe`) is single-device code that asks a *comm* object
+(:class:`meshfold.models.comm.MoEComm`) for five things: the local shard of each parameter, sums
+of token statistics over attention dims, gathering routing over ``(cp, tp)`` for full-sequence
+dropping, the dispatch / combine pair around the experts, and the TP entry / exit of the shared
+expert. :class:`~meshfold.models.comm.LocalComm` answers them on one device (identities);
+:class:`FoldedComm` answers them on the folded mesh with meshfold's ragged collectives. Model
+files make no process-group calls.
 
-Layout (one pipeline stage; the MoE view's ``pp`` dim is sliced away):
+Layout (one pipeline stage; the MoE view's ``pp`` dim is sliced away), as
+:data:`meshfold.parallel.layouts.MOE_LAYOUT` declares it:
 
 ===================  ======  ===============================  ==================================
 parameter            view    placements (dp|edp, cp|ep, tp|etp)  why
@@ -53,89 +55,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
+from meshfold.kernels import check_etp_alignment
+from meshfold.models.comm import Arrived
+from meshfold.parallel.layouts import MASK_LAYOUT, MOE_LAYOUT
 from meshfold.placements import (Routed, all_gather_v, combine, dispatch, gather_equal, local_view,
                                   reduce_scatter_v, sum_statistic)
 from meshfold.placements.collectives import debug_checks_enabled
 from meshfold.placements.token_dispatch import block_counts, dispatch_start, rows_sent
-from meshfold.runtime.simulated import per_rank
+from meshfold.runtime import spmd
 
-__all__ = ["MOE_LAYOUT", "LocalComm", "FoldedComm", "parallelize_moe"]
+__all__ = ["FoldedComm", "parallelize_moe", "place", "local_slices", "moe_param_layout", "check_moe_fold"]
 
 ATTN = ("dp", "cp", "tp")
 MOE = ("edp", "ep", "etp")
-
-MOE_LAYOUT = {
-    "router.weight": ("attn", (Replicate(), Replicate(), Replicate())),
-    "experts.w_gate_up": ("moe", (Replicate(), Shard(0), Shard(3))),
-    "experts.w_down": ("moe", (Replicate(), Shard(0), Shard(1))),
-    "shared.w_gate_up": ("attn", (Replicate(), Replicate(), Shard(2))),
-    "shared.w_down": ("attn", (Replicate(), Replicate(), Shard(0))),
-    "shared.gate": ("attn", (Replicate(), Replicate(), Replicate())),
-}
-
-
-# tile masks are buffers, sliced like their weights: experts over ep, this dim over etp
-MASK_LAYOUT = {"experts.mask_gate_up": 3, "experts.mask_down": 1}
-
-
-@dataclass
-class LocalRoute:
-    """One device's dispatch: the rows stay where they are (a :class:`Routed` without a mesh)."""
-
-    rows: torch.Tensor
-    offsets_E: torch.Tensor
-
-
-@dataclass
-class _Ready:
-    """A dispatch that has already arrived: ``wait()`` returns it."""
-
-    routed: object
-
-    def wait(self):
-        return self.routed
-
-
-class LocalComm:
-    """One device: all collectives are identities."""
-
-    dp = 1
-
-    def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        return p
-
-    def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
-        return mask
-
-    def sum(self, t: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
-        return t
-
-    def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
-        return t, 0
-
-    def rows_sent(self, counts_E):
-        """The rows kept when dropping, read on the host (the forward's one host read)."""
-        return int(counts_E.sum())
-
-    def dispatch(self, x_NH, counts_E):
-        return LocalRoute(x_NH, torch.cumsum(counts_E, 0).to(torch.int32))
-
-    def dispatch_start(self, x_NH, counts_E):
-        return _Ready(self.dispatch(x_NH, counts_E))
-
-    def combine(self, routed, y_NH):
-        return y_NH
-
-    def shared_in(self, x_TH):
-        return x_TH
-
-    def shared_out(self, y_TH):
-        return y_TH
 
 
 class FoldedComm:
@@ -230,7 +166,7 @@ class FoldedComm:
         Routed rows (:func:`meshfold.placements.token_dispatch.dispatch_start`). With
         ``overlap = False``: the synchronous :meth:`dispatch` (the same result; for A/B tests)."""
         if not self.overlap:
-            return _Ready(self.dispatch(x_NH, counts_E))
+            return Arrived(self.dispatch(x_NH, counts_E))
         return dispatch_start(x_NH, counts_E, self.experts_mesh, block=self._take_block(counts_E))
 
     def combine(self, routed: Routed, y_MH):
@@ -268,7 +204,7 @@ def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = No
     return out
 
 
-@per_rank  # under LocalTensorMode the slices differ by simulated rank
+@spmd.per_rank  # under LocalTensorMode the slices differ by simulated rank
 def _shard(full: torch.Tensor, starts: list[int], stops: list[int]) -> torch.Tensor:
     return full[tuple(slice(a, b) for a, b in zip(starts, stops))].clone()
 
@@ -304,8 +240,6 @@ def check_moe_fold(cfg, ep: int, etp: int, tp: int) -> None:
     if cfg.shared_ffn and cfg.shared_ffn % tp:
         raise ValueError(f"shared_ffn = {cfg.shared_ffn} is not divisible by tp = {tp}")
     if cfg.expert_sparsity is not None:
-        from meshfold.train.sparsity import check_etp_alignment
-
         check_etp_alignment(cfg.hidden, cfg.ffn, cfg.expert_sparsity.tile, etp, "N")
         check_etp_alignment(cfg.ffn, cfg.hidden, cfg.expert_sparsity.tile, etp, "K")
 

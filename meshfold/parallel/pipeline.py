@@ -44,15 +44,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshfold.catalog import SCHEDULES, check_choice
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer, cross_entropy_sum, run_layers
 from meshfold.parallel.transformer import parallelize
 from meshfold.placements import sum_in_place
 
 __all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-
 
 def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
     """Layer ids of each of ``num_chunks`` contiguous, balanced model chunks."""
@@ -120,8 +118,7 @@ class _CountedCalls:
 
 def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int) -> None:
     """Raise ``ValueError`` naming the setting if this pipeline cannot run (no process needed)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule = {schedule!r}; valid: {list(SCHEDULES)}")
+    check_choice("schedule", schedule, SCHEDULES)
     if not (isinstance(virtual, int) and virtual >= 1):
         raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
     if (schedule == "interleaved-1f1b") != (virtual > 1):

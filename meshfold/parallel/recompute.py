@@ -18,7 +18,7 @@ block's input when the backward reaches the block.
   layer is in docs/plan.md (*Memory*), the planner's model of it. Under TP it keeps the output
   projections' tp-partial outputs (all T tokens before the reduce-scatter), tp times the tokens
   a rank holds between blocks: selective saves less there the larger tp is.
-  ``benchmarks/RESULTS.md`` (*Activation recomputation*) has the measured saved bytes.
+  ``benchmarks/bench_recompute.py`` measures the saved bytes.
 
 MoE blocks, and what makes their recomputation safe:
 
@@ -55,10 +55,12 @@ import importlib
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from meshfold.catalog import RECOMPUTE, check_choice
+from meshfold.models.moe import MoELayer
+
 __all__ = ["RECOMPUTE", "ROUTING_OPS", "SAVED_PRODUCTS", "check_recompute", "BlockRecompute",
            "apply_recompute"]
 
-RECOMPUTE = ("none", "selective", "full")
 aten = torch.ops.aten
 
 # Selective checkpointing counts every op of the forward and raises if the recompute runs one more
@@ -124,10 +126,8 @@ SAVED_PRODUCTS = _saved_products()
 
 
 def check_recompute(mode) -> str:
-    """``mode`` if it is one of :data:`RECOMPUTE`, else ``ValueError`` listing them."""
-    if mode not in RECOMPUTE:
-        raise ValueError(f"recompute = {mode!r}; valid: {list(RECOMPUTE)}")
-    return mode
+    """``mode`` if it is one of :data:`~meshfold.catalog.RECOMPUTE`, else ``ValueError`` listing them."""
+    return check_choice("recompute", mode, RECOMPUTE)
 
 
 def _policy(saved: tuple):
@@ -212,8 +212,6 @@ class BlockRecompute:
 
 def apply_recompute(blocks, mode: str) -> None:
     """Set (or, for "none", clear) the ``checkpoint`` hook of every block in ``blocks``."""
-    from meshfold.models.moe import MoELayer
-
     check_recompute(mode)
     for block in blocks:
         layers = [m for m in block.modules() if isinstance(m, MoELayer)]

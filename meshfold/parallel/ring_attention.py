@@ -24,8 +24,8 @@ Block kernels (:data:`KERNELS`): ``"fused"``, the CPU flash kernel
 fp64, GQA without repeating K/V, log-sum-exp returned); ``"plain"``, the same maths in torch ops,
 the reference the fused kernel is tested against and the path on other devices. A fused CUDA path
 (``_scaled_dot_product_flash_attention`` / ``_efficient_attention`` and their backwards) is not
-wired: no GPU was available to test it, so CUDA runs the plain kernels (correct, but one n x n
-score block per block, in at least fp32).
+wired: CUDA runs the plain kernels (correct, but one n x n score block per block, in at least
+fp32).
 
 Why not ``torch.distributed.tensor.experimental.context_parallel`` (read in torch 2.13,
 ``_context_parallel/_attention.py``): (1) its SDPA handler maps only the CUDA ops
@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from meshfold.placements.ring import ring_shift
-from meshfold.runtime.simulated import per_rank
+from meshfold.runtime import spmd
 
 __all__ = ["KERNELS", "ring_attention", "rank_chunks", "block_plan", "load_balanced"]
 
@@ -158,7 +158,7 @@ def _keys_values(expand, travel, weights):
 
 # One ring step's blocks on this rank. Which blocks a step computes depends on the rank, so under
 # LocalTensorMode (many simulated ranks in one process) each runs once per rank (per_rank).
-@per_rank
+@spmd.per_rank
 def _forward_step(acc, qs, ks, vs, me, i, cp, fwd):
     """Fold the blocks of ring step ``i`` (keys ``ks`` / values ``vs`` of cp rank ``me - i``)
     into the running (out, lse) ``acc`` of this rank's two query chunks ``qs``."""
@@ -168,7 +168,7 @@ def _forward_step(acc, qs, ks, vs, me, i, cp, fwd):
     return acc
 
 
-@per_rank
+@spmd.per_rank
 def _backward_step(grads, saved, kv, me, i, cp, bwd):
     """Add the gradients of ring step ``i``'s blocks, in place, to ``grads`` = (dq chunks,
     d keys chunks, d values chunks) from ``saved`` = (d out, q, out, lse chunks) and ``kv`` =

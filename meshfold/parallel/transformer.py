@@ -5,7 +5,7 @@ from outside:
 
 * **layout as data** (:data:`TRANSFORMER_LAYOUT`): every dense parameter becomes a DTensor on the
   attention mesh ``(dp, cp, tp)`` of its pipeline stage; every MoE layer gets
-  :data:`~meshfold.parallel.moe.MOE_LAYOUT` on the MoE mesh ``(edp, ep, etp)``. The module
+  :data:`~meshfold.parallel.layouts.MOE_LAYOUT` on the MoE mesh ``(edp, ep, etp)``. The module
   still sees plain local tensors: a parametrization returns ``to_local(grad_placements=...)`` with
   ``Partial()`` on every dim where the weight is replicated but the tokens differ, so gradients
   come back as Partial DTensors and :func:`reduce_gradients` (the data-parallel step) sums them.
@@ -60,37 +60,25 @@ import torch.nn.utils.parametrize as parametrize
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshfold.parallel import ring_attention as ring
-from meshfold.models.attention import CausalMaskCache, attend
-from meshfold.parallel.data_parallel import fully_shard_folded, grad_norm, reduce_dtype, reduce_gradients  # noqa: F401
-from meshfold.models.init import materialize
+from meshfold.catalog import DATA_PARALLEL, check_choice
+from meshfold.models.attention import CausalMaskCache
 from meshfold.models.mla import MLA
-from meshfold.parallel.mla import MLA_LAYOUT, LatentContext, check_mla_fold
 from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
-from meshfold.parallel.moe import check_moe_fold, parallelize_moe, place
+from meshfold.parallel.batch import local_positions
+from meshfold.parallel.context import _ContextAttention, gather_positions
+from meshfold.parallel.data_parallel import fully_shard_folded
+from meshfold.parallel.layouts import MLA_LAYOUT, TRANSFORMER_LAYOUT, single_device_name
+from meshfold.parallel.materialize import materialize_shards
+from meshfold.parallel.mla import LatentContext, check_mla_fold
+from meshfold.parallel.moe import FoldedComm, check_moe_fold, moe_param_layout, parallelize_moe, place
 from meshfold.parallel.recompute import apply_recompute, check_recompute
 from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
 
-__all__ = ["TRANSFORMER_LAYOUT", "parallelize", "param_layouts", "reduce_gradients", "reduce_dtype", "shard_batch",
-           "local_positions", "grad_norm", "full_state_dict", "single_device_name"]
+__all__ = ["parallelize", "param_layouts", "check_fold", "full_state_dict", "single_device_name"]
 
 R = Replicate()
 ATTN_DIMS = ("dp", "cp", "tp")
-
-# parameter name suffix -> placements over attn (dp, cp, tp)
-TRANSFORMER_LAYOUT = {
-    "attn.wq": (R, R, Shard(1)),  # columns = query heads
-    "attn.wk": (R, R, Shard(1)),
-    "attn.wv": (R, R, Shard(1)),
-    "attn.bq": (R, R, Shard(0)),
-    "attn.bk": (R, R, Shard(0)),
-    "attn.bv": (R, R, Shard(0)),
-    "attn.wo": (R, R, Shard(0)),  # rows = query heads
-    "mlp.w_gate_up": (R, R, Shard(2)),  # dense MLP ffn over tp
-    "mlp.w_down": (R, R, Shard(0)),
-}
-
 
 def _placements(name: str):
     for suffix, placements in (MLA_LAYOUT | TRANSFORMER_LAYOUT).items():
@@ -130,57 +118,11 @@ class _TensorParallel(nn.Module):
         sizes = self._sizes(s)
         x_full = all_gather_v(x.transpose(0, 1).contiguous(), sizes, self.mesh, "tp").transpose(0, 1)
         if self.positional:
-            pos = _gather_positions(positions, sizes, self.mesh, "tp")
+            pos = gather_positions(positions, sizes, self.mesh, "tp")
             y = self.inner(x_full, pos, None)  # RoPE tables recomputed for the gathered tokens
         else:
             y = self.inner(x_full)
         return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, self.mesh, "tp").transpose(0, 1)
-
-
-def _gather_positions(pos, sizes, mesh, dim):
-    if pos.dim() == 1:
-        return all_gather_v(pos, sizes, mesh, dim)
-    return all_gather_v(pos.transpose(0, 1).contiguous(), sizes, mesh, dim).transpose(0, 1)
-
-
-class _KVGather:
-    """Context-parallel hook for Attention: all-gather K/V (and positions) over ``cp``."""
-
-    def __init__(self, mesh, cp: int):
-        self.mesh, self.cp = mesh, cp
-
-    def __call__(self, k, v, k_pos):
-        sizes = [k.shape[2]] * self.cp
-
-        def gather(t):  # [B, g, S, d] -> gather the S dim
-            return all_gather_v(t.permute(2, 0, 1, 3).contiguous(), sizes, self.mesh, "cp").permute(1, 2, 0, 3)
-
-        return gather(k), gather(v), _gather_positions(k_pos, sizes, self.mesh, "cp")
-
-
-class _ContextAttention:
-    """Context-parallel attention core for Attention (its ``context`` hook): ring attention over
-    ``cp`` (:func:`~meshfold.parallel.ring_attention.ring_attention`) when the queries are in the
-    load-balanced layout of :func:`local_positions`, else the generic path (K/V all-gathered,
-    masked by position, one mask per forward from the shared ``masks``).
-
-    Which path is decided on the host. Positions on the CPU are checked (each sequence: this cp
-    rank's two chunks, up to one offset per sequence). On an accelerator that check would be a
-    device sync per layer, so there the layout is trusted; ``method = "gather"`` forces the
-    generic path for positions in another layout."""
-
-    def __init__(self, mesh, cp: int, masks: CausalMaskCache, method: str = "ring"):
-        self.mesh, self.cp, self.masks, self.method = mesh, cp, masks, method
-        self.gather = _KVGather(mesh, cp)
-
-    def __call__(self, q, k, v, positions):
-        if self.method == "ring" and self._load_balanced(positions):
-            return ring.ring_attention(q, k, v, self.mesh, "cp")
-        k_all, v_all, k_pos = self.gather(k, v, positions)
-        return attend(q, k_all, v_all, positions, k_pos, self.masks)
-
-    def _load_balanced(self, pos) -> bool:
-        return ring.load_balanced(pos, self.mesh.get_local_rank("cp"), self.cp)
 
 
 def _moe_prefix(model, name: str) -> str | None:
@@ -194,8 +136,6 @@ def _moe_prefix(model, name: str) -> str | None:
 def param_layouts(model: nn.Module, folded) -> dict[str, tuple]:
     """``{parameter name: (mesh, placements)}`` for every parameter of an unparallelized model:
     what :func:`parallelize` will do, as data (used to read only each rank's checkpoint slices)."""
-    from meshfold.parallel.moe import FoldedComm, moe_param_layout
-
     attn_mesh = folded.stage("attn")
     comm = FoldedComm(folded)
     out = {}
@@ -204,9 +144,6 @@ def param_layouts(model: nn.Module, folded) -> dict[str, tuple]:
         out[name] = (moe_param_layout(name[len(prefix) + 1:], comm) if prefix
                      else (attn_mesh, _placements(name)))
     return out
-
-
-DATA_PARALLEL = ("fsdp", "allreduce")
 
 
 def check_fold(cfg, spec) -> None:
@@ -251,8 +188,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     Raises ``ValueError`` naming the size that does not divide (heads, kv_heads, ffn over tp;
     experts over ep; expert ffn over etp). Returns the model (modified in place).
     """
-    if data_parallel not in DATA_PARALLEL:
-        raise ValueError(f"data_parallel = {data_parallel!r}; valid: {list(DATA_PARALLEL)}")
+    check_choice("data_parallel", data_parallel, DATA_PARALLEL)
     check_recompute(recompute)
     spec = folded.spec
     if spec.pp != 1 and isinstance(model, MoETransformer):
@@ -298,7 +234,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
     if data_parallel == "fsdp":
         fully_shard_folded(model, folded, compute_dtype)
     if on_meta:  # after FSDP2 has sharded: each rank allocates and draws only what it keeps
-        materialize(model, model.inits, model.init_seed, folded.device, name_of=single_device_name)
+        materialize_shards(model, model.inits, model.init_seed, folded.device, name_of=single_device_name)
     return model
 
 
@@ -355,51 +291,6 @@ class _GlobalMeanLoss:
 
     def __call__(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return _GlobalMean.apply(total, count, self.mesh)
-
-
-# ---- data layout -----------------------------------------------------------------------------
-def local_positions(S: int, spec, rank: int) -> torch.Tensor:
-    """Absolute positions [S / (cp * tp)] of this rank's tokens of a length-S sequence.
-
-    cp rank c holds chunks c and 2cp-1-c of 2cp equal chunks (causal load balance); that part is
-    split contiguously over tp.
-    """
-    c = spec.coords(rank)["attn"]
-    split = 2 * spec.cp * spec.tp if spec.cp > 1 else spec.tp
-    if S % split:
-        raise ValueError(f"sequence length {S} is not divisible by {split} (cp = {spec.cp} gives "
-                         f"2*cp load-balanced chunks, each split over tp = {spec.tp})")
-    if spec.cp > 1:
-        chunk = S // (2 * spec.cp)
-        part = torch.cat([torch.arange(c["cp"] * chunk, (c["cp"] + 1) * chunk),
-                          torch.arange((2 * spec.cp - 1 - c["cp"]) * chunk, (2 * spec.cp - c["cp"]) * chunk)])
-    else:
-        part = torch.arange(S)
-    n = part.numel() // spec.tp
-    return part[c["tp"] * n:(c["tp"] + 1) * n]
-
-
-def shard_batch(tokens: torch.Tensor, spec, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of a global [B, S] batch (batch over dp, sequence over cp x tp) and the
-    positions of its tokens."""
-    B, S = tokens.shape
-    rows = batch_rows(B, spec, rank)
-    pos = local_positions(S, spec, rank)
-    return tokens[rows.start:rows.stop][:, pos], pos
-
-
-def batch_rows(batch: int, spec, rank: int) -> range:
-    """The rows of a global batch of ``batch`` sequences that ``rank``'s dp rank trains on."""
-    if batch % spec.dp:
-        raise ValueError(f"batch of {batch} sequences is not divisible by dp = {spec.dp}")
-    b, d = batch // spec.dp, spec.coords(rank)["attn"]["dp"]
-    return range(d * b, (d + 1) * b)
-
-
-def single_device_name(name: str) -> str:
-    """The single-device name of a parameter of a parallelized model (parallelize adds
-    ``parametrizations.<attr>.original`` and wraps TP modules in ``.inner``)."""
-    return name.replace("parametrizations.", "").replace(".original", "").replace(".inner", "")
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -3,9 +3,7 @@
 PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves a request of 32 MiB or
 more (fp32 [16384, 512], one fine-grained MoE layer's expert rows) with a fresh ``mmap`` and
 unmaps it on ``free``, so every such tensor is page-faulted in again, 4 KiB at a time, by the
-kernel zeroing each page: about 15 ms per 32 MiB on this project's CPU machine (a 32 MiB
-``index_select`` takes ~21 ms with its faults, ~6 ms without; benchmarks/RESULTS.md, "moe_layer",
-page faults). A training step
+kernel zeroing each page, which can cost more than the op that filled it. A training step
 allocates the same large buffers every step, so it pays this every step. The CUDA side has a
 caching allocator; the CPU side does not, and PyTorch's CPU tuning guide recommends swapping in
 jemalloc or tcmalloc for this reason.
@@ -15,11 +13,9 @@ requests below ``threshold`` come from the heap (not ``mmap``); freed heap memor
 heap top is never trimmed); and every thread allocates from the one main heap (one arena), so a
 buffer freed by one thread is reused by another (meshfold's expert-GEMM and combine workers
 allocate on pool threads; with an arena per thread, their heaps are unmapped and faulted in again
-as they empty and fill). Counted on a fine-grained MoE layer's fp32 forward + backward
-(benchmarks/bench_moe_layer.py): 79,000 page faults per step with glibc's defaults, 10,600 with
-the first two settings, 0 with all three. The cost: the process keeps its peak CPU memory until
-it exits, as the CUDA caching allocator does, plus fragmentation (that layer: 1,331 MiB held after
-12 steps against a 944 MiB peak with glibc's defaults), and threads share one allocator lock.
+as they empty and fill); benchmarks/bench_moe_layer.py counts the page faults a step takes with
+and without them. The cost: the process keeps its peak CPU memory until it exits, as the CUDA
+caching allocator does, plus fragmentation, and threads share one allocator lock.
 
     >>> from meshfold.runtime.malloc import retain_freed_memory
     >>> retain_freed_memory()  # True on glibc (Linux); False, and nothing changed, elsewhere

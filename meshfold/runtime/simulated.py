@@ -5,11 +5,12 @@ every simulated rank at once: each tensor is a ``LocalTensor`` holding one shard
 each host int that differs between ranks (a mesh coordinate, a split size read with
 ``.tolist()``) is a ``SymInt`` over a ``LocalIntNode``, one int per rank. Arithmetic on those
 works, but Python cannot index a list or slice a tensor with them, nor branch on them, and the
-c10d all-to-all it simulates takes one list of split sizes for every rank. So:
+c10d all-to-all it simulates takes one list of split sizes for every rank. So, reached through
+the seam :mod:`meshfold.runtime.spmd` while a mode is active:
 
-* the few places where meshfold's host logic depends on the rank call :func:`per_rank` (a pure
-  function run once per simulated rank, its results recombined) or :func:`pick` (``seq[i]``);
-  :func:`per_rank_op` does the same for a differentiable local op (the expert kernels);
+* host logic that depends on the rank runs through :func:`per_rank` (a pure function run once
+  per simulated rank, its results recombined) or :func:`pick` (``seq[i]``); :func:`per_rank_op`
+  does the same for a differentiable local op (the expert kernels);
 * the collectives torch simulates with one split list, or wrongly (its list ``all_gather`` with
   several groups), or not at all without threads (send / recv) are done here on the shards:
   :func:`all_to_all_single`, :func:`all_gather`, :func:`ring_shift`.
@@ -17,7 +18,7 @@ c10d all-to-all it simulates takes one list of split sizes for every rank. So:
 Outside the mode each is the plain call: real multi-process runs do not change. This leans on
 torch 2.13's private LocalTensor internals (``_local_tensors``, how the fake process group's
 partitions are laid out), as LocalTensorMode itself is private.
-:func:`meshfold.testing.strategies.simulated_world` sets the mode up; ``tests/parallel/test_large_folds.py`` uses it.
+:func:`meshfold.testing.worlds.simulated_world` sets the mode up; ``tests/parallel/test_large_folds.py`` uses it.
 """
 
 from __future__ import annotations

@@ -17,124 +17,13 @@ Example::
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Sequence
 
-import torch
 from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec
 
-__all__ = ["cached_fold", "checkpoint_reads", "divisors", "fold_specs", "invalid_fold_kwargs", "placements",
-           "ragged_shards", "split_sizes", "LiveTensors", "simulated_process_group", "simulated_world", "rank_values", "reference_transformer"]
-
-
-_FOLDS: dict = {}
-
-
-def cached_fold(spec: FoldSpec, device_type: str = "cpu"):
-    """``meshfold.fold(spec)``, built once per process and spec: property tests that run many
-    examples on one long-lived world (``meshfold.runtime.launch.World``) would otherwise create new
-    process groups for every example. Every rank must call it for the same specs in the same
-    order, as with ``fold``."""
-    from meshfold.mesh import fold
-
-    key = (spec, device_type)
-    if key not in _FOLDS:
-        _FOLDS[key] = fold(spec, device_type)
-    return _FOLDS[key]
-
-
-@contextmanager
-def checkpoint_reads():
-    """Inside the block, every slice read from a Hugging Face checkpoint by
-    :mod:`meshfold.interop.hf` appends its element count to the yielded list (to check that a
-    folded load reads only a rank's own shards)."""
-    from meshfold.interop import hf
-
-    read: list[int] = []
-    original = hf._Checkpoint.slice
-
-    class Counting:
-        def __init__(self, sl):
-            self.sl = sl
-
-        def get_shape(self):
-            return self.sl.get_shape()
-
-        def __getitem__(self, idx):
-            t = self.sl[idx]
-            read.append(t.numel())
-            return t
-
-    hf._Checkpoint.slice = lambda self, key, param: Counting(original(self, key, param))
-    try:
-        yield read
-    finally:
-        hf._Checkpoint.slice = original
-
-
-def reference_transformer(cfg, seed: int, B: int, S: int):
-    """``(model, tokens, targets)``: a single-device fp64 MoETransformer of ``cfg`` drawn from
-    ``seed``, its norms and q/k/v biases moved off their initial values (so their gradients are
-    checked too), and a global [B, S] batch of tokens and targets from ``seed + 1``: what the
-    folded equality tests compare against."""
-    from meshfold.models.transformer import MoETransformer
-
-    torch.manual_seed(seed)
-    model = MoETransformer(cfg, dtype=torch.float64)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith((".bq", ".bk", ".bv")):
-                p.add_(0.1 * torch.randn_like(p))
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, cfg.vocab, (B, S), generator=g)
-    targets = torch.randint(0, cfg.vocab, (B, S), generator=g)
-    return model, tokens, targets
-
-
-@contextmanager
-def simulated_process_group(world_size: int):
-    """A fake default process group of ``world_size`` ranks (this process is rank 0 of it), for
-    torch's ``LocalTensorMode`` to simulate them (:func:`simulated_world`, or one mode per
-    pipeline stage over that stage's ranks: modes over different rank sets do not nest). Torch
-    runs single-threaded inside: meshfold's CPU kernel pool would otherwise run LocalTensor ops
-    on threads outside the mode. The process must have no process group of its own."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("simulated_process_group: this process already has a default process group")
-    threads = torch.get_num_threads()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        dist.destroy_process_group()
-
-
-@contextmanager
-def simulated_world(world_size: int):
-    """``world_size`` ranks simulated in this one process (:mod:`meshfold.runtime.simulated`): a
-    :func:`simulated_process_group` and torch's ``LocalTensorMode`` over every rank, which it
-    yields; inside, :func:`meshfold.mesh.fold` and everything built on it runs all ranks at once
-    (``mode.rank_map(lambda r: ...)`` makes per-rank inputs, tensors made inside are
-    LocalTensors). Reaches folds that spawned processes cannot on a small machine; FSDP2 and
-    meshfold's Pipeline excepted (tests/parallel/test_large_folds.py says why)."""
-    from torch.distributed._local_tensor import LocalTensorMode
-
-    with simulated_process_group(world_size), LocalTensorMode(world_size) as mode:
-        yield mode
-
-
-def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
-    """``{rank: that simulated rank's value}`` of a LocalTensor made in :func:`simulated_world`."""
-    local = getattr(t, "_local_tensors", None)
-    if local is None:
-        raise TypeError(f"rank_values: a {type(t).__name__} holds no per-rank values (valid: a LocalTensor)")
-    return dict(sorted(local.items()))
+__all__ = ["divisors", "fold_specs", "invalid_fold_kwargs", "placements", "ragged_shards", "split_sizes"]
 
 
 def divisors(n: int) -> list[int]:
@@ -224,49 +113,3 @@ def placements(mesh_ndim: int, tensor_ndim: int, partial: bool = False):
         return out
 
     return draw_placements()
-
-
-class LiveTensors:
-    """Context: every tensor an op creates while it is active, held weakly; ``bytes()`` is the
-    storage bytes of those still alive (each storage counted once; FSDP2's freed unsharded
-    weights count 0). Within a forward, the growth is what the forward keeps for backward;
-    after a whole step, it is what the step leaks. Works on any device (a dispatch mode).
-    ``exclude``: tensors whose storages are not counted (a model's parameters and buffers, which
-    views made during the forward share)."""
-
-    def __init__(self, exclude=()):
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        import weakref
-
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        refs = self._refs = []
-
-        class _Record(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                refs.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-                return out
-
-        self._mode = _Record()
-
-    def __enter__(self):
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
-
-    def bytes(self) -> int:
-        self._refs[:] = [r for r in self._refs if r() is not None]
-        storages = {}
-        for r in self._refs:
-            t = r()
-            t = getattr(t, "_local_tensor", t)  # a DTensor: its shard's storage
-            if t is not None and not t.is_meta and type(t) in (torch.Tensor, torch.nn.Parameter):
-                s = t.untyped_storage()
-                if s.data_ptr() in self._exclude:
-                    continue
-                storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
-        return sum(storages.values())

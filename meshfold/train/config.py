@@ -36,6 +36,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshfold.catalog import DATA_PARALLEL, RECOMPUTE, SCHEDULES
 from meshfold.mesh import FoldSpec
 from meshfold.plan.hardware import HARDWARE
 
@@ -113,7 +114,6 @@ def setting(default, kind, doc, **rule):
 
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16")
-RECOMPUTE_MODES = ("none", "selective", "full")  # meshfold.parallel.recompute.RECOMPUTE (checked by a test)
 DTYPE_BITS = {"bfloat16": 16, "float32": 32, "float64": 64}
 
 
@@ -174,15 +174,15 @@ class TrainSettings:
                                         low=0, open_low=True, optional=True)
     data_parallel: str = setting("fsdp", str, "data parallelism: fsdp (FSDP2: parameters, gradients and AdamW "
                                  "state sharded over dp x cp, experts over edp) or allreduce (whole replicas, "
-                                 "gradients all-reduced once per step)", choices=("fsdp", "allreduce"))
+                                 "gradients all-reduced once per step)", choices=DATA_PARALLEL)
     schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
-                            choices=("gpipe", "1f1b", "interleaved-1f1b"))
+                            choices=SCHEDULES)
     virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
     recompute: str = setting("none", str, "activation recomputation of every transformer block: selective "
                              "keeps the matrix products' outputs and recomputes norms, RoPE, attention "
                              "core and activations; full keeps only each block's input (both replay "
                              "the forward's routing); results are identical, memory smaller",
-                             choices=RECOMPUTE_MODES)
+                             choices=RECOMPUTE)
 
 
 @dataclass

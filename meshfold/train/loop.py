@@ -21,7 +21,9 @@ from meshfold.runtime.malloc import retain_freed_memory
 from meshfold.mesh import fold
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
-from meshfold.parallel.transformer import batch_rows, grad_norm, parallelize, reduce_gradients, shard_batch
+from meshfold.parallel.transformer import parallelize
+from meshfold.parallel.batch import batch_rows, shard_batch
+from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
 from meshfold.plan.hardware import HARDWARE
 from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig

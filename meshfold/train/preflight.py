@@ -38,7 +38,8 @@ def check_launch(world_size: int) -> list[str]:
 
 def check_data(cfg) -> None:
     """The training text exists and gives one batch of ``train.seq + 1`` bytes in each split."""
-    from meshfold.data.corpus import corpus_files, default_corpus_paths, split_point, split_sizes
+    from meshfold.data.corpus import split_point, split_sizes
+    from meshfold.data.files import corpus_files, default_corpus_paths
     from meshfold.data.tokens import is_token_folder, read_index
 
     paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq

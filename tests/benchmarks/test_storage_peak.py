@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from storage_peak import StoragePeak  # noqa: E402
 
 from meshfold.mesh import FoldSpec  # noqa: E402
-from meshfold.testing.strategies import cached_fold  # noqa: E402
+from meshfold.testing.worlds import cached_fold  # noqa: E402
 
 H, N = 64, 48  # hidden, tokens per rank
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from meshfold.data.corpus import load_corpus
-from meshfold.cli.tokenize import tokenize
+from meshfold.data.tokens import tokenize
 from meshfold.data.tokens import TokenStream, load_tokenizer
 
 TEXTS = {"a.txt": "def add(a, b):\n    return a + b\n" * 60, "b.md": "# notes\nMoE layers fold. " * 80,

@@ -32,7 +32,7 @@ def _cfg(fold: dict, dtype: str, recompute: str, microbatches: int) -> TrainConf
 
 
 def _real_step(rank, world_size, fold, dtype, recompute, microbatches):
-    from meshfold.testing.strategies import cached_fold
+    from meshfold.testing.worlds import cached_fold
 
     cfg = _cfg(fold, dtype, recompute, microbatches)
     spec, _ = cfg.validate()

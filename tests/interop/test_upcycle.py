@@ -191,8 +191,8 @@ def test_deepseek_v3_one_routing_group_per_copy_routes_whole_groups_even_when_co
 
 
 def _folded_logits_equal(rank, world_size, path, spec, reference):
-    from meshfold.parallel.transformer import shard_batch
-    from meshfold.testing.strategies import cached_fold
+    from meshfold.parallel.batch import shard_batch
+    from meshfold.testing.worlds import cached_fold
 
     folded = from_pretrained(path, mesh=cached_fold(spec))
     tok = tokens(B=2 * spec.dp)
@@ -239,7 +239,7 @@ def test_training_from_an_upcycled_checkpoint_starts_at_the_dense_loss_and_lower
     assert abs(rows[0]["loss"] - dense_loss) <= 1e-4, (rows[0]["loss"], dense_loss)
     assert rows[-1]["step"] == 6 and rows[-1]["loss"] < rows[0]["loss"] - 0.05, [r["loss"] for r in rows]
     # generate / export rebuild the model from the checkpoint's recorded init_from config
-    from meshfold.cli.train import load_trained
+    from meshfold.train.trained import load_trained
 
     trained, _ = load_trained(str(run))
     assert trained.cfg.moe.num_experts == 4 and trained.cfg.moe.ffn == 48

@@ -14,7 +14,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from meshfold.interop.hf import from_pretrained, load_state, save_pretrained
 
-TOL32 = dict(rtol=0, atol=1e-4)  # the bound on logits, fp32
+TOL32 = dict(rtol=0, atol=1e-4)  # the bound on logits, fp32
 
 
 def hf_config(**kw) -> DeepseekV3Config:
@@ -142,7 +142,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from meshfold.mesh import FoldSpec  # noqa: E402
-from meshfold.testing.strategies import cached_fold, checkpoint_reads, fold_specs  # noqa: E402
+from meshfold.testing.strategies import fold_specs  # noqa: E402
+from meshfold.testing.worlds import cached_fold  # noqa: E402
+from meshfold.testing.references import checkpoint_reads  # noqa: E402
 
 TOL64 = dict(rtol=1e-9, atol=1e-11)
 
@@ -181,7 +183,9 @@ def _reference(cfg, seed):
 
 def _run_folded(rank, world_size, case):
     from meshfold.models.transformer import MoETransformer
-    from meshfold.parallel.transformer import parallelize, reduce_gradients, shard_batch, single_device_name
+    from meshfold.parallel.transformer import parallelize, single_device_name
+    from meshfold.parallel.data_parallel import reduce_gradients
+    from meshfold.parallel.batch import shard_batch
 
     spec, B, S, seed, data_parallel, aux, q_latent = case
     cfg = _folded_config(aux=aux, q_latent=q_latent)
@@ -245,7 +249,8 @@ def test_named_folds_every_dim(worlds, spec):
 def _run_pipeline(rank, world_size, spec, seed):
     from meshfold.parallel.pipeline import Pipeline
     from meshfold.models.transformer import MoETransformer
-    from meshfold.parallel.transformer import shard_batch, single_device_name
+    from meshfold.parallel.transformer import single_device_name
+    from meshfold.parallel.batch import shard_batch
 
     cfg = _folded_config(layers=4)
     ref = _reference(cfg, seed)
@@ -283,7 +288,8 @@ def _load_folded(rank, world_size, path, spec, expected):
     import math
 
     from meshfold.parallel.moe import local_slices
-    from meshfold.parallel.transformer import full_state_dict, param_layouts, shard_batch
+    from meshfold.parallel.transformer import full_state_dict, param_layouts
+    from meshfold.parallel.batch import shard_batch
 
     with checkpoint_reads() as read:
         folded = from_pretrained(path, mesh=cached_fold(spec), dtype=torch.float32)
@@ -338,7 +344,7 @@ def test_train_tiny_deepseek_v3_then_export_for_transformers(tmp_path):
     from safetensors import safe_open
 
     from tests.train.test_train import losses, meshfold
-    from meshfold.cli.train import load_trained
+    from meshfold.train.trained import load_trained
 
     run = tmp_path / "run"
     proc = meshfold("train", "--set", 'model.name="tiny-deepseek-v3"', "--steps", "10", "--out-dir", str(run),

@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 
 from meshfold.models import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
-from meshfold.parallel.transformer import parallelize, reduce_gradients, single_device_name
-from meshfold.testing.strategies import cached_fold, fold_specs
+from meshfold.parallel.transformer import parallelize, single_device_name
+from meshfold.parallel.data_parallel import reduce_gradients
+from meshfold.testing.strategies import fold_specs
+from meshfold.testing.worlds import cached_fold
 from meshfold.train.loop import _global_loss
 
 pytestmark = pytest.mark.multirank

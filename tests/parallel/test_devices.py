@@ -14,8 +14,9 @@ from meshfold.mesh import FoldSpec, fold
 from meshfold.models import MoEConfig
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer, TransformerConfig
-from meshfold.parallel.transformer import parallelize, shard_batch
-from meshfold.testing.strategies import cached_fold
+from meshfold.parallel.transformer import parallelize
+from meshfold.parallel.batch import shard_batch
+from meshfold.testing.worlds import cached_fold
 
 
 class CollectiveInputs(TorchDispatchMode):
@@ -83,7 +84,7 @@ def _train_step_devices(rank, world_size, spec, data_parallel, folded=None):
             model.step(local, local, pos)
         else:
             model.loss(local, local, pos).backward()
-            from meshfold.parallel.transformer import reduce_gradients
+            from meshfold.parallel.data_parallel import reduce_gradients
 
             reduce_gradients(model)
         opt.step()

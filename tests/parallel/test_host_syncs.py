@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig, MoELayer
 from meshfold.parallel.moe import parallelize_moe
-from meshfold.testing.strategies import cached_fold
+from meshfold.testing.worlds import cached_fold
 
 aten = torch.ops.aten
 

@@ -1,8 +1,8 @@
 """Folds of 16 to 64 ranks, simulated in one process: loss and every gradient equal one device (fp64).
 
-Spawned gloo worlds stop at 8 ranks on this machine, so large folds (issue 19's
-``tp2 x cp2 x dp4 | ep8 x edp2`` on 16, ``ep16`` on 32) are checked here with torch's
-``LocalTensorMode`` (:func:`meshfold.testing.strategies.simulated_world`): one SPMD program for every rank,
+Spawned gloo worlds stop at 8 ranks on this machine, so large folds (``tp2 x cp2 x dp4 | ep8 x
+edp2`` on 16, ``ep16`` on 32) are checked here with torch's ``LocalTensorMode``
+(:func:`meshfold.testing.worlds.simulated_world`): one SPMD program for every rank,
 each tensor holding one shard per rank, each rank-dependent host int (mesh coordinates, the MoE
 dispatch's split sizes) one int per rank. :mod:`meshfold.runtime.simulated` says what meshfold does
 differently there (outside the mode, nothing).
@@ -38,8 +38,11 @@ from meshfold.models import MoEConfig
 from meshfold.models.configs import get_config
 from meshfold.parallel.pipeline import ModelChunk, chunk_layers
 from meshfold.models.transformer import MoETransformer, TransformerConfig, cross_entropy_sum
-from meshfold.parallel.transformer import grad_norm, parallelize, reduce_gradients, shard_batch, single_device_name
-from meshfold.testing.strategies import rank_values, reference_transformer, simulated_process_group, simulated_world
+from meshfold.parallel.transformer import parallelize, single_device_name
+from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
+from meshfold.parallel.batch import shard_batch
+from meshfold.testing.worlds import rank_values, simulated_process_group, simulated_world
+from meshfold.testing.references import reference_transformer
 
 TOL = dict(rtol=1e-9, atol=1e-11)
 EXPERTS = 16
@@ -97,8 +100,8 @@ def _batch(spec, sequences=1, chunks=1):
 
 
 @pytest.mark.parametrize("spec", [
-    FoldSpec(16, tp=2, cp=2, dp=4, ep=8, edp=2),  # the issue's 16-rank fold
-    FoldSpec(32, tp=2, cp=2, dp=8, ep=16, edp=2),  # the issue's 32-rank fold without its pp2
+    FoldSpec(16, tp=2, cp=2, dp=4, ep=8, edp=2),  # a 16-rank fold of both views
+    FoldSpec(32, tp=2, cp=2, dp=8, ep=16, edp=2),  # the 32-rank fold without its pp2
     FoldSpec(64, tp=2, cp=4, dp=8, ep=16, edp=4),
 ], ids=str)
 def test_named_large_folds_equal_single_device(spec):
@@ -116,7 +119,7 @@ LARGE_FOLDS = [s for w in (16, 32, 64) for s in valid_folds(w, pp=[1]) if _fits(
 
 def test_deepseek_v3_on_the_16_rank_fold_equals_single_device():
     """MLA (its compressed latent travels the cp ring), group-limited sigmoid routing with the
-    expert bias and a shared expert, on the issue's 16-rank fold."""
+    expert bias and a shared expert, on the 16-rank fold."""
     cfg = get_config("tiny-deepseek-v3")
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, router_dtype=torch.float64))
     spec = FoldSpec(16, tp=2, cp=2, dp=4, ep=8, edp=2)

@@ -15,8 +15,9 @@ from meshfold.models import MoEConfig
 from meshfold.models.mla import MLAConfig
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer, TransformerConfig
-from meshfold.parallel.transformer import full_state_dict, parallelize, reduce_gradients, single_device_name
-from meshfold.testing.strategies import cached_fold
+from meshfold.parallel.transformer import full_state_dict, parallelize, single_device_name
+from meshfold.parallel.data_parallel import reduce_gradients
+from meshfold.testing.worlds import cached_fold
 from meshfold.train.loop import _global_loss
 
 pytestmark = pytest.mark.multirank
@@ -102,7 +103,7 @@ def test_gradients_are_summed_in_fp32_over_ranks_and_microbatches(worlds, spec, 
     """Every reduction and accumulation runs in fp32, including, under FSDP2 with tp > 1, the tp sums
     of tp-replicated weights (norms, q/k norms, embeddings, head, the shared expert's gate, MLA's
     latent down projections ``wq_a`` / ``wkv_a`` and latent norms), which FSDP2 would add in bf16 if
-    they were all-gathered in bf16 (transformer_parallel's docstring)."""
+    they were all-gathered in bf16 (meshfold.parallel.transformer's docstring)."""
     assert all(worlds(4).run(_reduced_in_fp32, (spec, data_parallel, m, schedule, mla)))
 
 
@@ -209,7 +210,7 @@ def _dtypes(path: Path) -> dict[str, str]:
 
 
 def test_checkpoint_holds_fp32_masters_and_export_writes_the_compute_dtype(runs, tmp_path):
-    from meshfold.cli.train import configure_export, main_export
+    from meshfold.cli.export import configure_export, main_export
     import argparse
 
     saved = _dtypes(runs["mixed"] / "checkpoints" / f"step_{STEPS:06d}")

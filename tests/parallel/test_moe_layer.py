@@ -21,7 +21,8 @@ from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig, MoELayer
 from meshfold.parallel.moe import parallelize_moe
 from meshfold.train.sparsity import ExpertSparsity
-from meshfold.testing.strategies import cached_fold, divisors, fold_specs
+from meshfold.testing.strategies import divisors, fold_specs
+from meshfold.testing.worlds import cached_fold
 from tests.models.test_router import ref_seq_loss, ref_switch_loss, ref_z_loss_torch
 
 pytestmark = pytest.mark.multirank

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig, MoELayer
 from meshfold.parallel.moe import parallelize_moe
-from meshfold.testing.strategies import cached_fold
+from meshfold.testing.worlds import cached_fold
 from tests.parallel.test_moe_layer import _run_case, moe_cases
 
 pytestmark = pytest.mark.multirank

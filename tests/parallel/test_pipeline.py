@@ -10,8 +10,10 @@ from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
 from meshfold.parallel.pipeline import Pipeline, chunk_layers
 from meshfold.models.transformer import MoETransformer, TransformerConfig
-from meshfold.parallel.transformer import shard_batch, single_device_name
-from meshfold.testing.strategies import cached_fold, fold_specs
+from meshfold.parallel.transformer import single_device_name
+from meshfold.parallel.batch import shard_batch
+from meshfold.testing.strategies import fold_specs
+from meshfold.testing.worlds import cached_fold
 
 TOL = dict(rtol=1e-9, atol=1e-11)
 
@@ -57,7 +59,7 @@ def _run(rank, world_size, case):
     torch.testing.assert_close(loss.item(), ref_loss, **TOL)
 
     if data_parallel == "allreduce":
-        from meshfold.parallel.transformer import reduce_gradients
+        from meshfold.parallel.data_parallel import reduce_gradients
 
         for chunk in pipe.chunks:
             reduce_gradients(chunk)

@@ -13,8 +13,11 @@ from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
 from meshfold.parallel.recompute import RECOMPUTE, apply_recompute, check_recompute
 from meshfold.models.transformer import MoETransformer, TransformerConfig
-from meshfold.parallel.transformer import parallelize, reduce_gradients, single_device_name
-from meshfold.testing.strategies import LiveTensors, cached_fold, fold_specs
+from meshfold.parallel.transformer import parallelize, single_device_name
+from meshfold.parallel.data_parallel import reduce_gradients
+from meshfold.testing.strategies import fold_specs
+from meshfold.testing.references import LiveTensors
+from meshfold.testing.worlds import cached_fold
 from meshfold.train.config import TrainSettings, rules
 from meshfold.train.loop import _global_loss
 

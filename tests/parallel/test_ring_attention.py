@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshfold.mesh import FoldSpec
 from meshfold.parallel import ring_attention as ring
-from meshfold.testing.strategies import cached_fold
+from meshfold.testing.worlds import cached_fold
 
 TOL = dict(rtol=1e-9, atol=1e-11)
 
@@ -151,7 +151,7 @@ def _context_hook(rank, world_size, spec, n, offset, permuted):
     """The parallelize hook: ring for the load-balanced layout (also shifted by an offset), the
     generic all-gather + mask path for any other positions; both equal one device."""
     from meshfold.models.attention import CausalMaskCache
-    from meshfold.parallel.transformer import _ContextAttention
+    from meshfold.parallel.context import _ContextAttention
 
     S = 2 * spec.cp * n
     q, k, v, w, o = _one_device(2, 4, 2, S, 8, seed=3)
@@ -182,8 +182,8 @@ def _kept_by_attention(rank, world_size, spec, n):
     """Bytes an Attention layer's forward keeps for backward (its output included) over this
     rank's 2n tokens: on one device (positions 0..2n-1, SDPA) and with the ring over cp."""
     from meshfold.models.attention import Attention, CausalMaskCache
-    from meshfold.parallel.transformer import _ContextAttention
-    from meshfold.testing.strategies import LiveTensors
+    from meshfold.parallel.context import _ContextAttention
+    from meshfold.testing.references import LiveTensors
 
     gen = torch.Generator().manual_seed(0)
     attn = Attention(32, 4, 2, 8, 10000.0, qk_norm=True, dtype=torch.float64)
@@ -356,7 +356,8 @@ def _largest_tensor(rank, world_size, spec, S, method, model):
     import dataclasses
 
     from meshfold.models.transformer import MoETransformer
-    from meshfold.parallel.transformer import parallelize, shard_batch
+    from meshfold.parallel.transformer import parallelize
+    from meshfold.parallel.batch import shard_batch
     from tests.models.test_deepseek_v3 import _folded_config
     from tests.parallel.test_transformer_parallel import _config
 

@@ -15,9 +15,11 @@ from meshfold.models import MoEConfig
 from meshfold.models import init
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer, TransformerConfig
-from meshfold.parallel.transformer import full_state_dict, parallelize, shard_batch
+from meshfold.parallel.transformer import full_state_dict, parallelize
+from meshfold.parallel.batch import shard_batch
 from meshfold.train.sparsity import ExpertSparsity
-from meshfold.testing.strategies import cached_fold, fold_specs
+from meshfold.testing.strategies import fold_specs
+from meshfold.testing.worlds import cached_fold
 
 
 # ---- the draw itself, no ranks ----------------------------------------------------------------

@@ -11,9 +11,12 @@ from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.parallel.moe import local_slices
-from meshfold.parallel.transformer import (full_state_dict, single_device_name, grad_norm, local_positions,
-                                           param_layouts, parallelize, reduce_gradients, shard_batch)
-from meshfold.testing.strategies import cached_fold, checkpoint_reads, fold_specs, reference_transformer
+from meshfold.parallel.transformer import full_state_dict, single_device_name, param_layouts, parallelize
+from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
+from meshfold.parallel.batch import local_positions, shard_batch
+from meshfold.testing.strategies import fold_specs
+from meshfold.testing.worlds import cached_fold
+from meshfold.testing.references import checkpoint_reads, reference_transformer
 
 pytestmark = pytest.mark.multirank
 

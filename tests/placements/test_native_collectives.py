@@ -20,7 +20,8 @@ from meshfold.mesh import FoldSpec
 from meshfold.placements import all_gather_v, reduce_scatter_v
 from meshfold.placements import collectives
 from meshfold.placements.collectives import set_collective_path
-from meshfold.testing.strategies import cached_fold, split_sizes
+from meshfold.testing.strategies import split_sizes
+from meshfold.testing.worlds import cached_fold
 
 pytestmark = pytest.mark.multirank
 

@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from meshfold.mesh import VIEWS
 from meshfold.placements import (RaggedShard, RaggedTensor, all_gather_v, all_to_all_v,
                                  exchange_splits, redistribute, reduce_scatter_v, set_debug_checks)
-from meshfold.testing.strategies import cached_fold, fold_specs, split_sizes
+from meshfold.testing.strategies import fold_specs, split_sizes
+from meshfold.testing.worlds import cached_fold
 
 pytestmark = pytest.mark.multirank
 

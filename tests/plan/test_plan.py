@@ -421,7 +421,7 @@ def test_stage_layers_are_the_pipelines_chunks(layers, pp, vpp):
 def test_knob_names_are_meshfolds():
     from meshfold.parallel.data_parallel import REDUCE_BUCKET_BYTES as runtime_bucket
     from meshfold.parallel.pipeline import SCHEDULES as runtime_schedules
-    from meshfold.parallel.transformer import DATA_PARALLEL
+    from meshfold.catalog import DATA_PARALLEL
 
     from meshfold.train.config import TrainSettings, rules
 
@@ -438,7 +438,7 @@ def test_every_proposed_layout_is_accepted_by_meshfold_train(name, gpus, seq, gb
     """Every layout the search proposes, recomputing ones included, passes ``meshfold train``'s
     validation (fold, pipeline and divisibility checks, data parallelism) with the overrides it
     prints, and none is a Megatron-only knob."""
-    from meshfold.parallel.transformer import DATA_PARALLEL
+    from meshfold.catalog import DATA_PARALLEL
     from meshfold.train.config import load_config
 
     results = plan(name, gpus, "h100", seq, gbs, max_mbs=4)
@@ -487,8 +487,10 @@ def _held_state_bytes(rank, world_size, spec, data_parallel):
 
     from meshfold.models.configs import get_config
     from meshfold.models.transformer import MoETransformer
-    from meshfold.parallel.transformer import parallelize, reduce_gradients, shard_batch
-    from meshfold.testing.strategies import cached_fold
+    from meshfold.parallel.transformer import parallelize
+    from meshfold.parallel.data_parallel import reduce_gradients
+    from meshfold.parallel.batch import shard_batch
+    from meshfold.testing.worlds import cached_fold
 
     cfg = get_config("tiny-deepseek-v3")
     model = MoETransformer(cfg, dtype=torch.float32, device="meta", seed=0)
@@ -528,7 +530,7 @@ def _local_param_numel(rank, world_size, spec, name, data_parallel):
     from meshfold.parallel.pipeline import Pipeline
     from meshfold.models.transformer import MoETransformer
     from meshfold.parallel.transformer import parallelize
-    from meshfold.testing.strategies import cached_fold
+    from meshfold.testing.worlds import cached_fold
 
     folded = cached_fold(spec)
     model = MoETransformer(get_config(name), dtype=torch.float32, device="meta")

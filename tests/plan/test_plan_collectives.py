@@ -55,8 +55,10 @@ def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq,
     from meshfold.models.configs import get_config
     from meshfold.parallel.pipeline import Pipeline
     from meshfold.models.transformer import MoETransformer
-    from meshfold.parallel.transformer import parallelize, reduce_gradients, shard_batch
-    from meshfold.testing.strategies import cached_fold
+    from meshfold.parallel.transformer import parallelize
+    from meshfold.parallel.data_parallel import reduce_gradients
+    from meshfold.parallel.batch import shard_batch
+    from meshfold.testing.worlds import cached_fold
     from meshfold.train.loop import accumulate
 
     names, label = _labels(spec, rank)

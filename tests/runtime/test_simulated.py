@@ -7,7 +7,7 @@ import torch.distributed as dist
 from meshfold.mesh import FoldSpec, fold
 from meshfold.placements.collectives import _group, all_to_all_v, gather_equal
 from meshfold.runtime.simulated import per_rank, pick, simulated_ranks
-from meshfold.testing.strategies import rank_values, simulated_world
+from meshfold.testing.worlds import rank_values, simulated_world
 
 SPEC = FoldSpec(4, ep=2)  # two ep groups, {0, 1} and {2, 3}: collectives must keep them apart
 

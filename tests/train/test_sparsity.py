@@ -9,9 +9,9 @@ import torch
 
 from meshfold.kernels import expand_tile_mask, grouped_mm
 from meshfold.mesh import FoldSpec
-from meshfold.train.sparsity import (ExpertSparsity, TilePruner, TileSparseLinear, check_etp_alignment, global_prune,
-                                     mask_weight_)
-from meshfold.testing.strategies import cached_fold
+from meshfold.train.sparsity import ExpertSparsity, TilePruner, TileSparseLinear, global_prune, mask_weight_
+from meshfold.kernels import check_etp_alignment
+from meshfold.testing.worlds import cached_fold
 
 TILE = (8, 8)
 

@@ -166,7 +166,7 @@ def test_generate_and_export(tmp_path):
     import torch
 
     from meshfold.interop.hf import from_pretrained
-    from meshfold.cli.train import load_trained
+    from meshfold.train.trained import load_trained
 
     model, _ = load_trained(str(tmp_path))
     exported = from_pretrained(tmp_path / "hf")
@@ -205,7 +205,7 @@ def test_tile_sparse_training_reaches_each_stage_and_keeps_pruned_weights_zero(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = losses(tmp_path)
     assert [round(rows[s]["expert_sparsity"], 2) for s in (2, 3, 5, 6, 9)] == [0, 0.25, 0.25, 0.5, 0.5]
-    from meshfold.cli.train import load_trained
+    from meshfold.train.trained import load_trained
 
     model, _ = load_trained(str(tmp_path))
     for layer in model.moe_layers():

@@ -49,7 +49,8 @@ def test_fault_injection_is_not_a_setting():
 
 
 def test_data_folders_skip_hidden_and_binary_files(tmp_path):
-    from meshfold.data.corpus import corpus_files, load_corpus
+    from meshfold.data.corpus import load_corpus
+    from meshfold.data.files import corpus_files
 
     (tmp_path / ".git" / "objects").mkdir(parents=True)
     (tmp_path / ".git" / "objects" / "pack").write_text("x" * 5000)
