@@ -1,5 +1,6 @@
 """The ``meshfold`` command line and the README's promise of two commands."""
 
+import glob
 import os
 import re
 import subprocess
@@ -56,9 +57,10 @@ def test_readme_main_command_is_the_default_training_run():
 
 
 def test_readme_python_examples_run(tmp_path):
-    """Every README example that is a whole script (has a __main__ guard) runs as written."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    scripts = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "__main__" in c]
+    """Every README and docs/ example that is a whole script (has a __main__ guard) runs as written."""
+    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    text = "\n".join(open(page).read() for page in pages)
+    scripts = list(dict.fromkeys(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "__main__" in c))
     assert scripts
     for n, code in enumerate(scripts):
         path = tmp_path / f"example{n}.py"
