@@ -31,7 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["ATTN_DIMS", "MOE_DIMS", "VIEWS", "FoldSpec", "FoldedMesh", "fold", "valid_folds"]
+__all__ = ["ATTN_DIMS", "MOE_DIMS", "VIEWS", "FoldSpec", "FoldedMesh", "backend_device_type", "collective_backend",
+           "fold", "valid_folds"]
 
 ATTN_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 MOE_DIMS: tuple[str, ...] = ("pp", "edp", "ep", "etp")
@@ -307,10 +308,45 @@ class FoldedMesh:
         return self._stages[name]
 
 
+# backends that take tensors of any device but are not an accelerator's own collective library:
+# gloo stages CUDA tensors through the host, the fake backend of dry runs moves nothing
+_HOST_BACKENDS = ("gloo", "fake")
+
+
+def collective_backend(group=None, device_type: str = "cpu") -> str | None:
+    """The backend that runs ``group``'s collectives on ``device_type`` tensors (None: none does).
+
+    Read from the group's backend config, one ``device:backend`` pair per device type: a group
+    made with ``"nccl"`` has ``cuda:nccl``, with ``"gloo"`` ``cpu:gloo,cuda:gloo``, and with
+    ``"cpu:gloo,cuda:nccl"`` (torch's default on a CUDA machine) both; so the backend's *name*
+    (``dist.get_backend``) does not tell which library a CUDA tensor's collective reaches."""
+    import torch.distributed as dist
+
+    for entry in dist.get_backend_config(group).split(","):
+        device, _, backend = entry.strip().rpartition(":")
+        if device in ("", device_type):  # a bare name serves every device type
+            return backend
+    return None
+
+
+def backend_device_type(group=None) -> str:
+    """The device a process group's ranks compute on: the accelerator its config serves with an
+    accelerator's collective library (``"cuda"`` under NCCL, alone or as ``cpu:gloo,cuda:nccl``),
+    else ``"cpu"`` (gloo, whose CUDA support stages through the host, and the fake backend)."""
+    import torch.distributed as dist
+
+    for entry in dist.get_backend_config(group).split(","):
+        device, _, backend = entry.strip().rpartition(":")
+        if device not in ("", "cpu") and backend not in _HOST_BACKENDS:
+            return device
+    return "cpu"
+
+
 def fold(spec: FoldSpec, device_type: str | None = None) -> FoldedMesh:
     """Build the attention and MoE DeviceMesh views of ``spec`` over the default process group.
 
-    ``device_type`` defaults to what the process group's backend implies: ``"cuda"`` under NCCL,
+    ``device_type`` defaults to what the process group's backend implies
+    (:func:`backend_device_type`): ``"cuda"`` under NCCL (also as ``cpu:gloo,cuda:nccl``),
     ``"cpu"`` under gloo, so the same code runs on a laptop's gloo ranks and under torchrun on GPUs
     without pushing CPU tensors into NCCL groups.
 
@@ -332,7 +368,7 @@ def fold(spec: FoldSpec, device_type: str | None = None) -> FoldedMesh:
         raise ValueError(f"spec.world_size = {spec.world_size} but the process group has "
                          f"{dist.get_world_size()} ranks")
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = backend_device_type()
     used: dict[tuple[tuple[int, ...], ...], object] = {}
     owned = []
     unshared = 0

@@ -76,8 +76,10 @@ def _main(args: argparse.Namespace, local: bool) -> int:
     cfg = _config(args)
     spec, mcfg = cfg.validate()  # every setting checked before any process starts
     from meshfold.train import faults, preflight
+    from meshfold.train.tracking import check_trackers
 
     faults.parse()  # a test's fault list that does not parse fails here, not in the ranks
+    check_trackers(cfg.train)  # a tracker asked for without its package
     if cfg.data.tokenizer and not local:
         raise ValueError("data.tokenizer under torchrun: tokenize once beforehand with meshfold tokenize "
                          "--tokenizer T --out DIR FILES, then train with --data DIR")

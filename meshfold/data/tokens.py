@@ -3,10 +3,15 @@
 A token folder holds shards of flat token ids and one small JSON index::
 
     DIR/index.json          {"format": "meshfold-tokens-1", "dtype": "uint16", "vocab_size": V,
-                             "eos_id": e, "tokenizer": "...", "shards": [{"file": ..., "tokens": n}]}
+                             "eos_id": e, "tokenizer": "...", "tokens": N,
+                             "shards": [{"file": ..., "tokens": n}, ...]}
     DIR/shard-00000.bin     ids as little-endian uint16 (vocab <= 65536) or uint32, EOS between
     DIR/shard-00001.bin     documents (a document is one input file)
     DIR/tokenizer.json      the tokenizer, when --train-tokenizer made it
+
+The reader requires ``format``, ``dtype``, ``vocab_size``, ``shards`` and ``tokens``, the total
+over the shards (a check that the shard list is the one written); ``eos_id`` and ``tokenizer``
+say what made the ids; ``meshfold tokenize`` also records ``sources`` (what to reuse it for).
 
 Why this layout: it is what numpy memory-maps without parsing (every rank maps the shards and
 reads only the windows it trains on), it is the layout nanoGPT and Megatron-Core's indexed

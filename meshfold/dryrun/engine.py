@@ -28,7 +28,9 @@ Pipeline parallelism (pp > 1): the model is meshfold's :class:`~meshfold.paralle
 (the rank's chunks and schedule, as ``meshfold train`` builds it), with each ``PipelineStage``
 given its micro-batch's shapes (:func:`_static_stages`; torch's static mode) on both sides: a
 stage otherwise infers them from metadata the previous stage sends at the first step, which the
-fake backend never delivers. So the step is a steady-state one, without that first-step exchange.
+fake backend never delivers. So the step is a steady-state one, without that first-step exchange;
+the schedule's warm-up vote on the inference mode (4-byte messages) is still exchanged on both sides
+(:func:`meshfold.runtime.compat.pipeline_votes_on_fake_groups`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from meshfold.runtime import compat
 from meshfold.dryrun.record import CollectiveLog, HostReads, LivePeak, StepRecorder, summary
 from meshfold.dryrun.routing import Balanced
 from meshfold.placements import token_dispatch
@@ -135,6 +138,7 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
     with contextlib.ExitStack() as stack:
         if fake is not None:
             stack.enter_context(fake)
+            stack.enter_context(compat.pipeline_votes_on_fake_groups())  # the first step's vote, as real
         stack.enter_context(_counting_reads(reads, on_counts))
         stack.enter_context(recorder)
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,

@@ -122,8 +122,8 @@ def _slabs(shape) -> tuple[int, int, int]:
 @torch.no_grad()
 def fill_(local: torch.Tensor, init: Init, seed: int, name: str, shape, indices: list[torch.Tensor]) -> None:
     """Fill ``local`` (the part of global tensor ``name`` of ``shape`` at ``indices``, see
-    :func:`meshfold.parallel.materialize.shard_indices`) with its values under ``init``: the same numbers whichever rank, fold
-    or device does it."""
+    :func:`meshfold.parallel.materialize.shard_indices`) with its values under ``init``: the same
+    numbers whichever rank, fold or device does it."""
     if init.kind == "constant":
         local.fill_(init.value)
         return

@@ -44,10 +44,10 @@ class _ContextAttention:
     load-balanced layout of :func:`local_positions`, else the generic path (K/V all-gathered,
     masked by position, one mask per forward from the shared ``masks``).
 
-    Which path is decided on the host. Positions on the CPU are checked (each sequence: this cp
-    rank's two chunks, up to one offset per sequence). On an accelerator that check would be a
-    device sync per layer, so there the layout is trusted; ``method = "gather"`` forces the
-    generic path for positions in another layout."""
+    Which path is decided on the host, from the positions (each sequence: this cp rank's two
+    chunks, up to one offset per sequence), on every device; on an accelerator that costs one host
+    read per positions tensor (:func:`~meshfold.parallel.ring_attention.load_balanced`).
+    ``method = "gather"`` forces the generic path."""
 
     def __init__(self, mesh, cp: int, masks: CausalMaskCache, method: str = "ring"):
         self.mesh, self.cp, self.masks, self.method = mesh, cp, masks, method

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from meshfold.runtime.compat import fully_shard_over
 from meshfold.models.moe import MoELayer
 from meshfold.parallel.layouts import OWN_GROUP_OVER_TP, single_device_name
 from meshfold.placements import sum_in_place
@@ -48,7 +49,8 @@ def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | No
     (sharded over ``dp x cp``), the root holds embeddings, final norm and head.
 
     Parameters are already DTensors on the whole stage mesh with ``Replicate`` on the data dims,
-    which is FSDP2's SPMD mode (``dp_mesh_dims``): it shards them further, all-gathers before each
+    which is FSDP2's SPMD mode (``dp_mesh_dims``; :func:`meshfold.runtime.compat.fully_shard_over` has the
+    fallback for torch < 2.13): it shards them further, all-gathers before each
     group's forward and backward, and reduce-scatters the gradients, turning our ``Partial``
     gradient placements into sums (non-data dims such as ``tp`` for norms are all-reduced
     first). The loss is already a global mean split into per-rank shares, so gradients are summed,
@@ -60,11 +62,12 @@ def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | No
     ``router_dtype`` differs from the compute or the master dtype is a group of its own with a
     policy of its dtype (FSDP2 groups hold one dtype, and the block's policy would cast it).
     """
-    from torch.distributed.fsdp import (DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, fully_shard,
-                                        register_fsdp_forward_method)
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 
     attn, moe = folded.stage("attn"), folded.stage("moe")
-    dense_dims, expert_dims = DataParallelMeshDims(shard=("dp", "cp")), DataParallelMeshDims(shard="edp")
+
+    def dense(module, **kwargs):  # a group of attention-mesh weights, sharded over dp x cp
+        fully_shard_over(module, attn, ("dp", "cp"), **kwargs)
 
     def policy(master: torch.dtype, compute: torch.dtype | None) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=compute or master, reduce_dtype=reduce_dtype(master))
@@ -82,21 +85,21 @@ def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | No
                                 cast_forward_inputs=False) if tp_summed else mp
     for block in model.layers.children():
         if isinstance(block.mlp, MoELayer):
-            fully_shard(block.mlp.experts, mesh=moe, dp_mesh_dims=expert_dims, mp_policy=mp,
-                        shard_placement_fn=lambda p: expert_shard_placement(p, folded.spec.edp))
+            fully_shard_over(block.mlp.experts, moe, ("edp",), mp_policy=mp,
+                             shard_placement_fn=lambda p: expert_shard_placement(p, folded.spec.edp))
             router = block.mlp.router.weight.dtype
             if router != master or router != (compute_dtype or master):  # e.g. an fp32 gate under bf16
-                fully_shard(block.mlp.router, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=policy(router, router))
+                dense(block.mlp.router, mp_policy=policy(router, router))
             shared = block.mlp.shared
             if tp_summed and shared is not None and shared.gate is not None:
-                fully_shard(shared, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
+                dense(shared, mp_policy=wide)
         if tp_summed:
             modules = {single_device_name(name): m for name, m in block.named_modules()}
             for name in OWN_GROUP_OVER_TP:
                 if name in modules:
-                    fully_shard(modules[name], mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)
-        fully_shard(block, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=mp)
-    fully_shard(model, mesh=attn, dp_mesh_dims=dense_dims, mp_policy=wide)  # embeddings, final norm, head
+                    dense(modules[name], mp_policy=wide)
+        dense(block, mp_policy=mp)
+    dense(model, mp_policy=wide)  # embeddings, final norm, head
     for method in ("loss", "local_logits"):  # entry points besides forward: gather the root's weights too
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)

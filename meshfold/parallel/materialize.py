@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshfold.models.init import Init, materialize
+from meshfold.runtime.compat import strided_shard_indices
 
 __all__ = ["shard_indices", "materialize_shards"]
 
@@ -29,9 +30,7 @@ def shard_indices(t: torch.Tensor) -> list[torch.Tensor]:
     coord = mesh.get_coordinate()
     for i, p in enumerate(t.placements):
         if isinstance(p, _StridedShard):
-            size, offsets = p._local_shard_size_and_offset(len(idx[p.dim]), mesh.size(i), coord[i],
-                                                           offset_mode=_StridedShardOffsetMode.ALL)
-            local = torch.tensor(offsets[:size] if size else [], dtype=torch.long)
+            local = torch.tensor(strided_shard_indices(p, len(idx[p.dim]), mesh.size(i), coord[i]), dtype=torch.long)
         elif isinstance(p, Shard):
             size, offset = p._local_shard_size_and_offset(len(idx[p.dim]), mesh.size(i), coord[i])
             local = torch.arange(offset, offset + size)

@@ -24,8 +24,10 @@ Each rank's local batch (``B / dp`` sequences) is split into ``microbatches`` al
 dim. The loss of a microbatch is its summed cross-entropy over the *global* token count, so the
 microbatch losses of all ranks add up to the single-device mean loss and the gradients they
 accumulate are the single-device gradients (``scale_grads=False``: nothing is averaged). MoE
-balancing losses are attached per microbatch (Megatron's definition), so the single-device
-equivalent is gradient accumulation over the same microbatches.
+balancing losses are computed per microbatch (Megatron's definition) and each enters the backward
+scaled by ``1 / microbatches`` (``MoELayer.balancing_scale``, as Megatron-Core scales them), so the
+single-device equivalent is gradient accumulation over the same microbatches
+(``meshfold.train.loop.accumulate``).
 
 Tied embeddings need the embedding on the first and the head on the last stage to be one tensor;
 with ``pp > 1`` that is not supported (a clear error says so).
@@ -45,7 +47,7 @@ import torch
 from torch import nn
 
 from meshfold.catalog import SCHEDULES, check_choice
-from meshfold.models.moe import MoELayer
+from meshfold.models.moe import MoELayer, add_step_entries
 from meshfold.models.transformer import MoETransformer, cross_entropy_sum, run_layers
 from meshfold.parallel.transformer import parallelize
 from meshfold.placements import sum_in_place
@@ -90,29 +92,39 @@ class _CountedCalls:
     evaluation, to infer the shapes it sends: the first stage on the real first microbatch, later
     stages on uninitialized tensors. Those runs come before the step's microbatches, so after a
     step with ``microbatches + j`` calls the first ``j`` are taken back out of the counts (each
-    forward *adds* to them: MoELayer.forward). Their other per-forward state (losses, metrics)
-    is overwritten by the microbatches that follow."""
+    forward *adds* to them: MoELayer.forward). The step's sums (``MoELayer.step_metrics``) are
+    rebuilt from the other calls' own entries, never by subtraction: a later stage's extra run
+    reads uninitialized memory, whose losses may be NaN. Their other per-forward state (losses,
+    metrics) is overwritten by the microbatches that follow."""
 
     def __init__(self, chunk: nn.Module):
         self.layers = [b.mlp for b in chunk.layers.values() if isinstance(b.mlp, MoELayer)]
-        self.log: list[tuple[list, list]] = []  # per call: counts before, counts after
+        self.log: list[tuple[list, list]] = []  # per call: each layer's state before, after
         chunk.register_forward_pre_hook(self._before)
         chunk.register_forward_hook(self._after)
 
-    def _counts(self) -> list:
-        return [m._bias_counts for m in self.layers]
+    def _state(self) -> list:
+        return [(m._bias_counts, m._step, m._step_entry) for m in self.layers]
 
     def _before(self, module, args):
-        self.log.append((self._counts(), []))
+        self.log.append((self._state(), []))
 
     def _after(self, module, args, output):
-        self.log[-1][1].extend(self._counts())
+        self.log[-1][1].extend(self._state())
 
     def forget_extra(self, microbatches: int) -> None:
-        for before, after in self.log[:len(self.log) - microbatches]:
-            for m, b, a in zip(self.layers, before, after):
-                if a is not b:  # a training forward counted (evaluation does not)
-                    m._bias_counts = m._bias_counts - (a if b is None else a - b)
+        extra = len(self.log) - microbatches
+        if extra > 0:
+            for k, m in enumerate(self.layers):
+                for before, after in self.log[:extra]:
+                    (b, _, _), (a, _, _) = before[k], after[k]
+                    if a is not b:  # a training forward counted (evaluation does not)
+                        m._bias_counts = m._bias_counts - (a if b is None else a - b)
+                step = self.log[0][0][k][1]  # the step's sums before the first call
+                for before, after in self.log[extra:]:
+                    if after[k][1] is not before[k][1]:  # a training forward added its entry
+                        step = add_step_entries(step, after[k][2])
+                m._step = step
         self.log.clear()
 
 
@@ -174,6 +186,8 @@ class Pipeline:
         group = folded.attn["pp"].get_group()
         stages = [PipelineStage(c, s, n, folded.device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
         self.has_last = any(s == n - 1 for s in self.stage_ids)
+        for layer in self.moe_layers():
+            layer.balancing_scale = 1 / microbatches
         self._calls = [_CountedCalls(c) for c in self.chunks]
         self._n_global = None
         if schedule == "interleaved-1f1b":
@@ -233,12 +247,15 @@ class Pipeline:
         for calls in self._calls:
             calls.log.clear()
         # return_outputs=False: torch's last stage would otherwise keep every micro-batch's
-        # logits [b, s, V] until the step ends, to merge them into an output nobody reads
+        # logits [b, s, V] until the step ends, to merge them into an output nobody reads.
+        # Only a rank holding the first stage hands the schedule the tokens: later stages receive
+        # activations (and torch 2.11's shape inference refuses inputs given to them).
+        inputs = (tokens,) if 0 in self.stage_ids else ()
         if backward:
-            self.schedule.step(tokens, target=targets, losses=losses, return_outputs=False)
+            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
         else:
             with torch.no_grad():
-                self.schedule.eval(tokens, target=targets, losses=losses, return_outputs=False)
+                self.schedule.eval(*inputs, target=targets, losses=losses, return_outputs=False)
         for calls in self._calls:
             calls.forget_extra(self.microbatches)
         share = torch.zeros((), dtype=torch.float64, device=count.device)

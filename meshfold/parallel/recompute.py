@@ -28,7 +28,7 @@ MoE blocks, and what makes their recomputation safe:
   route differently on recompute (input jitter, a bias changed in between, non-deterministic
   near-ties) cannot; checkpoint's determinism check would raise CheckpointError otherwise.
 * **Nothing is counted twice.** The recompute reruns :meth:`MoELayer.forward`, whose side effects
-  (``_loss_shares``, ``last_metrics``, ``_bias_counts``) are set, for the recompute, to what the
+  (``_loss_shares``, ``last_metrics``, ``_bias_counts``, the step's sums) are set, for the recompute, to what the
   forward found (so it takes the same branches) and afterwards back to what they were just
   before the recompute. The balancing losses enter the gradient through the
   forward's graph only (the recomputed graph just refills saved tensors), so they are counted once.
@@ -142,7 +142,8 @@ def _policy(saved: tuple):
     return policy
 
 
-FIELDS = ("_loss_shares", "_loss_totals", "last_metrics", "_bias_counts")  # MoELayer's per-forward state
+# MoELayer's per-forward state
+FIELDS = ("_loss_shares", "_loss_totals", "last_metrics", "_bias_counts", "_step_entry", "_step")
 
 
 def _state(layers) -> list[dict]:

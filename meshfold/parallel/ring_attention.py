@@ -19,13 +19,17 @@ block's share of dQ, dK, dV; after ``cp`` shifts each dK/dV accumulator is back 
 Nothing of S/cp x S elements exists on any path; the largest per-block temporaries are the
 kernel's own tiles (fused) or one [B, h, n, n] score block (plain kernels).
 
-Block kernels (:data:`KERNELS`): ``"fused"``, the CPU flash kernel
+Block kernels (:data:`KERNELS`), each returning the block's output and log-sum-exp, and its
+backward taking the merged ones: ``"fused"``, the CPU flash kernel
 (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: every float dtype incl.
-fp64, GQA without repeating K/V, log-sum-exp returned); ``"plain"``, the same maths in torch ops,
-the reference the fused kernel is tested against and the path on other devices. A fused CUDA path
-(``_scaled_dot_product_flash_attention`` / ``_efficient_attention`` and their backwards) is not
-wired: CUDA runs the plain kernels (correct, but one n x n score block per block, in at least
-fp32).
+fp64, GQA without repeating K/V); ``"flash"``, CUDA's flash kernel
+(``aten._scaled_dot_product_flash_attention``, fp16 / bf16, GQA without repeating K/V);
+``"efficient"``, CUDA's memory-efficient kernel (``aten._scaled_dot_product_efficient_attention``,
+fp32 too; K/V repeated to the query heads, their gradients summed back); ``"plain"``, the same
+maths in torch ops, the reference the fused kernels are tested against and the path for what no
+fused kernel takes (fp64 on CUDA, head dims the kernels refuse). On CUDA the choice is SDPA's own
+(``torch.backends.cuda.can_use_flash_attention`` / ``can_use_efficient_attention``) for the
+block's shapes: :func:`block_kernels`.
 
 Why not ``torch.distributed.tensor.experimental.context_parallel`` (read in torch 2.13,
 ``_context_parallel/_attention.py``): (1) its SDPA handler maps only the CUDA ops
@@ -47,12 +51,15 @@ buffers itself (in place, inside the context), while meshfold's data layer
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
 from meshfold.placements.ring import ring_shift
 from meshfold.runtime import spmd
 
-__all__ = ["KERNELS", "ring_attention", "rank_chunks", "block_plan", "load_balanced"]
+__all__ = ["KERNELS", "block_kernels", "ring_attention", "rank_chunks", "block_plan", "load_balanced"]
 
 
 def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -131,13 +138,96 @@ def _plain_backward(do, q, k, v, out, lse, causal):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-KERNELS = {"fused": (_fused_forward, _fused_backward), "plain": (_plain_forward, _plain_backward)}
+def _flash_forward(q, k, v, causal):
+    # one head size for q, k and v, as on the CPU; the flash kernel takes GQA itself
+    d, dv = q.shape[-1], v.shape[-1]
+    width = max(d, dv)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        _padded(q, width), _padded(k, width), _padded(v, width), 0.0, causal, scale=d ** -0.5)[:2]
+    return out[..., :dv], lse
 
 
-def _kernels(name: str | None, device: torch.device):
-    if name is None:
-        name = "fused" if device.type == "cpu" else "plain"
-    return KERNELS[name]
+def _flash_backward(do, q, k, v, out, lse, causal):
+    d, dv = q.shape[-1], v.shape[-1]
+    width = max(d, dv)
+    seed, offset = _rng_placeholders("flash", q.device)
+    dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _padded(do, width), _padded(q, width), _padded(k, width), _padded(v, width), _padded(out, width),
+        lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=d ** -0.5)
+    return dq[..., :d], dk[..., :d], dv_[..., :dv]
+
+
+def _repeated(t, r):
+    """[B, g, n, d] -> [B, g*r, n, d]: each key/value head once per query head it serves."""
+    return t if r == 1 else t.repeat_interleave(r, dim=1)
+
+
+def _summed(t, r):
+    """The gradient of :func:`_repeated`: [B, g*r, n, d] -> [B, g, n, d], each head's r copies summed."""
+    return t if r == 1 else t.unflatten(1, (-1, r)).sum(2)
+
+
+def _efficient_forward(q, k, v, causal):
+    r = q.shape[1] // k.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _repeated(k, r), _repeated(v, r), None, True, 0.0, causal, scale=q.shape[-1] ** -0.5)[:2]
+    return out, lse[..., :q.shape[2]]  # the kernel pads its log-sum-exp rows to a multiple of 32
+
+
+def _efficient_backward(do, q, k, v, out, lse, causal):
+    r = q.shape[1] // k.shape[1]
+    seed, offset = _rng_placeholders("efficient", q.device)
+    lse = torch.nn.functional.pad(lse.contiguous(), (0, -q.shape[2] % 32))  # the layout the forward returned
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        do, q, _repeated(k, r), _repeated(v, r), None, out, lse, seed, offset, 0.0, [True, True, True, False],
+        causal, scale=q.shape[-1] ** -0.5)
+    return dq, _summed(dk, r), _summed(dv, r)
+
+
+@functools.cache
+def _rng_placeholders(kernel: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two random-state outputs of a CUDA kernel's forward, which its backward takes back
+    (read only with dropout, which ring attention never uses): empty tensors of the shapes and
+    dtypes this torch's kernel returns, read from its meta implementation."""
+    q = torch.empty(1, 1, 32, 16, device="meta", dtype=torch.bfloat16)
+    if kernel == "flash":
+        seed, offset = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True)[6:8]
+    else:
+        seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.0, True)[2:4]
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in (seed, offset))
+
+
+KERNELS = {"fused": (_fused_forward, _fused_backward), "flash": (_flash_forward, _flash_backward),
+           "efficient": (_efficient_forward, _efficient_backward), "plain": (_plain_forward, _plain_backward)}
+
+
+def block_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The :data:`KERNELS` name ring attention uses for q [B, h, m, d], k [B, g, n, d],
+    v [B, g, n, dv]: ``"fused"`` on the CPU; on CUDA ``"flash"`` where SDPA would take its flash
+    kernel for a block (fp16 / bf16 on sm_80+, GQA included), else ``"efficient"`` where it would
+    take the memory-efficient one (fp32 too), else ``"plain"``; ``"plain"`` on other devices."""
+    if q.device.type == "cpu":
+        return "fused"
+    if q.device.type != "cuda":
+        return "plain"
+    return _cuda_block_kernels(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])
+
+
+@functools.cache
+def _cuda_block_kernels(device, dtype, h, g, d, dv) -> str:
+    """SDPA's own eligibility checks on stand-ins of one block's shapes (the sequence length does
+    not enter them): flash with q, k, v padded to one head size and K/V grouped, efficient with
+    K/V repeated to the query heads."""
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+    width = max(d, dv)
+    q = torch.empty(1, h, 32, width, dtype=dtype, device=device)
+    if can_use_flash_attention(SDPAParams(q, q[:, :g], q[:, :g], None, 0.0, True, h != g)):
+        return "flash"
+    k, v = (torch.empty(1, h, 32, n, dtype=dtype, device=device) for n in (d, dv))
+    if can_use_efficient_attention(SDPAParams(q[..., :d], k, v, None, 0.0, True, False)):
+        return "efficient"
+    return "plain"
 
 
 def _merge(acc, out, lse):
@@ -242,7 +332,8 @@ class _RingAttention(torch.autograd.Function):
                     if g is not None:
                         acc.add_(g)
             # the accumulators follow their block; the cp-th shift brings each one home
-            dtravel = ring_shift(dtravel, mesh, dim)()
+            if cp > 1:
+                dtravel = ring_shift(dtravel, mesh, dim)()
             if wait is not None:
                 travel = wait()
         return (dq.to(q.dtype), dtravel[0].to(k.dtype), dtravel[1].to(v.dtype), None, None, None, None,
@@ -254,8 +345,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, dim:
     """Causal attention of this rank's ``q`` [B, h, 2n, d] against every ``dim`` rank's ``k``
     [B, g, 2n, d] / ``v`` [B, g, 2n, dv] -> [B, h, 2n, dv], all in the load-balanced chunk order
     (see the module docstring). Equals causal attention over the whole sequence, restricted to
-    this rank's queries. ``kernels``: a :data:`KERNELS` name (None: ``"fused"`` on CPU,
-    ``"plain"`` elsewhere). Differentiable in q, k, v (and ``weights``); collective over ``dim``
+    this rank's queries. ``kernels``: a :data:`KERNELS` name (None: :func:`block_kernels`' choice
+    for the blocks' keys and values). Differentiable in q, k, v (and ``weights``); collective over ``dim``
     (forward and backward).
 
     ``expand`` (None: k and v are the keys and values): what travels is then ``k`` / ``v`` as
@@ -270,18 +361,48 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, dim:
     if expand is None and q.shape[1] % k.shape[1]:
         raise ValueError(f"ring_attention: q {tuple(q.shape)} / k {tuple(k.shape)}: needs query heads a "
                          f"multiple of key/value heads")
-    return _RingAttention.apply(q, k, v, mesh, dim, _kernels(kernels, q.device), expand, *weights)
+    if kernels is None:
+        kernels = block_kernels(q, k, v) if expand is None else _expanded_kernels(q, k, v, expand, weights)
+    if kernels not in KERNELS:
+        raise ValueError(f"ring_attention: kernels = {kernels!r}; valid: {list(KERNELS)} (None: block_kernels' choice)")
+    return _RingAttention.apply(q, k, v, mesh, dim, KERNELS[kernels], expand, *weights)
+
+
+def _expanded_kernels(q, k, v, expand, weights) -> str:
+    """block_kernels for the keys and values ``expand`` makes (shapes only, on the meta device)."""
+    if q.device.type != "cuda":
+        return block_kernels(q, k, v)
+    meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (k, v, *weights)]
+    keys, values = expand(*meta)
+    return _cuda_block_kernels(q.device, q.dtype, q.shape[1], keys.shape[1], q.shape[-1], values.shape[-1])
 
 
 def load_balanced(pos: torch.Tensor, rank: int, cp: int) -> bool:
     """Whether ``pos`` [2n] or [B, 2n] are cp rank ``rank``'s two chunks (each sequence up to one
-    offset), i.e. whether the ring applies. Checked on the CPU only: on an accelerator the check
-    would be a device sync per layer, so there the layout is trusted (True for an even length)."""
-    if pos.shape[-1] % 2:
+    offset), i.e. whether the ring applies; positions in any other layout take the generic path.
+
+    Checked on every device, from the steps between neighbours (1 inside a chunk, the gap to the
+    second chunk between them), so no index tensor is built. Off the CPU the answer is a host
+    read: it is remembered for the last positions tensor seen (until it changes in place), so the
+    layers of one forward, which share their positions, read once. Under ``torch.compile`` the
+    layout is trusted (a read would break the graph)."""
+    length = pos.shape[-1]
+    if length % 2 or length == 0:
         return False
-    if pos.device.type != "cpu" or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return True
-    n = pos.shape[-1] // 2
+    global _last_checked
+    key = (pos._version, rank, cp)
+    if pos.device.type != "cpu" and _last_checked[0]() is pos and _last_checked[1] == key:
+        return _last_checked[2]
+    n = length // 2
     first, second = rank_chunks(rank, cp)
-    expected = torch.cat([torch.arange(first * n, (first + 1) * n), torch.arange(second * n, (second + 1) * n)])
-    return bool(((pos - pos[..., :1]) == expected - first * n).all())
+    steps = pos[..., 1:] - pos[..., :-1]  # [..., 2n - 1]
+    gap = (second - first - 1) * n + 1  # from the last position of chunk `first` to the first of `second`
+    ok = bool((steps[..., :n - 1] == 1).all() & (steps[..., n:] == 1).all() & (steps[..., n - 1] == gap).all())
+    if pos.device.type != "cpu":
+        _last_checked = (weakref.ref(pos), key, ok)
+    return ok
+
+
+_last_checked = (lambda: None, None, False)  # (positions, (version, rank, cp), answer)

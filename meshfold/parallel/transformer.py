@@ -20,7 +20,7 @@ from outside:
   full / diagonal / future from the chunk indices on the host, and their outputs are merged by
   log-sum-exp; no [S/cp, S] mask or score tensor exists, so per-rank attention memory falls as
   1/cp. MLA rings its compressed latent instead and expands it per block
-  (:class:`~meshfold.parallel.mla.LatentContext`). Positions outside that layout (checked on the CPU) take the generic path: K/V all-gathered
+  (:class:`~meshfold.parallel.mla.LatentContext`). Positions outside that layout take the generic path: K/V all-gathered
   over ``cp`` (all-gather-v, whose backward reduce-scatters their gradients), masked by position.
 * **DP**: batch over ``dp``; gradients of dense weights are summed over ``dp x cp`` (and over
   ``tp`` for weights applied to local tokens), expert weights over ``edp``. By default with FSDP2
@@ -91,15 +91,16 @@ class _Local(nn.Module):
     """Parametrization: the module sees the local shard of its DTensor parameter, in ``dtype``
     (None: the parameter's own). The cast is autograd's ``to``, so the gradient flows back in the
     parameter's (master) dtype; under FSDP2 the shard arrives in the compute dtype already and the
-    cast is a no-op."""
+    cast is a no-op. The gradient's placements follow the parameter's mesh and placements when it
+    is used (:func:`~meshfold.placements.params.partial_grads`): FSDP2 may hand the module the
+    parameter on another mesh than the one it was laid out on (meshfold.runtime.compat.fully_shard_over)."""
 
-    def __init__(self, grad_placements, dtype: torch.dtype | None = None):
+    def __init__(self, dtype: torch.dtype | None = None):
         super().__init__()
-        self.grad_placements = tuple(grad_placements)
         self.dtype = dtype
 
     def forward(self, p):
-        local = p.to_local(grad_placements=self.grad_placements)
+        local = p.to_local(grad_placements=partial_grads(p.placements))
         return local if self.dtype is None else local.to(self.dtype)
 
 
@@ -216,7 +217,7 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
-        parametrize.register_parametrization(module, attr, _Local(partial_grads(placements), compute_dtype),
+        parametrize.register_parametrization(module, attr, _Local(compute_dtype),
                                              unsafe=True)
     masks = CausalMaskCache()  # generic cp path: one mask per forward for all layers
     for block in blocks.values():

@@ -33,6 +33,8 @@ all-gather             ``all_gather_single`` (NCCL and gloo)       ``all_to_all_
                                                                    ``group`` times (its G copies)
 reduce-scatter, fp32+  NCCL: ``reduce_scatter_single``;            ``all_to_all_single``, then a
                        gloo: the all-to-all (see below)            local sum in rank order
+                       (the backend that serves the tensor's
+                       device: :func:`meshfold.mesh.collective_backend`)
 reduce-scatter, half   the all-to-all, both backends (see below)   the same
 =====================  ==========================================  ================================
 
@@ -69,7 +71,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from meshfold.runtime import spmd
+from meshfold.runtime import compat, spmd
+from meshfold.mesh import backend_device_type, collective_backend
 
 __all__ = ["all_to_all_v", "all_gather_v", "all_gather_replicated", "reduce_scatter_v", "sum_partial",
            "exchange_splits", "sum_statistic", "sum_in_place", "gather_equal", "all_agree", "on_dim",
@@ -144,9 +147,7 @@ def _check_splits(name: str, splits: Sequence[int], group_size: int, total: int 
 
 
 def _gather_meta(values: list[int], group, group_size: int) -> list[list[int]]:
-    t = torch.tensor(values, dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
+    t = torch.tensor(values, dtype=torch.int64, device=backend_device_type(group))
     out = [torch.empty_like(t) for _ in range(group_size)]
     spmd.all_gather(out, t, group)
     return [o.tolist() for o in out]
@@ -181,10 +182,10 @@ def _native_gather(sizes: list[int]) -> bool:
     return _PATH != "a2a" and _even(sizes)
 
 
-def _native_scatter(sizes: list[int], dtype: torch.dtype, group) -> bool:
+def _native_scatter(sizes: list[int], dtype: torch.dtype, group, device_type: str) -> bool:
     if _PATH == "a2a" or not _even(sizes):
         return False
-    return _PATH == "native" or (dtype not in _HALF and dist.get_backend(group) == "nccl")
+    return _PATH == "native" or (dtype not in _HALF and collective_backend(group, device_type) == "nccl")
 
 
 def _gather_v(x, sizes, rank, group):
@@ -194,7 +195,7 @@ def _gather_v(x, sizes, rank, group):
     if out.numel() == 0:
         return out  # every rank sees the same sizes, so every rank skips together
     if _native_gather(sizes):
-        dist.all_gather_single(out, x, group=group)
+        compat.all_gather_single(out, x, group=group)
         return out
     # Send my rows to every rank: input_splits = [n_me] * G, output_splits = sizes.
     send = x.repeat(G, *[1] * (x.dim() - 1))  # one copy (an expand's reshape would be a view per rank
@@ -207,10 +208,10 @@ def _scatter_v(x, sizes, rank, group):
     half = x.dtype in _HALF
     if x.numel() == 0:
         return x.new_zeros((spmd.at(sizes, rank), *x.shape[1:]))
-    if _native_scatter(sizes, x.dtype, group):
+    if _native_scatter(sizes, x.dtype, group, x.device.type):
         src = x.float() if half else x.contiguous()  # half precision: sum in fp32, round once
         out = src.new_empty((sizes[rank], *x.shape[1:]))
-        dist.reduce_scatter_single(out, src, group=group)
+        compat.reduce_scatter_single(out, src, group=group)
         return out.to(x.dtype) if half else out
     # Send rows sizes[j] to rank j, receive G copies of my slice, sum them in rank order.
     mine = spmd.at(sizes, rank)
@@ -395,8 +396,7 @@ def exchange_splits(input_splits: Sequence[int] | torch.Tensor, mesh, dim: str) 
     counts = torch.as_tensor(input_splits, dtype=torch.int64).reshape(-1)
     if counts.numel() != G:
         raise ValueError(f"exchange_splits: {counts.numel()} counts for a mesh dim of {G} ranks")
-    if dist.get_backend(group) == "nccl":
-        counts = counts.cuda()
+    counts = counts.to(backend_device_type(group))
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out.tolist()

@@ -1,5 +1,6 @@
 """References and instruments for tests: the single-device model the folded ones are compared
-with, a counter of checkpoint reads, and the bytes of the tensors an op leaves alive."""
+with, a counter of checkpoint reads, the bytes of the tensors an op leaves alive, and CPU
+tensors that report another device (accelerator paths tested on a CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["reference_transformer", "checkpoint_reads", "LiveTensors"]
+__all__ = ["reference_transformer", "checkpoint_reads", "LiveTensors", "OffCPU"]
 
 
 def reference_transformer(cfg, seed: int, B: int, S: int):
@@ -102,3 +103,52 @@ class LiveTensors:
                     continue
                 storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
         return sum(storages.values())
+
+
+class OffCPU(torch.Tensor):
+    """A CPU tensor that reports another device (``meta``): code that branches on
+    ``tensor.device.type != "cpu"`` takes its accelerator path, while every op still computes on
+    the CPU values inside (results come back wrapped). For testing device-dependent choices on a
+    machine without an accelerator. Inside ``with OffCPU.everywhere():`` factories given the
+    reported device (``torch.arange(n, device=x.device)``) build such tensors too."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, strides=inner.stride(),
+                                                   device=torch.device("meta"), requires_grad=inner.requires_grad)
+
+    def __init__(self, inner: torch.Tensor):
+        self.inner = inner
+
+    def __repr__(self):
+        return f"OffCPU({self.inner!r})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _off_cpu_call(func, args, kwargs)
+
+    @staticmethod
+    def everywhere():
+        """A mode in which factories asked for the meta device build OffCPU tensors."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return _off_cpu_call(func, args, kwargs)
+
+        return _Mode()
+
+
+def _off_cpu_call(func, args, kwargs):
+    from torch.utils._pytree import tree_map
+
+    def unwrap(t):
+        if isinstance(t, OffCPU):
+            return t.inner
+        return torch.device("cpu") if isinstance(t, torch.device) and t.type == "meta" else t
+
+    kwargs = {k: ("cpu" if k == "device" and str(v) == "meta" else v) for k, v in (kwargs or {}).items()}
+    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    return tree_map(lambda t: OffCPU(t) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t, out)

@@ -1,6 +1,6 @@
 """``meshfold train``: folded-parallel training of a MoE transformer, with checkpoints and metrics.
 
-Layer: above ``meshfold.plan``, ``meshfold.data``, ``meshfold.interop`` and
+Layer: above ``meshfold.plan``, ``meshfold.data.corpus``, ``meshfold.interop`` and
 ``meshfold.parallel``; never dryrun, testing or cli (``tests/test_layers.py``).
 """
 

@@ -39,6 +39,7 @@ from typing import Any
 from meshfold.catalog import DATA_PARALLEL, RECOMPUTE, SCHEDULES
 from meshfold.mesh import FoldSpec
 from meshfold.plan.hardware import HARDWARE
+from meshfold.train.optim import NO_DECAY_KINDS
 
 __all__ = ["TrainConfig", "load_config", "parse_override", "master_dtype"]
 
@@ -49,7 +50,9 @@ class Rule:
 
     ``kind`` is int, float, bool, str or list; a float setting takes TOML integers too. ``low``
     / ``high`` bound numbers (``open_low``: strictly above ``low``); ``optional``: unset (None)
-    is allowed, which only the default can be, since TOML has no null.
+    is allowed, which only the default can be, since TOML has no null. A list holds ``item``
+    values (str, int or float), each checked against ``choices`` or the bounds, and exactly
+    ``length`` of them when that is set.
     """
 
     kind: type
@@ -60,6 +63,8 @@ class Rule:
     open_high: bool = False
     choices: tuple = ()
     optional: bool = False
+    item: type = str
+    length: int | None = None
 
     def check(self, key: str, value: Any) -> Any:
         """``value`` as the setting holds it, or ValueError naming ``key``, the value and what is valid."""
@@ -82,18 +87,37 @@ class Rule:
             if not isinstance(value, str) or (self.choices and value not in self.choices) or not value:
                 raise ValueError(f"{key} = {value!r}; valid: {self.describe()}")
             return value
-        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        if not isinstance(value, list) or (self.length is not None and len(value) != self.length):
+            raise ValueError(f"{key} must be {self.describe()}, got {value!r}")
+        if self.item is str and not self.choices:
+            ok = all(isinstance(v, str) for v in value)
+        else:
+            one = Rule(self.item, "", self.low, self.high, self.open_low, self.open_high, self.choices)
+            try:
+                value = [one.check(key, v) for v in value]
+                ok = True
+            except ValueError:
+                ok = False
+        if not ok:
             raise ValueError(f"{key} must be {self.describe()}, got {value!r}")
         return value
 
     def describe(self) -> str:
         """What is valid, in words: ``an integer >= 1``, ``one of gpipe, 1f1b``."""
+        if self.kind is list:
+            one = Rule(self.item, "", self.low, self.high, self.open_low, self.open_high, self.choices)
+            if self.choices:
+                return f"a list of any of {one.describe()}"
+            count = f"{self.length} " if self.length is not None else ""
+            if self.item is str:
+                return f"a list of {count}strings"
+            bounds = one.describe().split(" ", 2)[2:]  # "a number >= 0 ..." -> ">= 0 ..."
+            return f"a list of {count}{'integers' if self.item is int else 'numbers'}" + \
+                (f" {bounds[0]}" if bounds else "")
         if self.choices:
             return ", ".join(self.choices)
         if self.kind is bool:
             return "true or false"
-        if self.kind is list:
-            return "a list of strings"
         if self.kind is str:
             return "a non-empty string"
         what = "an integer" if self.kind is int else "a number"
@@ -138,7 +162,16 @@ class TrainSettings:
     lr: float = setting(3e-3, float, "peak learning rate (AdamW)", low=0, open_low=True)
     min_lr_ratio: float = setting(0.1, float, "the cosine decay ends at lr x min_lr_ratio", low=0, high=1)
     warmup: int = setting(20, int, "steps of linear warm-up", low=0)
-    weight_decay: float = setting(0.01, float, "AdamW weight decay", low=0)
+    weight_decay: float = setting(0.01, float, "AdamW's decoupled weight decay, on every parameter but those "
+                                  "train.no_weight_decay names", low=0)
+    no_weight_decay: list = setting(["1d"], list, "parameter kinds AdamW does not decay: 1d (biases, norm gains, "
+                                    "every other one-dimensional parameter), embedding, head (the output "
+                                    "projection; a tied head is the embedding), router (the routers' weights)",
+                                    choices=NO_DECAY_KINDS)
+    betas: list = setting([0.9, 0.95], list, "AdamW's (beta1, beta2): decay rates of the gradient's first and "
+                          "second moment estimates", item=float, length=2, low=0, high=1, open_high=True)
+    eps: float = setting(1e-8, float, "AdamW's epsilon, added to the root of the second moment", low=0,
+                         open_low=True)
     grad_clip: float = setting(1.0, float, "clip the global gradient norm to this (0: no clipping)", low=0)
     seed: int = setting(0, int, "seed of the weights and of the batches drawn", low=0)
     dtype: str = setting("float32", str, "compute dtype: what the layers compute in (bfloat16: mixed "
@@ -178,6 +211,17 @@ class TrainSettings:
     schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
                             choices=SCHEDULES)
     virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
+    tensorboard: bool = setting(False, bool, "also write the metrics as TensorBoard event files into "
+                                "<out_dir>/tensorboard/ (needs the tensorboard package: pip install "
+                                "\"meshfold[tensorboard]\")")
+    wandb: bool = setting(False, bool, "also log the metrics to Weights & Biases (needs the wandb package: pip "
+                          "install \"meshfold[wandb]\"; project, entity and mode come from its WANDB_* "
+                          "environment variables, e.g. WANDB_MODE=offline)")
+    profile_steps: list | None = setting(None, list, "[a, b]: record steps a to b (inclusive) with "
+                                         "torch.profiler into <out_dir>/profile/ (a Chrome trace per rank; on "
+                                         "CUDA also a memory snapshot) (default: unset, no profile)",
+                                         item=int, length=2, low=1, optional=True)
+    profile_ranks: str = setting("rank0", str, "which ranks train.profile_steps records", choices=("rank0", "all"))
     recompute: str = setting("none", str, "activation recomputation of every transformer block: selective "
                              "keeps the matrix products' outputs and recomputes norms, RoPE, attention "
                              "core and activations; full keeps only each block's input (both replay "
@@ -334,6 +378,9 @@ class TrainConfig:
                              f"gives 2*cp load-balanced chunks, each split over tp = {spec.tp})")
         if t.seq > cfg.max_seq:
             raise ValueError(f"train.seq = {t.seq} exceeds model max_seq = {cfg.max_seq}")
+        if t.profile_steps is not None and not t.profile_steps[0] <= t.profile_steps[1] <= t.steps:
+            raise ValueError(f"train.profile_steps = {t.profile_steps} must be [a, b] with a <= b <= train.steps "
+                             f"= {t.steps}")
         if spec.pp == 1 and t.microbatches and (t.batch // spec.dp) % t.microbatches:
             raise ValueError(f"train.batch / dp = {t.batch // spec.dp} sequences per rank is not "
                              f"divisible by train.microbatches = {t.microbatches}")

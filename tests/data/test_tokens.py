@@ -138,3 +138,17 @@ def test_data_tokenizer_tokenizes_text_for_the_run_and_reuses_it(corpus, tmp_pat
     assert TokenStream(tmp_path / "tokens")[0:50].tolist() == TokenStream(out)[0:50].tolist()
     proc = meshfold("train", "--steps", "3", *run)
     assert proc.returncode == 0 and "reusing the tokens" in proc.stdout and sorted(losses(tmp_path)) == [1, 2, 3]
+
+
+def test_a_folder_written_as_the_format_documents_it_is_read(tmp_path):
+    """meshfold.data.tokens' docstring is the format: a folder written from it by hand, with only the
+    keys it lists, trains (its stream is the shards' ids in order, split as documented)."""
+    a, b = np.arange(40, dtype=np.uint16), np.arange(100, 130, dtype=np.uint16)
+    a.tofile(tmp_path / "shard-00000.bin")
+    b.tofile(tmp_path / "shard-00001.bin")
+    (tmp_path / "index.json").write_text(json.dumps({
+        "format": "meshfold-tokens-1", "dtype": "uint16", "vocab_size": 300, "eos_id": 0, "tokenizer": "by hand",
+        "tokens": 70, "shards": [{"file": "shard-00000.bin", "tokens": 40}, {"file": "shard-00001.bin", "tokens": 30}]}))
+    corpus = load_corpus([str(tmp_path)], val_fraction=0.2)
+    stream = np.concatenate([a, b])
+    assert np.array_equal(corpus.train[0:56], stream[:56]) and np.array_equal(corpus.val[0:14], stream[56:])

@@ -304,6 +304,45 @@ def test_causal_by_index_equals_the_mask_from_increasing_positions():
     torch.testing.assert_close(attend(q, k, v), attend(q, k, v, pos, pos), rtol=1e-12, atol=1e-12)
 
 
+def test_gqa_reaches_a_fused_kernel_in_every_dtype_off_the_cpu(monkeypatch):
+    """Off the CPU only the flash kernel takes GQA (``enable_gqa``), in fp16 / bf16 without a
+    mask; SDPA asked for GQA otherwise runs the math kernel (fp32 [Sq, Sk] scores), so there K/V
+    arrive repeated to the query heads. On the CPU every kernel takes GQA itself. The repeated
+    call gives the grouped call's values."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from meshfold.models.attention import attend
+    from meshfold.testing.references import OffCPU
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 6, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    pos = torch.arange(6)
+    sdpa, calls = F.scaled_dot_product_attention, []
+
+    def recording(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+        calls.append((k.shape[1], enable_gqa))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    want = {True: attend(q, k, v), False: attend(q, k, v, pos, pos)}
+    for dtype, off_cpu, masked, grouped in [(torch.float32, True, False, False), (torch.float32, True, True, False),
+                                            (torch.bfloat16, True, False, True), (torch.bfloat16, True, True, False),
+                                            (torch.float32, False, False, True), (torch.float32, False, True, True)]:
+        qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+        if off_cpu:
+            qd, kd, vd = OffCPU(qd), OffCPU(kd), OffCPU(vd)
+        calls.clear()
+        with OffCPU.everywhere() if off_cpu else contextlib.nullcontext():
+            out = attend(qd, kd, vd, pos, pos) if masked else attend(qd, kd, vd)
+        assert calls == [(2, True) if grouped else (4, False)], (dtype, off_cpu, masked, calls)
+        out = out.inner if off_cpu else out
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), want[not masked], rtol=tol, atol=tol)
+
+
 def test_attention_saves_no_sequence_squared_tensor_without_context_parallelism():
     """Masking by positions made SDPA save an [S, S] fp32 mask per layer for backward (16 MiB
     a layer at S = 2048); in sequence order nothing quadratic in S is kept."""

@@ -411,6 +411,22 @@ def test_combine_in_parts_on_the_pool_equals_one_part(dtype, monkeypatch):
         assert torch.equal(one, parts)
 
 
+def test_combine_of_no_tokens_off_the_cpu_gives_empty_output_and_gradients():
+    """A rank (or an expert block) that receives no tokens: off the CPU the combine runs as one
+    part, which must not be called with zero rows (its [0, k, H] view has no inferable size)."""
+    from meshfold.kernels import combine_topk
+    from meshfold.testing.references import OffCPU
+
+    k, H = 2, 4
+    y, probs = OffCPU(torch.zeros(0, H)).requires_grad_(), OffCPU(torch.zeros(0, k)).requires_grad_()
+    empty = OffCPU(torch.zeros(0, dtype=torch.int64))
+    with OffCPU.everywhere():
+        out = combine_topk(y, probs, empty, empty)
+        dy, dprobs = torch.autograd.grad(out, (y, probs), OffCPU(torch.zeros(0, H)))
+    assert out.device.type != "cpu" and out.inner.shape == (0, H)
+    assert dy.shape == (0, H) and dprobs.shape == (0, k)
+
+
 def test_fast_permute_gradient_equals_plain_indexing():
     """gather_rows' backward (index_add) is autograd's x[token] backward, fp32-accumulated in
     bf16: equal to the fp64 sum rounded once."""

@@ -26,9 +26,13 @@ def _config(spec, aux):
 
 
 def _reference(cfg, seed, tokens, targets, spec, microbatches):
-    """One device, gradient accumulation: microbatch j is every dp rank's j-th slice of its rows."""
+    """One device, gradient accumulation: microbatch j is every dp rank's j-th slice of its rows,
+    its balancing losses scaled by 1 / microbatches (test_accumulation: the gradients then do not
+    depend on the microbatch count)."""
     torch.manual_seed(seed)
     ref = MoETransformer(cfg, dtype=torch.float64)
+    for layer in ref.moe_layers():
+        layer.balancing_scale = 1 / microbatches
     state = {k: v.clone() for k, v in ref.state_dict().items()}
     B = tokens.shape[0]
     b = B // spec.dp
@@ -117,7 +121,8 @@ def _bias_counts_run(rank, world_size, spec, schedule, virtual):
     """Expert-bias counts of a train step, an evaluation, and a second train step, against the
     single-device counts of the same microbatches: each token counted once per training forward
     (torch.distributed.pipelining runs every stage once more to infer shapes at the first step
-    and whenever it switches between train and eval; those runs must not count)."""
+    and whenever it switches between train and eval; those runs must not count), and so are the
+    step's routing metrics (``step_metrics``, over both microbatches of the step)."""
     cfg = _config(spec, 0.0)
     cfg.moe.expert_bias = True
     g = torch.Generator().manual_seed(5)
@@ -131,12 +136,18 @@ def _bias_counts_run(rank, world_size, spec, schedule, virtual):
     local, pos = shard_batch(tokens, spec, rank)
     pipe.step(local, local, pos)
     first = {i: b.mlp._bias_counts.clone() for i, b in pipe.moe_blocks()}
+    steps = [{i: b.mlp.step_metrics()["tokens_per_expert"] for i, b in pipe.moe_blocks()}]
     pipe.eval()
     pipe.step(local, local, pos, backward=False)
     pipe.train()
+    for layer in pipe.moe_layers():
+        layer.reset_step()
     pipe.step(local, local, pos)
+    steps.append({i: b.mlp.step_metrics()["tokens_per_expert"] for i, b in pipe.moe_blocks()})
     for i, b in pipe.moe_blocks():
         assert torch.equal(first[i], want[i]), f"layer {i}, step 1: {first[i].tolist()} != {want[i].tolist()}"
+        for n, step in enumerate(steps, 1):
+            assert torch.equal(step[i], want[i]), f"layer {i}, step {n}'s metrics: {step[i].tolist()}"
         assert torch.equal(b.mlp._bias_counts, 2 * want[i]), \
             f"layer {i}, after eval and step 2: {b.mlp._bias_counts.tolist()} != {(2 * want[i]).tolist()}"
     return True

@@ -41,11 +41,82 @@ def test_fused_block_kernel_equals_plain_reference(B, heads, m, n, d, dv_minus_d
         torch.testing.assert_close(got, want, **TOL)
 
 
+def test_on_cuda_the_ring_takes_the_kernel_sdpa_would_and_plain_only_without_one(monkeypatch):
+    """On CUDA a block runs the fused kernel SDPA itself would pick for its shapes (flash, else
+    memory-efficient), the plain kernels only where neither applies; on the CPU its flash kernel;
+    elsewhere plain. (CUDA's numerics are compared with SDPA by benchmarks/gpu_check.sh.)"""
+    import torch.backends.cuda as cuda_backends
+
+    from meshfold.testing.references import OffCPU
+
+    seen = []
+    for flash, efficient, want in [(True, True, "flash"), (False, True, "efficient"), (False, False, "plain")]:
+        monkeypatch.setattr(cuda_backends, "can_use_flash_attention",
+                            lambda p, debug=False, f=flash: seen.append(("flash", p.key.shape[1], p.enable_gqa)) or f)
+        monkeypatch.setattr(cuda_backends, "can_use_efficient_attention",
+                            lambda p, debug=False, e=efficient: seen.append(("efficient", p.key.shape[1])) or e)
+        choose = ring._cuda_block_kernels.__wrapped__  # the CUDA choice, on CPU stand-ins
+        assert choose(torch.device("cpu"), torch.bfloat16, 4, 2, 64, 64) == want
+    # flash is asked with the 2 grouped K/V heads, efficient with K/V repeated to the 4 query heads
+    assert ("flash", 2, True) in seen and ("efficient", 4) in seen
+    q = torch.zeros(1, 4, 2, 8)
+    assert ring.block_kernels(q, q, q) == "fused" and ring.block_kernels(OffCPU(q), q, q) == "plain"
+
+
+class _OneRank:
+    """A one-rank cp mesh: what ring_attention reads of a mesh (no collective runs with cp = 1)."""
+    mesh_dim_names = ("cp",)
+
+    def size(self, dim=0):
+        return 1
+
+    def get_local_rank(self, dim):
+        return 0
+
+
+@pytest.mark.parametrize("kernels, dtype, dv", [("flash", torch.bfloat16, 64), ("flash", torch.bfloat16, 48),
+                                                 ("efficient", torch.float32, 64), ("efficient", torch.float32, 48)])
+def test_cuda_block_kernels_take_the_aten_calls_shapes_on_the_meta_device(kernels, dtype, dv):
+    """The CUDA kernels' calls (arguments, returned log-sum-exp layout, GQA and MLA's narrower
+    values) run through torch's meta implementations of those ops, forward and backward."""
+    B, h, g, S, d = 2, 4, 2, 80, 64
+    q = torch.empty(B, h, S, d, dtype=dtype, device="meta", requires_grad=True)
+    k = torch.empty(B, g, S, d, dtype=dtype, device="meta", requires_grad=True)
+    v = torch.empty(B, g, S, dv, dtype=dtype, device="meta", requires_grad=True)
+    out = ring.ring_attention(q, k, v, _OneRank(), "cp", kernels)
+    assert out.shape == (B, h, S, dv) and out.dtype == dtype
+    dq, dk, dvv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert (dq.shape, dk.shape, dvv.shape) == (q.shape, k.shape, v.shape)
+
+
 def test_block_plan_skips_future_and_marks_the_diagonal():
     # cp = 4: rank 1 holds chunks (1, 6); rank 0's chunks (0, 7) arrive, then rank 3's (3, 4)
     assert ring.block_plan((1, 6), (1, 6)) == [(0, 0, True), (1, 0, False), (1, 1, True)]
     assert ring.block_plan((1, 6), (0, 7)) == [(0, 0, False), (1, 0, False)]
     assert ring.block_plan((1, 6), (3, 4)) == [(1, 0, False), (1, 1, False)]
+
+
+@pytest.mark.parametrize("off_cpu", [False, True], ids=["cpu", "off-cpu"])
+def test_load_balanced_accepts_exactly_the_ring_layout_on_every_device(off_cpu):
+    """The ring runs only on this rank's two chunks (each sequence up to an offset), on the CPU
+    and off it alike (off it the check used to trust any even length): other layouts take the
+    generic path. Off the CPU the answer is remembered per positions tensor until it changes."""
+    from meshfold.testing.references import OffCPU
+
+    cp, n = 4, 3
+
+    def positions(rows):
+        t = torch.tensor(rows)
+        return OffCPU(t) if off_cpu else t
+
+    chunks = [list(range(c * n, (c + 1) * n)) for c in range(2 * cp)]
+    layout = positions(chunks[1] + chunks[6])  # rank 1 holds chunks 1 and 6
+    assert ring.load_balanced(layout, 1, cp)
+    assert ring.load_balanced(positions([[p + 10 for p in chunks[1] + chunks[6]]] * 2), 1, cp)  # an offset
+    for other in (chunks[1] + chunks[2], list(range(2 * n)), chunks[6] + chunks[1], chunks[0] + chunks[7]):
+        assert not ring.load_balanced(positions(other), 1, cp), other
+    assert not ring.load_balanced(positions(chunks[1] + chunks[6][:-1]), 1, cp)  # odd length
+    assert not ring.load_balanced(layout.neg_(), 1, cp)  # changed in place: checked again
 
 
 # ---- the attention function on a cp mesh -----------------------------------------------------

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from meshfold.runtime import compat
 from meshfold.mesh import FoldSpec
 from meshfold.placements import all_gather_v, reduce_scatter_v
 from meshfold.placements import collectives
@@ -29,11 +30,15 @@ HALF = (torch.bfloat16, torch.float16)
 PRIMITIVES = ("all_gather_single", "reduce_scatter_single", "all_to_all_single")
 
 
+def _home(name):  # the native gather / scatter go through meshfold.runtime.compat (older torch: older names)
+    return dist if name == "all_to_all_single" else compat
+
+
 @contextlib.contextmanager
 def counting():
     """Count calls of the torch.distributed primitives the collectives use (this process)."""
     calls = Counter()
-    saved = {name: getattr(dist, name) for name in PRIMITIVES}
+    saved = {name: getattr(_home(name), name) for name in PRIMITIVES}
 
     def wrap(name, fn):
         def counted(*args, **kwargs):
@@ -42,12 +47,12 @@ def counting():
         return counted
 
     for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
+        setattr(_home(name), name, wrap(name, fn))
     try:
         yield calls
     finally:
         for name, fn in saved.items():
-            setattr(dist, name, fn)
+            setattr(_home(name), name, fn)
 
 
 @contextlib.contextmanager
@@ -171,28 +176,73 @@ def test_native_and_all_to_all_paths_agree_and_match_reference(worlds, world_siz
 
 
 def test_backend_dtype_policy(monkeypatch):
-    """auto: even gathers always native; even reduce-scatters native only on NCCL in fp32 / fp64
-    (gloo's is an all-reduce; half precision must sum in fp32 with half-precision bytes); ragged
-    never; "native" and "a2a" force the path."""
-    backend = {"value": "nccl"}
-    monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None: backend["value"])
+    """auto: even gathers always native; even reduce-scatters native only where NCCL serves the
+    tensor's device, in fp32 / fp64 (gloo's is an all-reduce; half precision must sum in fp32 with
+    half-precision bytes); ragged never; "native" and "a2a" force the path."""
+    config = {"value": "cuda:nccl"}
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config["value"])
     even, ragged = [4, 4, 4], [4, 3, 5]
     assert collectives._native_gather(even) and not collectives._native_gather(ragged)
-    assert collectives._native_scatter(even, torch.float32, None)
-    assert collectives._native_scatter(even, torch.float64, None)
-    assert not collectives._native_scatter(even, torch.bfloat16, None)
-    assert not collectives._native_scatter(ragged, torch.float32, None)
-    backend["value"] = "gloo"
-    assert not collectives._native_scatter(even, torch.float32, None)
+    assert collectives._native_scatter(even, torch.float32, None, "cuda")
+    assert collectives._native_scatter(even, torch.float64, None, "cuda")
+    assert not collectives._native_scatter(even, torch.bfloat16, None, "cuda")
+    assert not collectives._native_scatter(ragged, torch.float32, None, "cuda")
+    config["value"] = "cpu:gloo,cuda:nccl"  # one group, two libraries: the tensor's device decides
+    assert collectives._native_scatter(even, torch.float32, None, "cuda")
+    assert not collectives._native_scatter(even, torch.float32, None, "cpu")
+    config["value"] = "cpu:gloo,cuda:gloo"
+    assert not collectives._native_scatter(even, torch.float32, None, "cpu")
     with path("native"):
-        assert collectives._native_scatter(even, torch.bfloat16, None)
-        assert not collectives._native_scatter(ragged, torch.bfloat16, None)
+        assert collectives._native_scatter(even, torch.bfloat16, None, "cpu")
+        assert not collectives._native_scatter(ragged, torch.bfloat16, None, "cpu")
     with path("a2a"):
         assert not collectives._native_gather(even)
-        backend["value"] = "nccl"
-        assert not collectives._native_scatter(even, torch.float32, None)
+        config["value"] = "cuda:nccl"
+        assert not collectives._native_scatter(even, torch.float32, None, "cuda")
     with pytest.raises(ValueError, match="valid"):
         set_collective_path("ring")
+
+
+def test_ranks_compute_where_the_group_runs_nccl(monkeypatch):
+    """The device comes from which library serves each device type, not from the backend's name:
+    torch's default group on a CUDA machine, ``cpu:gloo,cuda:nccl``, computes on the GPU (a name
+    comparison with "nccl" put it on the CPU); gloo, which also takes CUDA tensors, on the CPU."""
+    from meshfold.mesh import backend_device_type, collective_backend
+
+    for config, device, cpu_backend in [("cuda:nccl", "cuda", None), ("cpu:gloo,cuda:nccl", "cuda", "gloo"),
+                                        ("cpu:gloo,cuda:gloo", "cpu", "gloo"), ("cpu:fake,cuda:fake", "cpu", "fake")]:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=config: c)
+        assert backend_device_type() == device, config
+        assert collective_backend(None, "cpu") == cpu_backend, config
+
+
+def _nccl_branches_under_gloo(rank, world_size):
+    """The group reports NCCL for CPU tensors, so every branch meant for NCCL runs on gloo: the
+    auto path's native fp32 reduce-scatter, the split exchange and the debug checks' metadata
+    gather on the group's device."""
+    spec = FoldSpec(world_size, tp=world_size, ep=world_size)
+    mesh = cached_fold(spec).attn
+    real = dist.get_backend_config
+    dist.get_backend_config = lambda group=None: "cpu:nccl"
+    collectives.set_debug_checks(True)
+    try:
+        assert collectives._native_scatter([2] * world_size, torch.float32, None, "cpu")
+        x = torch.arange(2 * world_size * 3, dtype=torch.float32).reshape(2 * world_size, 3) * (rank + 1)
+        with counting() as calls:
+            out = reduce_scatter_v(x, [2] * world_size, mesh, "tp")
+        received = collectives.exchange_splits([rank + j for j in range(world_size)], mesh, "tp")
+    finally:
+        dist.get_backend_config = real
+        collectives.set_debug_checks(False)
+    want = x[2 * rank:2 * rank + 2] / (rank + 1) * sum(range(1, world_size + 1))
+    return torch.equal(out, want), dict(calls), received
+
+
+def test_nccl_only_branches_run_under_gloo(worlds):
+    results = worlds(4).run(_nccl_branches_under_gloo)
+    for rank, (equal, calls, received) in enumerate(results):
+        assert equal and calls.get("reduce_scatter_single") == 1, (rank, calls)
+        assert received == [j + rank for j in range(4)]  # rank j sends me j + my rank
 
 
 def _half_sum(rank, world_size, dtype):
