@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_grouped_gemm import CPU_SHAPES, CUDA_SHAPES, make_pass, problem, timer  # noqa: E402
 from meshfold.kernels import cpu_sparse, grouped_mm  # noqa: E402
-from meshfold.malloc import retain_freed_memory  # noqa: E402
+from meshfold.runtime.malloc import retain_freed_memory  # noqa: E402
 
 DENSITIES = (1.0, 0.75, 0.5, 0.25)
 SHAPES = {"coarse": "coarse E8 top2", "fine": "fine E64 top8"}
