@@ -20,8 +20,8 @@ index array. This module does that for every expert:
   stripes. Each stripe's kept weight rows are gathered into a compact copy, and the kept columns
   of x (dy) from a transposed copy of each row block, whose rows then move as contiguous runs.
 * dW ``dw_e[kept_s, s] = x_e[:, kept_s]^T @ dy_e[:, s]`` per N stripe, or per K stripe of the
-  transposed plan (``dw_e[s, kept_s] = x_e[:, s]^T @ dy_e[:, kept_s]``), whichever has fewer
-  stripes, scattered into a zeroed dw: pruned tiles are exact zeros, never computed.
+  transposed plan (``dw_e[s, kept_s] = x_e[:, s]^T @ dy_e[:, kept_s]``), whichever gathers
+  fewer elements, scattered into a zeroed dw: pruned tiles are exact zeros, never computed.
 * Every GEMM is one ``mm`` accumulating in fp32 for bf16 / fp16 and rounded once, as the dense
   path. Each (row block or expert, stripe) is a task of the CPU pool (:mod:`.cpu_pool`) writing
   its own outputs, so results do not depend on scheduling.
@@ -263,6 +263,12 @@ def _chunks(stripes: tuple[Stripe, ...], parts: int) -> list[tuple[Stripe, ...]]
     return out + [tuple(run)] if run else out
 
 
+def _gathered(p: Plan) -> int:
+    """Rows that running every stripe of plan ``p`` gathers per token row (unpruned stripes
+    run on views and gather nothing)."""
+    return sum(s.rows for stripes in p.stripes for s in stripes if s.kept is not None)
+
+
 def _tasks_per(units: int) -> int:
     """Pool tasks to cut each of ``units`` independent pieces of work into, so that every worker
     gets several tasks."""
@@ -330,13 +336,14 @@ def _dw_mm(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, p: Plan, pT
 
     Either plan's stripes cover dw: the N stripes of ``p`` (each keeps K tiles: x's kept columns
     are gathered) or the K stripes of ``pT`` (each keeps N tiles: dy's kept columns are gathered).
-    The one with fewer stripes runs, as fewer, larger GEMMs run the BLAS closer to its rate (a
-    tile mask of a wide weight has fewer K stripes; TW, fewer N stripes)."""
+    The one that gathers fewer elements runs: per expert row, a plan gathers the kept rows of
+    every stripe it runs, kept elements / mean stripe width, so the plan of wider stripes wins
+    (TW: the N stripes of G columns, not the K stripes of bk rows)."""
     x, dy = x.detach().contiguous(), dy.detach().contiguous()
     K, N, E = x.shape[1], dy.shape[1], offsets.numel()
     ends = offsets.tolist()
     starts = [0] + ends[:-1]
-    by_k = sum(map(len, pT.stripes)) < sum(map(len, p.stripes))
+    by_k = _gathered(pT) < _gathered(p)
     q = pT if by_k else p  # q's stripes cut dw's K rows (by_k) or N columns
     dw = x.new_empty((E, K, N))
 
