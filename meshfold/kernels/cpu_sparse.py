@@ -18,7 +18,7 @@ index array. This module does that for every expert:
   @ w_e[s, kept_s]^T`` with the plan of the transposed mask (stripes of K columns, each keeping
   its own N tiles), so that every output element is one GEMM's and nothing accumulates across
   stripes. Each stripe's kept weight rows are gathered into a compact copy, and the kept columns
-  of x (dy) from a transposed copy of each row block, whose rows then move as contiguous runs.
+  of x (dy) from each row block, tile by tile (runs of br contiguous elements).
 * dW ``dw_e[kept_s, s] = x_e[:, kept_s]^T @ dy_e[:, s]`` per N stripe, or per K stripe of the
   transposed plan (``dw_e[s, kept_s] = x_e[:, s]^T @ dy_e[:, kept_s]``), whichever gathers
   fewer elements, scattered into a zeroed dw: pruned tiles are exact zeros, never computed.
@@ -52,9 +52,9 @@ __all__ = ["EXECUTIONS", "Plan", "Stripe", "choose", "execution", "executions", 
 
 EXECUTIONS = ("auto", "compact", "masked")
 # the rule of choose() (benchmarks/RESULTS.md, "Tile sparsity on CPU")
-COMPACT_BELOW = 0.9  # kept fraction under which the compacted GEMMs pay
-MIN_STRIPE_COLUMNS = 16  # narrower pruned stripes run the BLAS far below its rate
-MIN_ROWS_PER_EXPERT = 16  # fewer token rows per expert: per-GEMM overheads dominate
+COMPACT_BELOW = 0.6  # kept fraction under which compact beats masked (it does at 0.5, not at 0.75)
+MIN_STRIPE_COLUMNS = 16  # narrower pruned stripes run the BLAS far below its rate (masked wins at 8)
+MIN_ROWS_PER_EXPERT = 8  # the fewest measured (compact still won there); below it, unmeasured: masked
 ROW_BLOCK = 512  # token rows per task of the row GEMMs (cpu_grouped's reasoning)
 PLAN_CACHE = 256  # plans kept (two per sparse weight: its mask and the transposed one)
 

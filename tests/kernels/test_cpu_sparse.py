@@ -150,9 +150,12 @@ def test_a_tw_mask_plans_one_gemm_per_stripe_over_its_kept_rows():
 @pytest.mark.parametrize("density, tile, rows, want", [
     (1.0, (64, 64), 2048, "dense"),    # nothing pruned: the unmasked GEMM, no mask pass
     (0.25, (64, 64), 2048, "compact"),
-    (0.95, (64, 64), 2048, "masked"),  # too little pruned to pay for the gathers
+    (0.75, (64, 64), 2048, "masked"),  # too little pruned to pay for the gathers
+    (0.5, (64, 64), 2048, "compact"),
     (0.25, (1, 1), 2048, "masked"),    # unstructured: stripes one column wide
-    (0.25, (64, 64), 64, "masked"),    # 8 rows per expert
+    (0.25, (64, 8), 2048, "masked"),   # stripes 8 columns wide
+    (0.25, (64, 64), 64, "compact"),   # 8 rows per expert
+    (0.25, (64, 64), 32, "masked"),    # 4 rows per expert
 ])
 def test_choice_follows_the_measured_rule(density, tile, rows, want):
     E, K, N = 8, 256, 512
