@@ -197,6 +197,9 @@ class TrainSettings:
                              "without a heartbeat, before the job is declared hung", low=0, open_low=True)
     retain_cpu_memory: bool = setting(False, bool, "CPU ranks keep freed memory for reuse "
                                       "(meshfold.runtime.malloc): fewer page faults, the peak heap held until exit")
+    tensor_memory: bool = setting(False, bool, "CPU ranks also record each step's peak of live tensor bytes "
+                                  "(metrics memory.tensor_mib), counted by a dispatch mode over every op, which "
+                                  "slows each step (benchmarks/RESULTS.md)")
     microbatches: int | None = setting(None, int, "micro-batches per step: the pipeline schedule's with "
                                        "fold.pp > 1 (default pp), else gradient accumulation (default 1)",
                                        low=1, optional=True)

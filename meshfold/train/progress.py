@@ -21,11 +21,14 @@ def _utilization(r: dict) -> str:
 
 
 def _memory(r: dict) -> str:
-    """The busiest rank's memory peak of the step, and which rank that is."""
+    """The busiest rank's memory peak of the step, and which rank that is (and the same of the
+    tensor peak, where it is recorded)."""
     m = r.get("memory")
     if not m:
         return ""
-    return f"  mem {m['mib'][m['peak_rank']]:,.0f} MiB (rank {m['peak_rank']})"
+    tensors = (f", tensors {m['tensor_mib'][m['tensor_peak_rank']]:,.1f} MiB (rank {m['tensor_peak_rank']})"
+               if "tensor_mib" in m else "")
+    return f"  mem {m['mib'][m['peak_rank']]:,.0f} MiB (rank {m['peak_rank']}){tensors}"
 
 
 class Progress:
