@@ -15,7 +15,8 @@ it) is followed by wrapping that method while the mode is active, as
 What it sees is what runs on the thread that entered it, including autograd's backward on the
 CPU (the engine carries the mode over). Tensors made and freed on other threads (a worker's
 temporaries) are not seen; a tensor a worker hands back is counted when an op here first uses
-it.
+it. A storage freed on another thread (a gloo or pool thread holding its last tensor) is taken
+off there, under the interpreter lock like every update of the counts.
 
     >>> live = LiveBytes()
     >>> with live:
