@@ -36,6 +36,17 @@ def test_layout_rejects_invalid_input_with_the_numbers():
     assert proc.returncode == 2 and "pp differs between views" in proc.stderr
 
 
+def test_layout_of_an_absurd_world_size_answers_at_once():
+    """No rank is enumerated to describe a fold: 10^8 ranks print as fast as 16 (run_cli's
+    timeout fails a layout that walks the world)."""
+    proc = run_cli("layout", "--world-size", "100000000", "--tp", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "dp size 50000000: [0,2,4,...,99999998] [1,3,5,...,99999999]" in proc.stdout
+    assert "tp size   2: [0,1] [2,3]" in proc.stdout and "(50000000 groups)" in proc.stdout
+    proc = run_cli("layout", "--world-size", "99999989", "--tp", "2")  # a prime: its divisors named
+    assert proc.returncode == 2 and "divisors of 99999989: [1, 99999989]" in proc.stderr, proc.stderr
+
+
 def test_ci_runs_exactly_the_readmes_test_command():
     cmd = readme_command("test-command")
     assert "pytest" in cmd and "torch==2.13.0" in cmd
