@@ -23,12 +23,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args):
-    from meshfold.train.config import load_config
+    from meshfold.train.config import load_config, parse_override
 
     overrides = list(args.set)
+    if args.out_dir is not None and not args.out_dir.strip():
+        raise ValueError(f"--out-dir {args.out_dir!r}: give a folder for the run (default runs/default)")
+    given = {f"{section}.{key}": value for section, key, value in map(parse_override, overrides)}
+    for flag, key, value in (("--steps", "train.steps", args.steps), ("--out-dir", "train.out_dir", args.out_dir),
+                             ("--data", "data.paths", args.data)):
+        if value is not None and key in given and given[key] != value:
+            raise ValueError(f"{flag} {value} and --set {key}={given[key]} disagree: give one of them")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
-    if args.out_dir:
+    if args.out_dir is not None:
         overrides.append(f"train.out_dir={json.dumps(args.out_dir)}")
     cfg = load_config(args.config, overrides)
     if args.data:
@@ -286,7 +293,10 @@ def main_export(args: argparse.Namespace) -> int:
     if dst in (run, src) or run / "checkpoints" in (dst, *dst.parents):
         raise ValueError(f"export target {args.out} is the run being read or inside its checkpoints; "
                          f"choose a folder of its own")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.force:
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"export target {args.out} is a file; give a folder (new or empty) for config.json "
+                         f"and model.safetensors")
+    if dst.exists() and any(dst.iterdir()) and not args.force:
         raise ValueError(f"export target {args.out} is not empty; choose an empty or new folder, or pass "
                          f"--force to overwrite its config.json and model.safetensors")
     model, state = load_trained(args.checkpoint)

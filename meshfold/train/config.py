@@ -433,6 +433,13 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConf
                 raw = tomllib.load(f)
         except FileNotFoundError:
             raise ValueError(f"--config {path}: no such file") from None
+        except IsADirectoryError:
+            raise ValueError(f"--config {path} is a folder; give a TOML file") from None
+        except OSError as err:
+            raise ValueError(f"--config {path}: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--config {path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                             f"{err.start}); a TOML file is UTF-8") from None
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"--config {path}: not valid TOML: {err}") from None
     for text in overrides:
