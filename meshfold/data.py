@@ -51,17 +51,39 @@ def _is_binary(path: Path) -> bool:
         return False  # reading it later names the error
 
 
+def _tokens_not_text(folder: Path) -> str | None:
+    """Why ``folder`` is a token folder rather than text, or None: its index (a token folder
+    trains alone, ``--data DIR``), or shards without an index (a tokenization cut short, or an
+    index removed), whose text would otherwise be the tokenizer's JSON."""
+    from meshfold.tokens import INDEX, SHARD_GLOB, is_token_index
+
+    if is_token_index(folder / INDEX):
+        return (f"--data {folder} is a token folder (it has an {INDEX}): train on it alone, --data {folder}, "
+                f"not beside other paths")
+    if any(folder.glob(SHARD_GLOB)):
+        return (f"--data {folder} holds token shards ({SHARD_GLOB}) but no {INDEX}: a meshfold tokenize "
+                f"that was cut short, or an index removed; rerun meshfold tokenize into it")
+    return None
+
+
 def corpus_files(paths: list[str | Path]) -> list[Path]:
-    """The files ``--data`` names: files as given, folders' files in sorted order without hidden
-    files and folders (``.git/``, ``.venv/``) or binary files."""
+    """The text files ``--data`` names: files as given (a binary one is refused), folders' files
+    in sorted order without hidden files and folders (``.git/``, ``.venv/``) or binary files.
+    A token folder is refused here: it is read as tokens (:mod:`meshfold.tokens`), never as text."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
+            problem = _tokens_not_text(p)
+            if problem:
+                raise ValueError(problem)
             for f in sorted(p.rglob("*")):
                 rel = f.relative_to(p).parts
                 if f.is_file() and not any(part.startswith(".") for part in rel) and not _is_binary(f):
                     files.append(f)
         elif p.is_file():
+            if _is_binary(p):
+                raise ValueError(f"--data {p} is a binary file (a NUL byte in its first 8 KiB), not text; "
+                                 f"name text files, or a folder (whose binary files are skipped)")
             files.append(p)
         else:
             raise ValueError(f"--data {p}: no such file or folder")

@@ -7,7 +7,8 @@ A token folder holds shards of flat token ids and one small JSON index::
                              "shards": [{"file": ..., "tokens": n}, ...]}
     DIR/shard-00000.bin     ids as little-endian uint16 (vocab <= 65536) or uint32, EOS between
     DIR/shard-00001.bin     documents (a document is one input file)
-    DIR/tokenizer.json      the tokenizer, when --train-tokenizer made it
+    DIR/tokenizer.json      the tokenizer that made the ids (trained by --train-tokenizer, or a
+                            copy of --tokenizer's): the folder decodes without anything else
 
 The reader requires ``format``, ``dtype``, ``vocab_size``, ``shards`` and ``tokens``, the total
 over the shards (a check that the shard list is the one written); ``eos_id`` and ``tokenizer``
@@ -38,6 +39,8 @@ __all__ = ["TokenStream", "is_token_folder", "load_tokenizer", "read_index", "tr
 
 FORMAT = "meshfold-tokens-1"
 INDEX = "index.json"
+SHARD_GLOB = "shard-[0-9][0-9][0-9][0-9][0-9].bin"
+TOKENIZER = "tokenizer.json"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
@@ -70,25 +73,42 @@ def eos_id(tok) -> int:
     raise ValueError(f"the tokenizer has none of the end-of-text tokens {list(EOS_NAMES)}")
 
 
+MAX_VOCAB = 1 << 32  # ids are stored as uint32 at most
+
+
+def check_vocab(vocab: int) -> None:
+    """``--train-tokenizer VOCAB`` is a size a byte-level BPE can have (checked before any file is read)."""
+    if not 257 + 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"--train-tokenizer {vocab}: valid: 258 (256 bytes + EOS + 1 merge) to {MAX_VOCAB:,} "
+                         f"(uint32 ids)")
+
+
 def train_tokenizer(files: list[Path], vocab: int, out: Path):
-    """Train a byte-level BPE tokenizer of ``vocab`` ids on ``files`` (offline); saves and returns it."""
+    """Train a byte-level BPE tokenizer of exactly ``vocab`` ids on ``files`` (offline); saves and
+    returns it. BPE stops when no pair of tokens is left to merge, so a short text cannot make a
+    large vocabulary: that is an error naming the size the text gives, never a smaller tokenizer."""
     tk = _tokenizers()
-    if vocab < 257 + 1:
-        raise ValueError(f"--train-tokenizer {vocab}: a byte-level BPE needs at least 258 ids (256 bytes + EOS + 1)")
+    check_vocab(vocab)
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train([str(f) for f in files], trainer)
+    made = tok.get_vocab_size(with_added_tokens=True)
+    if made < vocab:
+        raise ValueError(f"--train-tokenizer {vocab:,}: byte-level BPE on this text stops at {made:,} ids (no pair "
+                         f"of tokens is left to merge); ask for at most {made:,}, or give more text")
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    tok.save(str(out / TOKENIZER))
     return tok
 
 
 def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_tokens: int = 1 << 27,
                  stream=sys.stdout, extra: dict | None = None) -> dict:
-    """Tokenize ``files`` (one document each) into ``out``'s shards and index; returns the index.
+    """Tokenize ``files`` (one document each) into ``out``'s shards and index, beside a copy of
+    the tokenizer (``tokenizer.json``: what decodes the ids, e.g. for ``meshfold generate``);
+    returns the index.
 
     Shows a progress line per file; the index is written last, so an interrupted run leaves a
     folder ``meshfold train`` refuses (no index) rather than a silently short one."""
@@ -97,6 +117,7 @@ def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_t
     eos = eos_id(tok)
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX).unlink(missing_ok=True)
+    tok.save(str(out / TOKENIZER))
     shards, buf, total = [], [], 0
 
     def flush():
@@ -159,6 +180,14 @@ def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdou
 def is_token_folder(paths) -> bool:
     """Whether ``--data`` names one pre-tokenized folder (it has an index.json)."""
     return len(paths) == 1 and (Path(paths[0]) / INDEX).is_file()
+
+
+def is_token_index(path: Path) -> bool:
+    """Whether ``path`` is a meshfold token index (a text folder may hold an index.json of its own)."""
+    try:
+        return json.loads(path.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def read_index(folder: str | Path) -> dict:

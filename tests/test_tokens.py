@@ -2,6 +2,8 @@
 resumed runs read the batches an uninterrupted one would, and bad inputs fail before spawning."""
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +85,7 @@ def _check(data, *overrides):
     from meshfold.train.config import load_config
 
     cfg = load_config(None, ["model.vocab=300", "train.seq=16", *overrides])
-    cfg.data.paths = [str(data)]
+    cfg.data.paths = cfg.data.paths or [str(data)]
     preflight.check_data(cfg)
 
 
@@ -121,9 +123,59 @@ def test_tokenize_command_names_bad_inputs(tmp_path):
     assert main(["tokenize", "--tokenizer", str(tmp_path / "none.json"), "--out", str(tmp_path / "o"),
                  str(tmp_path / "t.txt")]) == 2
     assert main(["tokenize", "--train-tokenizer", "100", "--out", str(tmp_path / "o"), str(tmp_path / "t.txt")]) == 2
-    assert main(["tokenize", "--train-tokenizer", "280", "--out", str(tmp_path / "o"), str(tmp_path / "t.txt")]) == 0
+    assert main(["tokenize", "--train-tokenizer", "260", "--out", str(tmp_path / "o"), str(tmp_path / "t.txt")]) == 0
     assert Path(tmp_path / "o" / "index.json").exists()
     assert np.fromfile(tmp_path / "o" / "shard-00000.bin", dtype=np.uint16).size > 0
+
+
+def test_tokenize_refuses_a_vocabulary_it_cannot_make_and_empty_text(tmp_path, capsys):
+    from meshfold.cli import main
+
+    (tmp_path / "t.txt").write_text(TEXTS["a.txt"])
+    (tmp_path / "empty.txt").write_text("")
+    out = ["--out", str(tmp_path / "o")]
+    # out of range: refused before any file is read (this one does not exist)
+    assert main(["tokenize", "--train-tokenizer", "0", *out, str(tmp_path / "missing")]) == 2
+    assert "--train-tokenizer 0: valid: 258 " in capsys.readouterr().err
+    # more ids than BPE finds pairs to merge in the text: refused naming what it gives, not capped
+    assert main(["tokenize", "--train-tokenizer", "100000", *out, str(tmp_path / "t.txt")]) == 2
+    assert re.search(r"--train-tokenizer 100,000: .*stops at \d+ ids", capsys.readouterr().err)
+    assert main(["tokenize", "--train-tokenizer", "260", *out, str(tmp_path / "empty.txt")]) == 2
+    assert "empty.txt: the files are empty (0 bytes)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "t.txt"]  # nothing written
+
+
+def test_tokenize_writes_only_into_a_new_folder_or_replaces_a_tokenization_whole(corpus, tmp_path):
+    root, out, _ = corpus
+    target = tmp_path / "tok"
+    shutil.copytree(out, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    with pytest.raises(ValueError, match="tok is not empty; .* or --force to replace"):
+        tokenize([str(root / "a.txt")], target, tokenizer=str(out / "tokenizer.json"))
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    tokenize([str(root / "a.txt")], target, tokenizer=str(out / "tokenizer.json"), force=True)
+    tok = load_tokenizer(target / "tokenizer.json")  # the folder carries its tokenizer
+    assert TokenStream(target)[0:len(TokenStream(target))].tolist() == tok.encode(TEXTS["a.txt"]).ids
+    assert sorted(p.name for p in target.iterdir()) == ["index.json", "shard-00000.bin", "tokenizer.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["tok"]  # no staging folder left behind
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="src holds files that are not a meshfold tokenization"):
+        tokenize([str(root / "a.txt")], tmp_path / "src", tokenizer=str(out / "tokenizer.json"), force=True)
+    assert (tmp_path / "src" / "keep.txt").read_text() == "mine"
+
+
+def test_a_token_folder_is_never_read_as_text(corpus, tmp_path):
+    """Without its index (a tokenization cut short, an index removed) a token folder's text would
+    be tokenizer.json; beside other paths its index and tokenizer would be."""
+    root, out, _ = corpus
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    (cut / "index.json").unlink()
+    with pytest.raises(ValueError, match="cut holds token shards .* but no index.json"):
+        _check(cut)
+    with pytest.raises(ValueError, match="is a token folder .*train on it alone"):
+        _check(out, f"data.paths={json.dumps([str(out), str(root)])}")
 
 
 @pytest.mark.multirank

@@ -59,6 +59,8 @@ def test_data_folders_skip_hidden_and_binary_files(tmp_path):
     (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(200))
     (tmp_path / "notes.txt").write_text("notes\n")
     assert corpus_files([tmp_path]) == [tmp_path / "notes.txt", tmp_path / "src" / "a.py"]
+    with pytest.raises(ValueError, match="logo.png is a binary file .*not text"):  # named, not skipped
+        corpus_files([tmp_path / "notes.txt", tmp_path / "logo.png"])
     corpus = load_corpus([tmp_path], val_fraction=0.5)
     assert bytes(corpus.train) + bytes(corpus.val) == b"notes\n\nprint('a')\n"
 

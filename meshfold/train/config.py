@@ -232,8 +232,9 @@ class TrainSettings:
 @dataclass
 class DataSettings:
     paths: list = setting([], list, "text files or folders to train on (--data); empty: the Python "
-                          "standard library's sources. Hidden files and folders and binary files are "
-                          "skipped")
+                          "standard library's sources. In folders, hidden files and folders and binary files "
+                          "are skipped; a binary file named itself is refused. One folder written by meshfold "
+                          "tokenize trains on its tokens")
     val_fraction: float = setting(0.05, float, "the last fraction of the text, held out for validation",
                                   low=0, high=1, open_low=True, open_high=True)
     tokenizer: str | None = setting(None, str, "a Hugging Face tokenizers tokenizer.json, or a checkpoint folder "
