@@ -252,10 +252,32 @@ def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path):
     assert proc.returncode == 0 and "the newest checkpoint is at step 3" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_names_the_shard_and_the_intact_one(tmp_path):
     out = ["--out-dir", str(tmp_path)]
     assert meshfold("train", "--steps", "4", *SMALL2, "--set", "train.ckpt_every=2", *out).returncode == 0
-    shard = sorted((tmp_path / "checkpoints" / "step_000004").glob("*.safetensors"))[-1]
+    step4 = tmp_path / "checkpoints" / "step_000004"
+    shard = sorted(step4.glob("*.safetensors"))[-1]  # the last rank's
+    # a lost shard file: refused before any rank starts, naming it and the intact checkpoint
+    os.replace(shard, tmp_path / shard.name)
+    proc = meshfold("train", "--steps", "6", *SMALL2, "--set", "train.ckpt_every=2", *out)
+    assert proc.returncode == 2 and f"{shard.name} is missing" in proc.stderr, proc.stderr
+    assert "newest intact checkpoint is step_000002" in proc.stderr and len(message_lines(proc.stderr)) == 1
+    for command in (["generate", str(tmp_path), "--tokens", "2"], ["export", str(tmp_path), str(tmp_path / "hf")]):
+        proc = meshfold(*command)
+        assert proc.returncode == 2 and f"{shard.name} is missing" in proc.stderr, proc.stderr
+        assert "step_000002 to use the newest intact one" in proc.stderr and len(message_lines(proc.stderr)) == 1
+    os.replace(tmp_path / shard.name, shard)
+    # a checkpoint from before trainer.json listed its files: each rank's RNG file is still required
+    from meshfold.train.checkpoint import CheckpointError, verify
+
+    state = json.loads((step4 / "trainer.json").read_text())
+    (step4 / "trainer.json").write_text(json.dumps({k: v for k, v in state.items() if k != "files"}))
+    verify(step4)
+    os.replace(step4 / "rng_rank1.json", tmp_path / "rng_rank1.json")
+    with pytest.raises(CheckpointError, match="rng_rank1.json is missing"):
+        verify(step4)
+    os.replace(tmp_path / "rng_rank1.json", step4 / "rng_rank1.json")
     shard.write_bytes(shard.read_bytes()[:-100])
     proc = meshfold("train", "--steps", "6", *SMALL2, "--set", "train.ckpt_every=2", *out)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
