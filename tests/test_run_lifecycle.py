@@ -290,6 +290,34 @@ def test_a_damaged_checkpoint_names_the_shard_and_the_intact_one(tmp_path):
     assert proc.returncode == 2 and "step_000002 could not be read: trainer.json is damaged" in proc.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail as a full disk's")
+def test_a_full_disk_names_the_folder_and_keeps_no_empty_log(tmp_path, monkeypatch):
+    """A checkpoint write that fails names its folder; a failure log that cannot be written is
+    removed, and the line says so and why, naming its path."""
+    import errno
+
+    import torch
+
+    from meshfold.launch import RankError
+    from meshfold.train import checkpoint
+    from meshfold.train.cli import _write_failure_log
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write on a full disk does
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full)
+    with pytest.raises(checkpoint.CheckpointError, match=f"cannot write checkpoint {tmp_path}/step_000003.tmp: "
+                                                         f"No space left on device \\([0-9,]+ bytes free there\\)"):
+        checkpoint.save(tmp_path, 3, torch.nn.Linear(2, 2), None, {"step": 3})
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20250101-000000")
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "failure-20250101-000000.log"
+    log.symlink_to("/dev/full")  # every write to it fails with ENOSPC
+    line = _write_failure_log(tmp_path, RankError(0, "Traceback ...\nOSError: [Errno 28] No space left on device"))
+    assert line == f"  (no log kept: cannot write {log}: No space left on device)"
+    assert not list((tmp_path / "logs").iterdir())
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda d: ["--data", str(d / "missing")], "no such file or folder"),
     (lambda d: ["--data", str(d / "empty")], "no text files found"),

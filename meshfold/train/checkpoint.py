@@ -24,6 +24,7 @@ Why these choices:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -136,6 +137,17 @@ def _cause(err: BaseException) -> BaseException:
     return err
 
 
+def _why(err: OSError, folder: Path) -> str:
+    """The reason of a failed write, with the space left where the disk is full."""
+    reason = err.strerror or str(err)
+    if err.errno == errno.ENOSPC:
+        try:
+            reason += f" ({shutil.disk_usage(folder).free:,} bytes free there)"
+        except OSError:
+            pass
+    return reason
+
+
 def _reshard(model) -> None:
     """Put every FSDP2 group of ``model`` (a parallelized model or a Pipeline) back in its sharded
     state. After a forward without backward (evaluation) FSDP2 keeps the root's parameters
@@ -178,25 +190,31 @@ def save(path_root: str | os.PathLike, step: int, model, optimizer, trainer_stat
     root = Path(path_root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if dist.is_initialized():
-        dist.barrier()
-    with torch.no_grad():
-        dcp.save(_tensors(model, optimizer),
-                 storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-    rng = {"torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's own GPU's stream too
-        rng["cuda"] = torch.cuda.get_rng_state().tolist()
-    with open(tmp / f"rng_rank{rank}.json", "w") as f:
-        json.dump(rng, f)
-    if dist.is_initialized():
-        dist.barrier()  # every rank has written its shard and RNG state
-    if rank == 0:  # last, listing every rank's files: verify() then knows a checkpoint is whole
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        with open(tmp / "trainer.json", "w") as f:
-            json.dump({**trainer_state, "files": files}, f, indent=1)
+    try:  # a write that fails (a full disk) names the folder, not only the errno's text
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if dist.is_initialized():
+            dist.barrier()
+        with torch.no_grad():
+            dcp.save(_tensors(model, optimizer),
+                     storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+        rng = {"torch": torch.get_rng_state().tolist()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's own GPU's stream too
+            rng["cuda"] = torch.cuda.get_rng_state().tolist()
+        with open(tmp / f"rng_rank{rank}.json", "w") as f:
+            json.dump(rng, f)
+        if dist.is_initialized():
+            dist.barrier()  # every rank has written its shard and RNG state
+        if rank == 0:  # last, listing every rank's files: verify() then knows a checkpoint is whole
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+            with open(tmp / "trainer.json", "w") as f:
+                json.dump({**trainer_state, "files": files}, f, indent=1)
+    except (OSError, CheckpointException) as err:
+        cause = _cause(err)
+        if not isinstance(cause, OSError):
+            raise
+        raise CheckpointError(f"cannot write checkpoint {tmp}: {_why(cause, tmp)}") from None
     if crash_before_rename and rank == 0:
         os._exit(3)
     if rank == 0:
