@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TokenStream", "is_token_folder", "load_tokenizer", "read_index", "train_tokenizer", "write_shards"]
+__all__ = ["TokenStream", "is_token_folder", "load_tokenizer", "read_index", "tokenizer_file", "train_tokenizer",
+           "write_shards"]
 
 FORMAT = "meshfold-tokens-1"
 INDEX = "index.json"
@@ -52,10 +53,16 @@ def _tokenizers():
     return tokenizers
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json that ``path`` names: itself, or the one in a checkpoint folder."""
+    path = Path(path)
+    return path / TOKENIZER if path.is_dir() else path
+
+
 def load_tokenizer(path: str | Path):
     """A ``tokenizers.Tokenizer`` from a tokenizer.json, or a Hugging Face checkpoint folder with one."""
     path = Path(path)
-    file = path / "tokenizer.json" if path.is_dir() else path
+    file = tokenizer_file(path)
     if not file.is_file():
         raise ValueError(f"tokenizer {path}: no tokenizer.json there")
     try:
@@ -162,7 +169,7 @@ def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdou
     from meshfold.data import corpus_files, default_corpus_paths
 
     files = corpus_files(paths) if paths else default_corpus_paths()
-    file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+    file = tokenizer_file(tokenizer)
     try:
         index = json.loads((folder / INDEX).read_text())
         if index.get("sources") == sources(files) and index.get("tokenizer_file") == sources([file])[0]:

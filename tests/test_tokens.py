@@ -64,20 +64,62 @@ def test_each_dp_rank_reads_only_its_own_rows_of_the_same_batch(corpus):
     assert val.max() < 300 and n_train == int(len(TokenStream(out)) * 0.9)
 
 
-@pytest.mark.multirank
-def test_training_on_tokens_resumes_exactly(corpus, tmp_path):
-    from tests.test_train import SMALL, losses, meshfold
+def _token_run_args(out):
+    from tests.test_train import SMALL
 
-    _, out, _ = corpus
-    run = [*SMALL, "--data", str(out), "--set", "fold.world_size=2", "--set", "fold.tp=1", "--set", "fold.ep=2",
-           "--set", "model.vocab=300", "--set", "train.ckpt_every=2", "--set", "train.seq=16"]  # dp2 | ep2
-    assert meshfold("train", "--steps", "4", "--out-dir", str(tmp_path / "a"), *run).returncode == 0
+    return [*SMALL, "--data", str(out), "--set", "fold.world_size=2", "--set", "fold.tp=1", "--set", "fold.ep=2",
+            "--set", "model.vocab=300", "--set", "train.ckpt_every=2", "--set", "train.seq=16"]  # dp2 | ep2
+
+
+@pytest.fixture(scope="module")
+def token_run(corpus, tmp_path_factory):
+    """One 4-step run on the corpus's tokens, shared by the tests that read a run."""
+    from tests.test_train import meshfold
+
+    run = tmp_path_factory.mktemp("token-run")
+    proc = meshfold("train", "--steps", "4", "--out-dir", str(run), *_token_run_args(corpus[1]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_training_on_tokens_resumes_exactly(corpus, token_run, tmp_path):
+    from tests.test_train import losses, meshfold
+
+    run = _token_run_args(corpus[1])
     assert meshfold("train", "--steps", "4", "--out-dir", str(tmp_path / "b"), *run,
                     "--set", "train.stop_at=2").returncode == 0
     proc = meshfold("train", "--steps", "4", "--out-dir", str(tmp_path / "b"), *run)
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
-    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    la, lb = losses(token_run), losses(tmp_path / "b")
     assert la[1]["loss"] < 6.0 and [la[s]["loss"] for s in (3, 4)] == [lb[s]["loss"] for s in (3, 4)]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_generate_encodes_and_decodes_with_the_tokenizer_the_run_trained_with(corpus, token_run, capsys):
+    """The run keeps its tokenizer; generate says it uses it, and writes exactly what that
+    tokenizer decodes of the prompt's ids and the ids a plain sampling loop draws from the model."""
+    import torch
+
+    from meshfold.cli import main
+    from meshfold.train.cli import load_trained
+
+    _, out, _ = corpus
+    assert (token_run / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+    assert main(["generate", str(token_run), "--prompt", "def add", "--tokens", "12", "--seed", "3"]) == 0
+    printed = capsys.readouterr()
+    assert f"{token_run / 'tokenizer.json'} (the run's tokenizer)" in printed.err
+    tok = load_tokenizer(out / "tokenizer.json")
+    model, _ = load_trained(str(token_run))
+    ids, g = tok.encode("def add").ids, torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(12):  # top-20 at temperature 0.8, generate's defaults
+            top = torch.topk(model(torch.tensor([ids]))[0, -1].float() / 0.8, 20)
+            ids.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=g)]))
+    assert printed.out == tok.decode(ids) + "\n"
+    assert max(ids) >= 256  # ids that bytes could not decode
 
 
 def _check(data, *overrides):

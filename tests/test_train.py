@@ -154,6 +154,7 @@ def test_generate_and_export(tmp_path):
     assert meshfold("train", "--steps", "3", "--out-dir", str(tmp_path), *SMALL2).returncode == 0
     proc = meshfold("generate", str(tmp_path), "--prompt", "import ", "--tokens", "20")
     assert proc.returncode == 0 and proc.stdout.startswith("import ")
+    assert "byte-level (the run trained on bytes)" in proc.stderr, proc.stderr  # says how it decodes
     assert "Warning" not in proc.stderr, proc.stderr  # e.g. torch's "assuming ... a single process"
     proc = meshfold("export", str(tmp_path), str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr[-2000:]

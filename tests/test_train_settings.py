@@ -231,3 +231,25 @@ def test_export_to_a_file_says_it_is_a_file(tmp_path):
     args = build_parser(load="export").parse_args(["export", str(tmp_path / "run"), str(tmp_path / "out.bin")])
     with pytest.raises(ValueError, match="out.bin is a file; give a folder"):
         main_export(args)
+
+
+def test_generate_writes_each_character_as_soon_as_it_is_sampled():
+    from meshfold.train.generate import ByteCodec, stream_text
+
+    drawn = []
+
+    def samples():  # "é" is two bytes: written once both are drawn
+        for i in [ord("a"), 0xC3, 0xA9, ord("\n"), ord("b")]:
+            drawn.append(i)
+            yield i
+
+    pieces = [(piece, len(drawn)) for piece in stream_text(ByteCodec("test"), list(b"x"), samples())]
+    assert pieces == [("x", 0), ("a", 1), ("\u00e9", 3), ("\n", 4), ("b", 5)]
+
+
+def test_generate_bounds_the_tokens_before_loading_anything(tmp_path, capsys):
+    from meshfold.cli import main
+    from meshfold.train.generate import MAX_TOKENS
+
+    assert main(["generate", str(tmp_path / "no-run"), "--tokens", "100000000"]) == 2
+    assert f"need 1 <= --tokens <= {MAX_TOKENS:,}" in capsys.readouterr().err
