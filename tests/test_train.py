@@ -146,7 +146,7 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     assert "non-finite loss nan at step 3" in proc.stderr and "step_000002" in proc.stderr
     proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path / "skip"), *SMALL2,
                     "--set", "train.skip_nonfinite=true", faults="nan_at=3")
-    assert proc.returncode == 0
+    assert proc.returncode == 0 and "step 3: loss nan is not finite: skipped" in proc.stdout, proc.stdout
     assert losses(tmp_path / "skip")[6]["skipped_steps"] == 1
 
 

@@ -82,24 +82,27 @@ def test_torchrun_world_size_must_be_the_fold_world_size(monkeypatch):
 
 
 class _Terminal(io.StringIO):
-    """A terminal screen of one line: ``\\r`` returns to column 0 and ``ESC[K`` clears the rest."""
+    """A terminal screen: ``\\r`` returns to column 0, ``ESC[K`` clears the rest of the line,
+    ``\\n`` starts a new one."""
 
     def isatty(self):
         return True
 
     def screen(self) -> str:
-        line, col = [], 0
+        done, line, col = [], [], 0
         for token in re.split(r"(\r|\n|\x1b\[K)", self.getvalue()):
             if token == "\r" or token == "\n":
                 col = 0
-                line = [] if token == "\n" else line
+                if token == "\n":
+                    done.append("".join(line))
+                    line = []
             elif token == "\x1b[K":
                 del line[col:]
             else:
                 for ch in token:
                     line[col:col + 1] = [ch]
                     col += 1
-        return "".join(line)
+        return "\n".join(done + ["".join(line)])
 
 
 def test_progress_line_on_a_terminal_leaves_no_remnants():
@@ -113,6 +116,21 @@ def test_progress_line_on_a_terminal_leaves_no_remnants():
     screen = term.screen()
     assert screen.startswith("[") and "step 6/10" in screen
     assert screen.count("ETA") == 1 and "val" not in screen and screen.endswith("s"), screen
+
+
+def test_a_skipped_step_is_said_on_a_line_of_its_own_and_the_progress_line_goes_on():
+    from meshfold.train.progress import Progress
+
+    row = {"loss": 1.0, "tokens_per_s": 1.0, "mfu": None, "mfu_of_measured_gemm": 0.5}
+    term, log = _Terminal(), io.StringIO()
+    for stream in (term, log):
+        p = Progress(10, stream=stream)
+        p.update({"step": 2, **row})
+        p.note("step 3: loss nan is not finite: skipped")
+        p.update({"step": 4, **row})
+    lines = term.screen().splitlines()
+    assert lines[0] == "step 3: loss nan is not finite: skipped" and "step 4/10" in lines[1] and len(lines) == 2
+    assert "\nstep 3: loss nan is not finite: skipped\n" in log.getvalue()
 
 
 def test_version_is_the_package_version():

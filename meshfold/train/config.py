@@ -192,7 +192,9 @@ class TrainSettings:
                                     "each rank reads only its own slices (default: unset)", optional=True)
     stop_at: int | None = setting(None, int, "end this invocation after this step; the schedule still "
                                   "spans train.steps (default: unset)", low=1, optional=True)
-    skip_nonfinite: bool = setting(False, bool, "skip steps whose loss is not finite instead of stopping")
+    skip_nonfinite: bool = setting(False, bool, "skip steps whose loss is not finite instead of stopping; "
+                                   "each skip is a line on the console, and metrics.jsonl counts them "
+                                   "(skipped_steps)")
     timeout: float = setting(300.0, float, "seconds a collective may wait, and half of it a rank may go "
                              "without a heartbeat, before the job is declared hung", low=0, open_low=True)
     retain_cpu_memory: bool = setting(False, bool, "CPU ranks keep freed memory for reuse "
