@@ -115,7 +115,7 @@ def nccl() -> dict:
     import torch.distributed as dist
 
     from meshfold.mesh import FoldSpec, backend_device_type, collective_backend, fold
-    from meshfold.models import ring_attention as ring
+    from meshfold.parallel import ring_attention as ring
     from meshfold.placements import all_gather_v, reduce_scatter_v
     from meshfold.placements import collectives
     from meshfold.placements.ring import ring_shift
@@ -161,7 +161,7 @@ def _ring_vs_sdpa(folded) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from meshfold.models import ring_attention as ring
+    from meshfold.parallel import ring_attention as ring
 
     B, h, g, S, d = 2, 8, 2, 1024, 128
     gen = torch.Generator(device="cuda").manual_seed(1)

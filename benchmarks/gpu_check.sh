@@ -66,7 +66,7 @@ run nccl "$PY" "$DRIVER" "$OUT" nccl
 
 echo "== kernels (limit ${LIMIT[kernels]} s, then SIGINT) =="
 timeout -s INT -k "$KILL_AFTER" "${LIMIT[kernels]}" "$PY" -m pytest -q -p no:cacheprovider -rs \
-    tests/test_kernels_interpret.py -k "cuda or nccl" tests/test_devices.py::test_under_nccl_everything_is_on_the_gpu \
+    tests/kernels/test_kernels_interpret.py -k "cuda or nccl" tests/parallel/test_devices.py::test_under_nccl_everything_is_on_the_gpu \
     --junitxml "$OUT/kernels.xml" > "$OUT/kernels.log" 2>&1
 rc=$?
 tail -15 "$OUT/kernels.log"

@@ -28,13 +28,13 @@ LOG=$LOGS/torch-$VERSION
 rm -rf "$LOG.install.log" "$LOG.train.log" "$LOG.tests.log"
 
 # The fast subset: mesh, placements, MoE layer, folded transformer, sharded construction, mixed
-# precision, resume, the dry run's real-vs-fake steps, and meshfold.compat's own checks.
-TESTS=(tests/test_mesh.py tests/test_placements.py tests/test_moe_layer.py tests/test_transformer_parallel.py
-       tests/test_sharded_construction.py tests/test_mixed_precision.py tests/test_compat.py
-       "tests/test_train.py::test_resume_equals_uninterrupted"
-       "tests/test_dryrun.py::test_dry_run_reports_the_real_step_on_4_ranks"
-       "tests/test_dryrun.py::test_dry_run_reports_the_real_step_on_8_ranks"
-       "tests/test_dryrun.py::test_dry_run_reports_the_real_pipeline_step_of_the_last_stage")
+# precision, resume, the dry run's real-vs-fake steps, and meshfold.runtime.compat's own checks.
+TESTS=(tests/mesh/test_mesh.py tests/placements/test_placements.py tests/parallel/test_moe_layer.py tests/parallel/test_transformer_parallel.py
+       tests/parallel/test_sharded_construction.py tests/parallel/test_mixed_precision.py tests/runtime/test_compat.py
+       "tests/train/test_train.py::test_resume_equals_uninterrupted"
+       "tests/dryrun/test_dryrun.py::test_dry_run_reports_the_real_step_on_4_ranks"
+       "tests/dryrun/test_dryrun.py::test_dry_run_reports_the_real_step_on_8_ranks"
+       "tests/dryrun/test_dryrun.py::test_dry_run_reports_the_real_pipeline_step_of_the_last_stage")
 
 stamp() { date +%s; }
 t0=$(stamp)

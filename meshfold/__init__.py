@@ -5,7 +5,7 @@ see the same ranks as ``(pp, edp, ep, etp)``; :class:`FoldSpec` describes such a
 :func:`fold` builds both views as named DeviceMeshes.
 """
 
-from meshfold.compat import check_torch_version
+from meshfold.runtime.compat import check_torch_version
 
 check_torch_version()  # an unsupported torch fails here, naming its version and the supported range
 

@@ -387,7 +387,7 @@ def fold(spec: FoldSpec, device_type: str | None = None) -> FoldedMesh:
 
     if not dist.is_initialized():
         raise RuntimeError("fold() needs an initialised default process group; use "
-                           "meshfold.launch.spawn or torchrun first")
+                           "meshfold.runtime.launch.spawn or torchrun first")
     if dist.get_world_size() != spec.world_size:
         raise ValueError(f"spec.world_size = {spec.world_size} but the process group has "
                          f"{dist.get_world_size()} ranks")

@@ -9,7 +9,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from meshfold.launch import World
+from meshfold.runtime.launch import World
 
 settings.register_profile(
     "default", max_examples=25, deadline=None,
@@ -21,7 +21,7 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 
 @pytest.fixture(scope="session")
 def worlds():
-    """``worlds(n)`` returns a live n-rank :class:`meshfold.launch.World` shared by the session."""
+    """``worlds(n)`` returns a live n-rank :class:`meshfold.runtime.launch.World` shared by the session."""
     cache: dict[int, World] = {}
 
     def get(n: int) -> World:

@@ -10,7 +10,7 @@ next op needs. So CPU kernels hand their parts to a few Python pool threads inst
 ``intra-op threads / W`` threads (1 on a small machine), taking the next part from a shared
 queue: a stalled worker delays only its own part, there is one join per call, and no OpenMP team
 is left spinning between ops. ATen ops release the GIL, so the workers overlap.
-(benchmarks/RESULTS.md, "MoE layer", has the measurements behind each choice.)
+(benchmarks/bench_moe_layer.py measures each choice.)
 
 Tasks must write disjoint outputs, and every output element is written by exactly one task of a
 fixed shape whichever worker runs it, so results do not depend on scheduling. The caller's

@@ -12,7 +12,7 @@ rank's tokens are in sequence order (positions increasing), so :class:`Attention
 index with SDPA's ``is_causal`` and positions only set RoPE: a mask from positions would cost
 an [Sq, Sk] fp32 tensor saved for backward in every layer (16 MiB per layer at S = 2048).
 With context parallelism ``parallelize`` sets the ``context`` hook: ring attention
-(:mod:`meshfold.models.ring_attention`), which classifies blocks from the load-balanced chunk
+(:mod:`meshfold.parallel.ring_attention`), which classifies blocks from the load-balanced chunk
 indices and needs no mask; only positions outside that layout take the generic path here, keys
 all-gathered and masked by position, with a :class:`CausalMaskCache` shared by all layers so the
 mask is built once per forward instead of once per layer.
@@ -182,7 +182,7 @@ class Attention(nn.Module):
     share for those keys, also set from outside. ``context`` (None on one device) replaces both:
     a function ``(q [B, h, S, d], k [B, g, S, d], v, positions) -> o [B, h, S, d]`` computing this
     rank's causal attention over every context-parallel rank's keys (``parallelize`` sets a ring,
-    :mod:`meshfold.models.ring_attention`).
+    :mod:`meshfold.parallel.ring_attention`).
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,

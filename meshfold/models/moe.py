@@ -3,11 +3,12 @@
 Legend: B = sequences, S = sequence length (this rank's slice), T = B*S tokens on this rank,
 H = hidden, E = experts, k = top-k, N = routed rows, M = rows this rank's experts receive.
 
-Written as single-device code. ``MoELayer(cfg)`` runs on one device; ``MoELayer(cfg, mesh=fm)``
-(or :func:`~meshfold.models.moe_parallel.parallelize_moe`) runs folded: each rank passes its own
-tokens (batch over dp, sequence over cp and, with sequence parallelism, over tp) and gets them
-back in the same layout. The only difference is the ``comm`` object the layer asks for
-collectives (see :mod:`meshfold.models.moe_parallel`).
+Written as single-device code: ``MoELayer(cfg)`` runs on one device. Laid out from outside by
+:func:`meshfold.parallel.moe.parallelize_moe`, it runs folded: each rank passes its own tokens
+(batch over dp, sequence over cp and, with sequence parallelism, over tp) and gets them back in
+the same layout. The only difference is the ``comm`` object the layer asks for what depends on
+the ranks (:class:`~meshfold.models.comm.MoEComm`: :class:`~meshfold.models.comm.LocalComm` here,
+:class:`~meshfold.parallel.moe.FoldedComm` once laid out).
 
 The pieces, one file each: :mod:`.router` (top-k routing), :mod:`.dispatcher` (dropping,
 permute / unpermute), :mod:`.experts`, :mod:`.token_stats` (the counts and their reductions over
@@ -32,10 +33,10 @@ import torch
 from torch import nn
 
 from meshfold.models.balancing import attach_loss, balancing_loss_shares
+from meshfold.models.comm import LocalComm, MoEComm
 from meshfold.models.config import MoEConfig
 from meshfold.models.dispatcher import drop_pairs, permute, unpermute
 from meshfold.models.experts import Experts, SharedExpert
-from meshfold.models.moe_parallel import LocalComm, parallelize_moe
 from meshfold.models.router import Router
 from meshfold.models.token_stats import routing_metrics, token_stats
 
@@ -54,20 +55,21 @@ def add_step_entries(total: tuple | None, entry: tuple) -> tuple:
 class MoELayer(nn.Module):
     """One MoE block: ``forward(x [B, S, H] or [T, H]) -> same shape``.
 
-    With ``mesh`` (a :class:`~meshfold.mesh.FoldedMesh`) the parameters become DTensors laid out
-    as ``moe_parallel.MOE_LAYOUT`` and the layer runs folded; every rank must construct the layer
-    with identical initial weights (e.g. the same ``torch.manual_seed``).
+    :func:`meshfold.parallel.moe.parallelize_moe` lays it out on a folded mesh (its parameters
+    become DTensors as ``meshfold.parallel.layouts.MOE_LAYOUT`` says and ``comm`` a
+    :class:`~meshfold.parallel.moe.FoldedComm`); every rank must build the layer with identical
+    initial weights (e.g. the same ``torch.manual_seed``).
     """
 
-    def __init__(self, cfg: MoEConfig, mesh=None, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: MoEConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.cfg = cfg
         self.router = Router(cfg)
         self.experts = Experts(cfg.num_experts, cfg.hidden, cfg.ffn, cfg.expert_kind, dtype)
         self.shared = SharedExpert(cfg.hidden, cfg.shared_ffn, cfg.shared_kind, dtype) if cfg.shared_ffn else None
         if cfg.expert_sparsity is not None:
-            self.experts.add_tile_masks(cfg.expert_sparsity, mesh.spec.etp if mesh is not None else 1)
-        self.comm = LocalComm()
+            self.experts.add_tile_masks(cfg.expert_sparsity)
+        self.comm: MoEComm = LocalComm()
         self._loss_shares: dict[str, torch.Tensor] = {}
         self._loss_totals: dict[str, torch.Tensor] | None = {}
         self.last_metrics: dict[str, torch.Tensor] = {}
@@ -77,8 +79,6 @@ class MoELayer(nn.Module):
         # the training forwards since reset_step; replaced, never changed in place (recompute)
         self._step_entry: tuple | None = None
         self._step: tuple | None = None
-        if mesh is not None:
-            parallelize_moe(self, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, comm = self.cfg, self.comm
@@ -116,7 +116,7 @@ class MoELayer(nn.Module):
         return y_TH.reshape(shape)
 
     def sparse_layers(self) -> dict:
-        """The experts' ``{name: (weight, mask)}`` for ``meshfold.sparsity.TilePruner``
+        """The experts' ``{name: (weight, mask)}`` for ``meshfold.train.sparsity.TilePruner``
         (:meth:`Experts.sparse_layers`). Single device: under ETP each rank would prune its
         shard with its own threshold."""
         if self.cfg.expert_sparsity is None:

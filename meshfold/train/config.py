@@ -18,7 +18,7 @@ ep = 4
 [train]
 steps = 200
 
-[sparsity]  # tile-sparse experts (meshfold.sparsity.ExpertSparsity fields)
+[sparsity]  # tile-sparse experts (meshfold.train.sparsity.ExpertSparsity fields)
 tile = [16, 16]
 schedule = [0.25, 0.5]
 start_step = 50
@@ -36,6 +36,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshfold.catalog import DATA_PARALLEL, RECOMPUTE, SCHEDULES
 from meshfold.mesh import FoldSpec
 from meshfold.plan.hardware import HARDWARE
 from meshfold.train.optim import NO_DECAY_KINDS
@@ -137,7 +138,6 @@ def setting(default, kind, doc, **rule):
 
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16")
-RECOMPUTE_MODES = ("none", "selective", "full")  # meshfold.models.recompute.RECOMPUTE (checked by a test)
 DTYPE_BITS = {"bfloat16": 16, "float32": 32, "float64": 64}
 
 
@@ -198,7 +198,7 @@ class TrainSettings:
     timeout: float = setting(300.0, float, "seconds a collective may wait, and half of it a rank may go "
                              "without a heartbeat, before the job is declared hung", low=0, open_low=True)
     retain_cpu_memory: bool = setting(False, bool, "CPU ranks keep freed memory for reuse "
-                                      "(meshfold.malloc): fewer page faults, the peak heap held until exit")
+                                      "(meshfold.runtime.malloc): fewer page faults, the peak heap held until exit")
     microbatches: int | None = setting(None, int, "micro-batches per step: the pipeline schedule's with "
                                        "fold.pp > 1 (default pp), else gradient accumulation (default 1)",
                                        low=1, optional=True)
@@ -209,9 +209,9 @@ class TrainSettings:
                                         low=0, open_low=True, optional=True)
     data_parallel: str = setting("fsdp", str, "data parallelism: fsdp (FSDP2: parameters, gradients and AdamW "
                                  "state sharded over dp x cp, experts over edp) or allreduce (whole replicas, "
-                                 "gradients all-reduced once per step)", choices=("fsdp", "allreduce"))
+                                 "gradients all-reduced once per step)", choices=DATA_PARALLEL)
     schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
-                            choices=("gpipe", "1f1b", "interleaved-1f1b"))
+                            choices=SCHEDULES)
     virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
     tensorboard: bool = setting(False, bool, "also write the metrics as TensorBoard event files into "
                                 "<out_dir>/tensorboard/ (needs the tensorboard package: pip install "
@@ -228,7 +228,7 @@ class TrainSettings:
                              "keeps the matrix products' outputs and recomputes norms, RoPE, attention "
                              "core and activations; full keeps only each block's input (both replay "
                              "the forward's routing); results are identical, memory smaller",
-                             choices=RECOMPUTE_MODES)
+                             choices=RECOMPUTE)
 
 
 @dataclass
@@ -320,7 +320,7 @@ class TrainConfig:
         if self.sparsity:
             if moe is None:
                 raise ValueError("[sparsity] settings given but the model has no MoE layers")
-            from meshfold.sparsity import ExpertSparsity
+            from meshfold.train.sparsity import ExpertSparsity
 
             sp = dict(self.sparsity)
             for key in ("tile", "schedule"):
@@ -347,7 +347,7 @@ class TrainConfig:
         import json
         from pathlib import Path
 
-        from meshfold.models.hf import config_from_hf
+        from meshfold.interop.hf import config_from_hf
 
         path = Path(self.train.init_from) / "config.json"
         if not path.is_file():
@@ -394,7 +394,7 @@ class TrainConfig:
             raise ValueError(f"train.init_from with fold.pp = {spec.pp}: pipeline stages do not load Hugging "
                              f"Face checkpoints yet; use pp = 1")
         if spec.pp > 1:
-            from meshfold.models.pipeline import check_pipeline
+            from meshfold.parallel.pipeline import check_pipeline
 
             mb = t.microbatches or spec.pp
             try:
@@ -408,7 +408,7 @@ class TrainConfig:
             if self.sparsity:
                 raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
                                  "all layers, which pipeline stages hold apart; use pp = 1")
-        from meshfold.models.transformer_parallel import check_fold
+        from meshfold.parallel.transformer import check_fold
 
         check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts
         return spec, cfg

@@ -45,7 +45,7 @@ class TokenizerCodec:
     """Text as the ids of a Hugging Face ``tokenizers`` file."""
 
     def __init__(self, path, why: str):
-        from meshfold.tokens import EOS_NAMES, load_tokenizer, tokenizer_file
+        from meshfold.data.tokens import EOS_NAMES, load_tokenizer, tokenizer_file
 
         self.tok = load_tokenizer(path)
         self.name = f"{tokenizer_file(path)} ({why})"
@@ -63,7 +63,7 @@ def run_codec(checkpoint: str | Path, vocab: int, tokenizer: str | None = None):
     """How the run that wrote ``checkpoint`` (a run folder or one of its checkpoints) encoded
     text: ``tokenizer`` if given, else what its ``run.json`` records; a checkpoint without a
     run.json is byte-level only if its vocabulary is bytes. Raises ValueError naming what to pass."""
-    from meshfold.tokens import INDEX, TOKENIZER
+    from meshfold.data.tokens import INDEX, TOKENIZER
 
     if tokenizer is not None:
         return _fits(TokenizerCodec(tokenizer, "--tokenizer"), vocab)

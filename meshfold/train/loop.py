@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshfold.malloc import retain_freed_memory
+from meshfold.runtime.malloc import retain_freed_memory
 from meshfold.mesh import backend_device_type, fold
-from meshfold.models.pipeline import Pipeline
+from meshfold.parallel.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
-from meshfold.models.transformer_parallel import (batch_rows, grad_norm, parallelize, reduce_gradients,
-                                                  shard_batch)
+from meshfold.parallel.transformer import parallelize
+from meshfold.parallel.batch import batch_rows, shard_batch
+from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
 from meshfold.plan.hardware import HARDWARE
 from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig
@@ -142,13 +143,13 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     torch.manual_seed(t.seed)
     device = _rank_device()
     if device.type == "cpu" and t.retain_cpu_memory:
-        retain_freed_memory()  # reuse large activation buffers across steps (meshfold.malloc)
+        retain_freed_memory()  # reuse large activation buffers across steps (meshfold.runtime.malloc)
     folded = fold(spec, device.type)
     compute = DTYPES[t.dtype]
     last = checkpoint.latest(ckpt_dir) if t.resume else None
     if t.init_from is not None and last is None:  # (a resume reads its own checkpoint instead)
-        from meshfold.models.hf import from_pretrained
-        from meshfold.models.recompute import apply_recompute
+        from meshfold.interop.hf import from_pretrained
+        from meshfold.parallel.recompute import apply_recompute
 
         # laid out as parallelize lays it out, each rank reading only its own slices (pp = 1)
         model = from_pretrained(t.init_from, mesh=folded, dtype=DTYPES[t.master_dtype], cfg=mcfg,
@@ -164,7 +165,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         else:
             parallelize(model, folded, data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
     opt = build_optimizer(model, t)
-    from meshfold.data import load_corpus
+    from meshfold.data.corpus import load_corpus
 
     corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
     own_rows = batch_rows(t.batch, spec, rank)  # the only rows of each global batch this rank reads

@@ -21,7 +21,7 @@ exempt them (OLMo 2 exempts the embedding) name them in ``train.no_weight_decay`
 
 **Update.** ``torch.optim.AdamW`` with ``foreach=True``: one multi-tensor kernel per group and
 dtype instead of a Python loop over the parameters. DTensor parameters (TP, EP, FSDP2 shards, on
-the attention and MoE meshes alike) go through it as they are; ``tests/test_optim.py`` checks
+the attention and MoE meshes alike) go through it as they are; ``tests/train/test_optim.py`` checks
 that it gives the plain loop's weights bit for bit.
 """
 
@@ -68,7 +68,7 @@ def param_groups(named_parameters, weight_decay: float, no_weight_decay) -> list
     """AdamW's two groups from ``(name, parameter)`` pairs: ``decay`` (``weight_decay``) and
     ``no_decay`` (0), the latter every parameter of a kind in ``no_weight_decay``. Each group
     carries its parameters' single-device ``names``. Groups without parameters are left out."""
-    from meshfold.models.transformer_parallel import single_device_name
+    from meshfold.parallel.transformer import single_device_name
 
     bad = sorted(set(no_weight_decay) - set(NO_DECAY_KINDS))
     if bad:

@@ -209,7 +209,7 @@ def _keep_tokenizer(out: Path, cfg) -> tuple[str | None, list[str]]:
     """(``run.json``'s ``tokenizer``, notes): a run that trains on tokens keeps a copy of the
     tokenizer that made them as ``<out>/tokenizer.json`` (what ``meshfold generate`` decodes
     with, whatever becomes of the data); None for a run on bytes."""
-    from meshfold.tokens import INDEX, TOKENIZER, is_token_folder, tokenizer_file
+    from meshfold.data.tokens import INDEX, TOKENIZER, is_token_folder, tokenizer_file
 
     paths = cfg.data.paths
     if cfg.data.tokenizer:
