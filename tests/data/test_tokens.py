@@ -234,14 +234,18 @@ def test_data_tokenizer_tokenizes_text_for_the_run_and_reuses_it(corpus, tmp_pat
 
 
 def test_a_folder_written_as_the_format_documents_it_is_read(tmp_path):
-    """meshfold.data.tokens' docstring is the format: a folder written from it by hand, with only the
-    keys it lists, trains (its stream is the shards' ids in order, split as documented)."""
-    a, b = np.arange(40, dtype=np.uint16), np.arange(100, 130, dtype=np.uint16)
-    a.tofile(tmp_path / "shard-00000.bin")
-    b.tofile(tmp_path / "shard-00001.bin")
-    (tmp_path / "index.json").write_text(json.dumps({
-        "format": "meshfold-tokens-1", "dtype": "uint16", "vocab_size": 300, "eos_id": 0, "tokenizer": "by hand",
-        "tokens": 70, "shards": [{"file": "shard-00000.bin", "tokens": 40}, {"file": "shard-00001.bin", "tokens": 30}]}))
+    """docs/data.md's example index.json, with shards of the sizes it states, trains: its stream
+    is the shards' ids in order, split as documented."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    index = json.loads(re.search(r"```json\n(.*?)```", doc, re.S).group(1))
+    assert index["format"] == "meshfold-tokens-1" and index["dtype"] == "uint16"
+    shards = [(np.arange(s["tokens"]) * (k + 1) % index["vocab_size"]).astype(np.uint16)
+              for k, s in enumerate(index["shards"])]
+    for ids, s in zip(shards, index["shards"]):
+        ids.tofile(tmp_path / s["file"])
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    _check(tmp_path)  # what train checks before any rank starts
     corpus = load_corpus([str(tmp_path)], val_fraction=0.2)
-    stream = np.concatenate([a, b])
-    assert np.array_equal(corpus.train[0:56], stream[:56]) and np.array_equal(corpus.val[0:14], stream[56:])
+    stream, n_train = np.concatenate(shards), int(index["tokens"] * 0.8)
+    assert np.array_equal(corpus.train[0:n_train], stream[:n_train])
+    assert np.array_equal(corpus.val[0:len(stream) - n_train], stream[n_train:])

@@ -214,25 +214,6 @@ def test_a_run_recorded_before_master_dtype_resumes_only_if_its_weights_were_fp3
             assert prepare(lock, now, mcfg) == []
 
 
-def _train_args(*argv):
-    from meshfold.cli import build_parser
-
-    return build_parser(load="train").parse_args(["train", *argv])
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--set", "train.steps=3", "--steps", "4"], "--steps 4 and --set train.steps=3 disagree"),
-    (["--set", "train.out_dir=a", "--out-dir", "b"], "--out-dir b and --set train.out_dir=a disagree"),
-    (["--out-dir", ""], "--out-dir '': give a folder"),
-], ids=["steps", "out-dir", "empty-out-dir"])
-def test_a_shorthand_that_contradicts_its_setting_or_is_empty_is_refused(argv, message):
-    from meshfold.cli.train import _config
-
-    with pytest.raises(ValueError, match=re.escape(message)):
-        _config(_train_args(*argv))
-    assert _config(_train_args("--set", "train.steps=4", "--steps", "4")).train.steps == 4  # agreeing: fine
-
-
 def test_a_config_that_is_not_utf8_or_is_a_folder_is_named_as_the_config(tmp_path):
     bad = tmp_path / "latin1.toml"
     bad.write_bytes("[train]\n# d\xe9j\xe0 vu\nsteps = 3\n".encode("latin-1"))
@@ -240,16 +221,6 @@ def test_a_config_that_is_not_utf8_or_is_a_folder_is_named_as_the_config(tmp_pat
         load_config(str(bad))
     with pytest.raises(ValueError, match=re.escape(f"--config {tmp_path} is a folder")):
         load_config(str(tmp_path))
-
-
-def test_export_to_a_file_says_it_is_a_file(tmp_path):
-    from meshfold.cli import build_parser
-    from meshfold.cli.export import main_export
-
-    (tmp_path / "out.bin").write_bytes(b"x")
-    args = build_parser(load="export").parse_args(["export", str(tmp_path / "run"), str(tmp_path / "out.bin")])
-    with pytest.raises(ValueError, match="out.bin is a file; give a folder"):
-        main_export(args)
 
 
 def test_generate_writes_each_character_as_soon_as_it_is_sampled():
@@ -264,11 +235,3 @@ def test_generate_writes_each_character_as_soon_as_it_is_sampled():
 
     pieces = [(piece, len(drawn)) for piece in stream_text(ByteCodec("test"), list(b"x"), samples())]
     assert pieces == [("x", 0), ("a", 1), ("\u00e9", 3), ("\n", 4), ("b", 5)]
-
-
-def test_generate_bounds_the_tokens_before_loading_anything(tmp_path, capsys):
-    from meshfold.cli import main
-    from meshfold.train.generate import MAX_TOKENS
-
-    assert main(["generate", str(tmp_path / "no-run"), "--tokens", "100000000"]) == 2
-    assert f"need 1 <= --tokens <= {MAX_TOKENS:,}" in capsys.readouterr().err
