@@ -75,7 +75,8 @@ def format_table(rows: list[tuple[str, Estimate]], extra: dict[str, str] | None 
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the planner for ``args`` (from :func:`configure`); 0 on success, 2 on bad input."""
+    """Run the planner for ``args`` (from :func:`configure`); 0 when a layout fits, 1 when none
+    does (as ``meshfold dryrun`` on out-of-memory), 2 on bad input."""
     try:
         shape, megatron_hw = model_shape(args.model), hardware(args.gpu)
         hw = hardware(megatron_hw, attention_kernel=args.attention_kernel)  # the kernel meshfold runs
@@ -118,4 +119,4 @@ def main(args: argparse.Namespace) -> int:
         for label, e in rows:
             if not e.feasible:
                 print(f"  {label}: {e.reason}")
-    return 0
+    return 0 if feasible else 1

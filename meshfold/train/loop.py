@@ -225,6 +225,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             for layer in model.moe_layers():
                 layer.discard_bias_counts()  # this step's routing must not steer the bias
             skipped += 1
+            if rank == 0:
+                progress.note(f"step {n}: loss {loss} is not finite: skipped (train.skip_nonfinite; "
+                              f"{skipped} skipped so far)")
         else:
             raise FloatingPointError(
                 f"non-finite loss {loss} at step {n}; last good checkpoint: "

@@ -56,6 +56,12 @@ class Progress:
             self.stream.write(line + "\n")
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """A line of its own (a skipped step): on a terminal it takes the progress line's place,
+        and the next update draws the progress line below it."""
+        self.stream.write(f"\r{text}\033[K\n" if self.tty else text + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
         if self.tty:
             self.stream.write("\n")

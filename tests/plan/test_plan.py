@@ -264,6 +264,11 @@ def test_cli_rejects_bad_input_naming_the_value(capsys, kw, message):
     assert message in capsys.readouterr().err
 
 
+def test_cli_fails_when_no_layout_fits(capsys):
+    assert cli.main(_args(model="mixtral-8x22b", gpus=1, gpu="h100")) == 1  # 141B parameters on one GPU
+    assert "no layout fits in memory; closest:" in capsys.readouterr().out
+
+
 def test_cli_rejects_non_positive_gpus():
     with pytest.raises(SystemExit):
         _args(model="tiny-moe", gpus=0)
