@@ -16,8 +16,9 @@ Both bind every socket to loopback: the rendezvous store listens on ``127.0.0.1`
 ourselves and hand to ``TCPStore``) and gloo is pinned to the ``lo`` interface.
 
 If a rank raises, the caller gets :class:`RankError` naming the rank, with its traceback, promptly:
-the remaining ranks are terminated rather than left blocked in a collective. Collectives time out
-after ``timeout`` seconds, so a rank stuck in a collective fails instead of hanging forever.
+the remaining ranks are terminated rather than left blocked in a collective (a ``World`` whose
+ranks all finished the task keeps them). Collectives time out after ``timeout`` seconds, so a rank
+stuck in a collective fails instead of hanging forever.
 
 Two guards keep ranks from outliving or silently stalling their launcher:
 
@@ -269,6 +270,8 @@ class _Procs:
         self.stall_after = max(timeout / 2, STALL_FLOOR_S)
         self._polled = time.monotonic()  # the launcher's own last look, to see it was paused
         self._grace_until = 0.0
+        self.keep_if_all_answer = False  # World: a task every rank finished leaves the ranks usable
+        self.terminated = False
         self.procs = []
         for rank in range(world_size):
             p = self.ctx.Process(target=target, daemon=True,
@@ -312,7 +315,8 @@ class _Procs:
                 and self.procs[r].exitcode is None]
 
     def _fail(self, out: dict, first_error: tuple[int, str] | None) -> None:
-        """Find the root failure, tear everything down and raise it.
+        """Find the root failure, tear everything down (unless ``keep_if_all_answer`` and every
+        rank answered) and raise it.
 
         When one rank crashes (killed, os._exit, segfault) or stalls (stopped), its peers soon
         raise errors of their own from the broken collective; those are symptoms. So wait a
@@ -323,14 +327,20 @@ class _Procs:
         for r, _ in stalled:  # a stopped process takes no SIGTERM until continued
             self.procs[r].kill()
         errors = [first_error] if first_error else []
+        answered = set(out) | {r for r, _ in errors}
         settle = time.monotonic() + 1.0
-        while time.monotonic() < settle:
+        while time.monotonic() < settle and not (self.keep_if_all_answer and len(answered) == self.world_size):
             try:
                 rank, ok, value = self.results.get(timeout=0.05)
+                answered.add(rank)
                 if not ok:
                     errors.append((rank, value))
             except queue_mod.Empty:
                 pass
+        if (self.keep_if_all_answer and errors and not stalled and len(answered) == self.world_size
+                and all(p.exitcode is None for p in self.procs)):
+            # every rank returned or raised: no collective is left half done, the group is in step
+            raise RankError(*errors[0], errors[1:]) from None
         reported = {r for r, _ in errors}
         crashed = [r for r, p in enumerate(self.procs)
                    if r not in out and r not in reported and p.exitcode not in (None, 0)]
@@ -357,6 +367,7 @@ class _Procs:
                 p.kill()
                 p.join()
         self.store = None  # closes the rendezvous server
+        self.terminated = True
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
@@ -385,9 +396,12 @@ class World:
     """A pool of ``world_size`` ranks with a live gloo process group, reused across many runs.
 
     ``world.run(fn, *args)`` runs ``fn(rank, world_size, *args)`` on every rank and returns the
-    list of results. After a failure (a rank raised or timed out) the processes are torn down, the
-    error is raised, and the next ``run`` starts a fresh world: a half-finished collective would
-    leave the old process group out of step.
+    list of results. When some ranks raise and every rank finishes the task (returns or raises:
+    no collective is left half done), the error is raised and the ranks stay up, so a property
+    test that shrinks a failing example does not restart the world for each try. After any other
+    failure (a rank crashed, stalled, timed out, or raised while its peers stayed inside a
+    collective) the processes are torn down, the error is raised, and the next ``run`` starts a
+    fresh world: a half-finished collective would leave the old process group out of step.
     """
 
     def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT_S):
@@ -405,6 +419,7 @@ class World:
             procs = _Procs(_world_entry, self.world_size, self.timeout,
                            lambda rank: (self._tasks[rank],))
             procs.collect(time.monotonic() + self.timeout + 60.0, "World start-up")
+            procs.keep_if_all_answer = True
             self._procs = procs
         return self._procs
 
@@ -416,9 +431,19 @@ class World:
         try:
             return procs.collect(time.monotonic() + (timeout or self.timeout) + 5.0,
                                  f"World.run({getattr(fn, '__name__', fn)})")
-        except BaseException:
-            self._procs = None  # torn down by collect(); restart lazily
+        except RankError:
+            if procs.terminated:
+                self._procs = None  # restart lazily
             raise
+        except BaseException:  # a time-out (already torn down), or Ctrl-C while the ranks work
+            procs.terminate()
+            self._procs = None
+            raise
+
+    @property
+    def running(self) -> bool:
+        """Whether the ranks are up: started, and not torn down since by a failure or ``close``."""
+        return self._procs is not None
 
     def close(self) -> None:
         if self._procs is not None:

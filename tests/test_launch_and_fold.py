@@ -129,6 +129,27 @@ def test_world_survives_a_failure_by_restarting():
         assert world.run(_sum_of_ranks) == [1, 1]
 
 
+def _pid(rank, world_size):
+    return os.getpid()
+
+
+def _raise_after_a_collective(rank, world_size):
+    dist.barrier()
+    raise ValueError(f"deliberate failure on rank {rank}")
+
+
+def test_a_failure_every_rank_finishes_keeps_the_world_up(worlds):
+    """When every rank returns or raises, no collective is left half done: the ranks stay up, so a
+    property test shrinking a failing example does not start a world per try."""
+    world = worlds(2)
+    pids = world.run(_pid)
+    with pytest.raises(RankError) as err:
+        world.run(_raise_after_a_collective)
+    assert {err.value.rank, *(r for r, _ in err.value.others)} == {0, 1}
+    assert "deliberate failure on rank" in err.value.summary
+    assert world.run(_pid) == pids and world.run(_sum_of_ranks) == [1, 1]
+
+
 def _listening_addresses(rank, world_size):
     """Hex local addresses of the TCP sockets this process listens on (Linux /proc)."""
     inodes = set()
