@@ -60,15 +60,16 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["RankError", "World", "spawn", "under_torchrun"]
+__all__ = ["RankError", "World", "preload", "process_context", "spawn", "start_server", "under_torchrun"]
 
 DEFAULT_TIMEOUT_S = 120.0
 # imported once by the forkserver (a failed import is skipped): the slow third-party imports every
-# rank needs (~2 s of the ~2.2 s of meshfold.train.loop's). Not meshfold's own modules: a rank
-# forked from a server that preloaded them would run the code as it was when the server started,
-# not as edited since (a notebook's later spawn after changing a model file).
+# rank needs, torch._dynamo included (building a model, even on the meta device, imports it). Not
+# meshfold's own modules unless asked (preload): a rank forked from a server that preloaded them
+# would run the code as it was when the server started, not as edited since (a notebook's later
+# spawn after changing a model file).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
-           "torch.distributed.fsdp"]
+           "torch.distributed.fsdp", "torch._dynamo"]
 
 
 HEARTBEAT_S = 1.0  # how often each rank beats; a rank is stalled after max(timeout / 2, 10 s) without
@@ -145,6 +146,12 @@ def _run_under_torchrun(fn: Callable, world_size: int, args: tuple, timeout: flo
             dist.destroy_process_group()
 
 
+def process_context():
+    """The multiprocessing context ranks start from (see :func:`_context`), for other fresh
+    processes that should start as cheaply: forked from a server that imported torch once."""
+    return _context()
+
+
 def _context():
     """The start method for rank processes: ``forkserver`` on Linux, else ``spawn``. Both start
     ranks without the parent's threads and state; a forkserver imports torch once
@@ -156,6 +163,27 @@ def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (first use), ignored after
     return ctx
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` too, once, instead of every rank importing them.
+
+    For a process whose code does not change while it runs (``meshfold train``, a test session):
+    a rank forked from the server runs a preloaded module as it was when the server started. It
+    takes effect when the server starts (this process's first ``spawn``, ``World`` or
+    :func:`start_server`); after that, ranks import the modules themselves, as without it.
+    """
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
+
+def start_server() -> None:
+    """Start the forkserver now, so that its imports (:data:`PRELOAD`, seconds of CPU) run while
+    this process does its own work before its first ``spawn``; otherwise they start at the first
+    spawn. Does nothing where ranks are spawned (not Linux) or the server already runs."""
+    if _context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def _pid_alive(pid: int) -> bool:

@@ -97,9 +97,11 @@ def _main(args: argparse.Namespace, local: bool) -> int:
             preflight.check_writable(out)
             preflight.check_resume(out, cfg.train.resume)
             notes = prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
-            _print_header(cfg, spec, mcfg, out, warnings + notes)
             done = _steps_done(out) if cfg.train.resume and local else 0
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+            if local and done < end:
+                _start_rank_server()
+            _print_header(cfg, spec, mcfg, out, warnings + notes)
             if done >= end:  # no rank needs to start to learn that
                 print(_nothing_to_train(done, cfg, _latest_checkpoint(out)))
                 return 0
@@ -113,6 +115,15 @@ def _main(args: argparse.Namespace, local: bool) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _start_rank_server() -> None:
+    """Start the process the ranks fork from now, with torch and the training code imported in it
+    (seconds of CPU), while this process prints the header and imports the same code itself."""
+    from meshfold import launch
+
+    launch.preload("meshfold.train.loop", "meshfold.data")  # this command's code cannot change under it
+    launch.start_server()
 
 
 def _nothing_to_train(done: int, cfg, last) -> str:
