@@ -13,9 +13,9 @@ import pytest
 
 pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[1]
-# a small, quick setting shared by the checkpoint tests
+# a small, quick setting shared by the checkpoint tests (the plots: test_default_run_learns)
 SMALL = ["--set", "train.batch=4", "--set", "train.seq=32", "--set", "train.eval_every=1000",
-         "--set", "train.warmup=2", "--set", "model.layers=2"]
+         "--set", "train.warmup=2", "--set", "model.layers=2", "--set", "train.plots=false"]
 # the same on 2 ranks (tp2 | ep2), for tests of the job around training (failures, checkpoints,
 # generate/export) whose subject is not the fold: each rank process costs ~2.5 s of start-up
 SMALL2 = [*SMALL, "--set", "fold.world_size=2", "--set", "fold.ep=2"]
@@ -48,6 +48,8 @@ def test_default_run_learns(tmp_path):
     assert r["mfu"] is None  # a CPU has no datasheet peak; train.gpu / train.peak_tflops give one
     assert len(r["tokens_per_expert"][0]) == 4 and r["dropped_fraction"] == 0
     assert (tmp_path / "checkpoints" / "step_000040" / "trainer.json").exists()
+    assert f"plots: {tmp_path / 'loss.png'}, {tmp_path / 'expert_load.png'}" in proc.stdout
+    assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "expert_load.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("override, message", [
@@ -152,6 +154,7 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
 
 def test_generate_and_export(tmp_path):
     assert meshfold("train", "--steps", "3", "--out-dir", str(tmp_path), *SMALL2).returncode == 0
+    assert not (tmp_path / "loss.png").exists()  # train.plots=false
     proc = meshfold("generate", str(tmp_path), "--prompt", "import ", "--tokens", "20")
     assert proc.returncode == 0 and proc.stdout.startswith("import ")
     assert "Warning" not in proc.stderr, proc.stderr  # e.g. torch's "assuming ... a single process"

@@ -182,14 +182,15 @@ def _launch(cfg, spec, out: Path, rank: int) -> int:
               f"{_latest_checkpoint(out) or 'none yet'}; rerun the same command to resume", file=sys.stderr)
         return code
     if rank == 0:
-        plots = write_plots(out)
+        plots = write_plots(out) if cfg.train.plots else None
         r = results[0]
         if r["final_loss"] is not None:
             print(f"done: final loss {r['final_loss']:.4f}; metrics {out / 'metrics.jsonl'}; "
                   f"checkpoint {r['checkpoint']}")
         else:  # under torchrun, where the ranks decide
             print(_nothing_to_train(r["start"], cfg, r["checkpoint"]))
-        print(f"plots: {', '.join(map(str, plots))}" if isinstance(plots, list) else f"note: {plots}")
+        if plots is not None:
+            print(f"plots: {', '.join(map(str, plots))}" if isinstance(plots, list) else f"note: {plots}")
     return 0
 
 
