@@ -170,6 +170,7 @@ def test_recomputation_is_tried_only_where_the_layout_without_it_does_not_fit(re
             assert not by_layout[dataclasses.replace(e.layout, recompute="selective")].feasible
 
 
+@settings(max_examples=25)
 @given(layouts(), st.floats(1.0, 4.0))
 def test_more_memory_never_makes_a_feasible_fold_infeasible(case, factor):
     model, lay, seq, gbs = case
@@ -179,6 +180,7 @@ def test_more_memory_never_makes_a_feasible_fold_infeasible(case, factor):
     assert big.feasible or not small.feasible
 
 
+@settings(max_examples=25)
 @given(layouts(), st.floats(0.05, 1.0), st.floats(0.05, 1.0))
 def test_time_never_decreases_when_bandwidth_falls(case, nvlink_scale, net_scale):
     model, lay, seq, gbs = case
@@ -191,6 +193,7 @@ def test_time_never_decreases_when_bandwidth_falls(case, nvlink_scale, net_scale
         assert slow.time[term] >= fast.time[term] * (1 - 1e-12) - 1e-15, term
 
 
+@settings(max_examples=25)
 @given(layouts())
 def test_time_terms_sum_to_step_time_and_give_the_mfu(case):
     model, lay, seq, gbs = case
@@ -289,6 +292,7 @@ def test_mfu_with_the_causal_count_falls_from_4k_to_128k_at_fixed_gpus_and_token
     assert long.time["cp"] / long.step_time > max(0.01, short.time["cp"] / short.step_time)
 
 
+@settings(max_examples=25)
 @given(st.sampled_from(["h100", "h200"]), st.floats(4096, 131072), st.floats(64, 256))
 def test_causal_attention_runs_below_gemm_efficiency_at_long_context(gpu, seq, head_dim):
     hw = hardware(gpu)
@@ -298,6 +302,7 @@ def test_causal_attention_runs_below_gemm_efficiency_at_long_context(gpu, seq, h
     assert fwd_bwd < hw.grouped_gemm_efficiency < hw.gemm_efficiency
 
 
+@settings(max_examples=25)
 @given(st.sampled_from(["fa3", "fa2"]), st.floats(256, 262144), st.floats(1.01, 4), st.floats(32, 512),
        st.booleans(), st.booleans())
 def test_attention_throughput_never_falls_with_sequence_and_the_mask_never_helps(kernel, seq, grow, d, causal,
@@ -331,6 +336,7 @@ def test_grouped_gemm_rate_is_transformer_engine_22s_measured_rate():
     assert H100.grouped_gemm_time(128000, 7168, 7168, 16) == pytest.approx(0.2987, rel=0.01)
 
 
+@settings(max_examples=25)
 @given(st.floats(16, 65536), st.sampled_from([256, 768, 2048, 7168]), st.sampled_from([512, 2048, 7168]),
        st.sampled_from([2, 4, 8]))
 def test_splitting_experts_finer_never_makes_their_gemms_faster(rows, n, k, g):
@@ -362,6 +368,7 @@ def test_exposed_dp_time_shrinks_relative_to_compute_as_global_batch_grows(name)
     assert mfus[1] > mfus[0]
 
 
+@settings(max_examples=25)
 @given(st.sampled_from(["h100", "h200"]), st.booleans(), st.floats(1e3, 1e10), st.floats(1.01, 16))
 def test_collective_bandwidth_grows_with_message_size_toward_the_link_rate(gpu, intra, nbytes, grow):
     hw = hardware(gpu)
@@ -408,6 +415,7 @@ def test_deepseek_config_reads_its_dense_layers():
     assert [shape.is_moe_layer(i) for i in range(4)] == [False, True, False, True]  # HF: (i + 1) % 2 == 0
 
 
+@settings(max_examples=25)
 @given(st.integers(1, 64), st.integers(1, 8), st.integers(1, 4))
 def test_stage_layers_are_the_pipelines_chunks(layers, pp, vpp):
     from meshfold.models.pipeline import chunk_layers
