@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_moe_layer import DTYPES, SHAPES  # noqa: E402  (benchmarks/bench_moe_layer.py)
 
-from meshfold.malloc import retain_freed_memory  # noqa: E402
+from meshfold.runtime.malloc import retain_freed_memory  # noqa: E402
 import meshfold.models as new_models  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "moe_layer_ab.json"))
     args = ap.parse_args()
     if not retain_freed_memory():  # bench_moe_layer.py's default allocator policy
-        sys.exit("needs glibc (meshfold.malloc.retain_freed_memory)")
+        sys.exit("needs glibc (meshfold.runtime.malloc.retain_freed_memory)")
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], check=True,
                          capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:

@@ -127,7 +127,7 @@ def _bench_even(rank, world_size, rows_list, hidden, reps, seed):
 
 
 def _main_even(args) -> int:
-    from meshfold.launch import spawn
+    from meshfold.runtime.launch import spawn
 
     rows = [int(r) for r in args.rows.split(",")]
     res = spawn(_bench_even, args.world_size, rows, args.hidden, args.reps, args.seed)
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.even:
         return _main_even(args)
-    from meshfold.launch import spawn
+    from meshfold.runtime.launch import spawn
 
     res = spawn(_bench, args.world_size, args.tokens, args.hidden, args.reps, args.skew, args.seed)
     t_torch = max(r["torch_s"] for r in res)  # a collective takes as long as its slowest rank

@@ -51,7 +51,8 @@ def _rank(rank, world_size, layers, mode):
 
     from meshfold.mesh import FoldSpec, fold
     from meshfold.models.transformer import MoETransformer
-    from meshfold.models.transformer_parallel import parallelize, shard_batch
+    from meshfold.parallel.transformer import parallelize
+    from meshfold.parallel.batch import shard_batch
     from peak_rss import _status_kib, peak_rss_mib
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: big blocks are mmapped
@@ -92,7 +93,7 @@ def main() -> None:
     ap.add_argument("--ranks", nargs="+", type=int, default=[4, 8], choices=[4, 8])
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from meshfold.launch import spawn
+    from meshfold.runtime.launch import spawn
 
     avail_mib = next(int(line.split()[1]) for line in open("/proc/meminfo")
                      if line.startswith("MemAvailable:")) / 1024

@@ -1,4 +1,4 @@
-"""Wall time and peak memory of ``meshfold dryrun`` on this machine (issue 19, point 1).
+"""Wall time and peak memory of ``meshfold dryrun`` on this machine.
 
 Each case runs the command as a subprocess under ``/usr/bin/time -f %M`` (peak resident set of the
 command and the worker process it spawns per dry-run rank). Baseline, measured in the same run: a

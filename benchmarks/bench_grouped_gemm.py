@@ -17,8 +17,12 @@ Sparse rows time ``grouped_mm`` with a tile mask at densities 1, 0.75, 0.5, 0.25
 speedup over the unmasked call. On CPU the torch path multiplies by the mask (no tile skipping),
 so its sparse rows measure overhead, not the kernel's skipping.
 
-Passes: ``fwd`` (y = x @ w_e) and ``fwd+bwd`` (plus dX and dW). Writes
-``benchmarks/results/grouped_gemm_<device>.json``; prints a markdown table.
+Passes: ``fwd`` (y = x @ w_e) and ``fwd+bwd`` (plus dX and dW). Before timing, every grouped
+method's outputs (y, dX, dW) at every shape (and every sparse density) are compared with the
+plain per-expert loop in fp32; an error over the dtype's tolerance, or any method failing to run,
+stops the benchmark with an exception (non-zero exit). Writes
+``benchmarks/results/grouped_gemm_<device>.json`` after every measurement (``complete`` is true
+once all ran); prints a markdown table.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshfold.kernels import grouped_mm  # noqa: E402
+from meshfold.kernels import grouped_mm, grouped_mm_reference  # noqa: E402
 
 # name -> (E, top_k, T, K, N): Mixtral-8x7B-like coarse experts, Qwen2-57B/G8T8-like fine ones
 CUDA_SHAPES = {
@@ -62,35 +66,47 @@ def token_counts(M: int, E: int, dist: str) -> list[int]:
 
 
 def timer(device: str, reps: int):
-    """measure({name: fn}) -> {name: ms, or an error string}, every fn timed after a warm-up.
+    """measure({name: fn}) -> {name: ms}, every fn timed after a warm-up; an error in any fn is
+    raised (a method that cannot run is a failure of the benchmark, not a note).
 
     CUDA: triton's do_bench per fn (median over CUDA events). CPU: ``reps`` rounds that time every
     fn once each (interleaved, so a burst of other load hits all of them) and keep each fn's
     fastest run: the machine is shared and slow runs measure the other load.
     """
-    def guarded(fn):
-        try:
-            fn()
-            return None
-        except (RuntimeError, NotImplementedError) as err:  # e.g. F.grouped_mm without a kernel here
-            return str(err).splitlines()[0][:80]
-
     def measure(fns):
-        errors = {name: guarded(fn) for name, fn in fns.items()}
-        ok = {name: fn for name, fn in fns.items() if errors[name] is None}
         if device == "cuda":
             from triton.testing import do_bench
 
-            return {**errors, **{name: do_bench(fn, warmup=25, rep=100) for name, fn in ok.items()}}
-        best = dict.fromkeys(ok, float("inf"))
+            return {name: do_bench(fn, warmup=25, rep=100) for name, fn in fns.items()}
+        for fn in fns.values():
+            fn()
+        best = dict.fromkeys(fns, float("inf"))
         for _ in range(reps):
-            for name, fn in ok.items():
+            for name, fn in fns.items():
                 start = time.perf_counter()
                 fn()
                 best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-        return {**errors, **best}
+        return best
 
     return measure
+
+
+def check_against_reference(fns: dict, reference, tol: float) -> dict:
+    """Each method's outputs (y, or y, dX, dW) against the fp32 reference's, as the largest error
+    relative to the reference's largest magnitude; raises if any exceeds ``tol``."""
+    want = [t.float() for t in _as_tuple(reference())]
+    errors = {}
+    for name, fn in fns.items():
+        got = _as_tuple(fn())
+        errors[name] = max(((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                           for g, r in zip(got, want))
+        if not errors[name] <= tol:
+            raise AssertionError(f"{name}: relative error {errors[name]:.3g} > {tol} against the reference")
+    return errors
+
+
+def _as_tuple(t):
+    return t if isinstance(t, tuple) else (t,)
 
 
 def methods(x, w, offsets, counts):
@@ -129,20 +145,26 @@ def problem(shape, dist, dtype, device, seed):
     return x, w, offsets, dy, counts, 2 * M * K * N
 
 
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # relative to the largest output
+
+
+def reference_pass(x, w, offsets, dy, passes, tile_mask=None):
+    """The plain per-expert loop in fp32 (grouped_mm_reference), forward or forward + backward."""
+    return make_pass(lambda a, b: grouped_mm_reference(a, b, offsets, tile_mask), x.float(), w.float(),
+                     dy.float(), passes)
+
+
 def bench_shape(name, shape, dist, dtype, device, passes, measure):
     x, w, offsets, dy, counts, flops = problem(shape, dist, dtype, device, seed=0)
     flops *= 1 if passes == "fwd" else 3
     fns = {m: make_pass(fn, x, w[:1] if m == "dense" else w, dy, passes)
            for m, fn in methods(x, w, offsets, counts).items()}
+    grouped = {m: fn for m, fn in fns.items() if m != "dense"}
+    errors = check_against_reference(grouped, reference_pass(x, w, offsets, dy, passes), TOL[dtype])
     times = measure(fns)
     base = dict(shape=name, dist=dist, dtype=str(dtype).removeprefix("torch."), passes=passes)
-    rows = []
-    for method, ms in times.items():
-        if isinstance(ms, str):
-            rows.append(dict(base, method=method, ms=None, tflops=None, vs_dense=None, note=ms))
-        else:
-            rows.append(dict(base, method=method, ms=ms, tflops=flops / ms / 1e9, vs_dense=times["dense"] / ms))
-    return rows
+    return [dict(base, method=method, ms=ms, tflops=flops / ms / 1e9, vs_dense=times["dense"] / ms,
+                 rel_error=errors.get(method)) for method, ms in times.items()]
 
 
 def bench_sparse(name, shape, dtype, device, passes, measure):
@@ -158,6 +180,7 @@ def bench_sparse(name, shape, dtype, device, passes, measure):
            "unmasked": make_pass(lambda a, b: grouped_mm(a, b, offsets), x, w, dy, passes)}
     for d, mask in masks.items():
         fns[d] = make_pass(lambda a, b, m=mask: grouped_mm(a, b, offsets, tile_mask=m), x, w, dy, passes)
+        check_against_reference({f"density {d}": fns[d]}, reference_pass(x, w, offsets, dy, passes, mask), TOL[dtype])
     times = measure(fns)
     return [dict(shape=name, dist="balanced", dtype=str(dtype).removeprefix("torch."), passes=passes,
                  method=f"tile-sparse {bk}x{bn}", density=d, ms=times[d], dense_equiv_tflops=flops / times[d] / 1e9,
@@ -173,7 +196,7 @@ def print_tables(grouped, sparse, unit):
     print(f"| shape | tokens | dtype | pass | method | ms | {unit} | vs dense |")
     print("|---|---|---|---|---|---|---|---|")
     for r in grouped:
-        tf = None if r["tflops"] is None else r["tflops"] * scale
+        tf = r["tflops"] * scale
         print(f"| {r['shape']} | {r['dist']} | {r['dtype']} | {r['passes']} | {r['method']} | {fmt(r['ms'], '.2f')} "
               f"| {fmt(tf, '.1f')} | {fmt(r['vs_dense'], '.2f')} |")
     print()
@@ -191,26 +214,33 @@ def main(argv=None):
     parser.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     parser.add_argument("--reps", type=int, default=4, help="timed rounds on CPU (fastest run kept)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-sparse", action="store_true", help="skip the tile-sparse rows")
     args = parser.parse_args(argv)
 
     device = args.device
     shapes = CUDA_SHAPES if device == "cuda" else CPU_SHAPES
     dtypes = [getattr(torch, d) for d in (args.dtypes or (["bfloat16"] if device == "cuda" else ["float32", "bfloat16"]))]
     measure = timer(device, args.reps)
+    env = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+               torch=torch.__version__, threads=torch.get_num_threads(), shapes=shapes,
+               sparse_tile=SPARSE_TILE[device], tolerance={str(k): v for k, v in TOL.items()})
+    out = args.out or Path(__file__).resolve().parent / "results" / f"grouped_gemm_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     grouped, sparse = [], []
+
+    def write(done: bool):  # after every measurement, so a crash keeps what was measured
+        out.write_text(json.dumps(dict(env=env, complete=done, grouped=grouped, sparse=sparse), indent=1))
+
     for dtype in dtypes:
         for passes in args.passes:
             for name, shape in shapes.items():
                 for dist in ("balanced", "skewed"):
                     grouped += bench_shape(name, shape, dist, dtype, device, passes, measure)
-            sparse += bench_sparse("coarse E8 top2", shapes["coarse E8 top2"], dtype, device, passes, measure)
-
-    env = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-               torch=torch.__version__, threads=torch.get_num_threads(), shapes=shapes,
-               sparse_tile=SPARSE_TILE[device])
-    out = args.out or Path(__file__).resolve().parent / "results" / f"grouped_gemm_{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(env=env, grouped=grouped, sparse=sparse), indent=1))
+                    write(False)
+            if not args.no_sparse:
+                sparse += bench_sparse("coarse E8 top2", shapes["coarse E8 top2"], dtype, device, passes, measure)
+                write(False)
+    write(True)
     print_tables(grouped, sparse, "TFLOP/s" if device == "cuda" else "GFLOP/s")
     print(f"\nwrote {out}")
 

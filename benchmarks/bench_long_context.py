@@ -18,7 +18,7 @@ and their gradients, which do not shrink with cp) and activations (everything el
 
 * ``activation MiB``: the largest sum of activation bytes alive at once during the step (what
   the forward keeps for backward, each op's working set, the gradients of activations): the
-  quantity issue 18's goals are about. Reported for the worst rank and as the mean over ranks
+  quantity context parallelism and recomputation are about. Reported for the worst rank and as the mean over ranks
   (with ``ep = cp`` the worst rank is the one whose experts the router favours: dropless
   experts compute every token routed to them; ``--capacity-factor`` bounds them, as a real run
   does, and the JSON then holds each layer's dropped fraction).
@@ -86,7 +86,8 @@ def _rank(rank, world_size, S, recompute, ep, layers=2, capacity_factor=None, st
 
     from meshfold.mesh import FoldSpec, fold
     from meshfold.models.transformer import MoETransformer
-    from meshfold.models.transformer_parallel import parallelize, shard_batch
+    from meshfold.parallel.transformer import parallelize
+    from meshfold.parallel.batch import shard_batch
     from peak_rss import peak_rss_mib
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: freed blocks leave the RSS
@@ -149,8 +150,8 @@ def main() -> None:
     ap.add_argument("--label", default="after")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from meshfold.launch import spawn
-    from meshfold.models.transformer_parallel import parallelize
+    from meshfold.runtime.launch import spawn
+    from meshfold.parallel.transformer import parallelize
 
     offered = MODES if "recompute" in inspect.signature(parallelize).parameters else ("none",)
     modes = [m for m in args.recompute if m in offered]

@@ -40,9 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshfold import FoldSpec, fold  # noqa: E402
-from meshfold.launch import spawn  # noqa: E402
+from meshfold.runtime.launch import spawn  # noqa: E402
 from meshfold.models import MoETransformer, get_config  # noqa: E402
-from meshfold.models.transformer_parallel import parallelize, shard_batch  # noqa: E402
+from meshfold.parallel.transformer import parallelize  # noqa: E402
+from meshfold.parallel.batch import shard_batch  # noqa: E402
 from peak_rss import peak_rss_mib  # noqa: E402  (benchmarks/peak_rss.py)
 
 B, S = 8, 256

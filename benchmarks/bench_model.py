@@ -52,10 +52,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshfold import FoldSpec, fold  # noqa: E402
-from meshfold.launch import spawn  # noqa: E402
-from meshfold.models import MoETransformer, get_config, save_pretrained  # noqa: E402
-from meshfold.models.pipeline import Pipeline  # noqa: E402
-from meshfold.models.transformer_parallel import parallelize, reduce_gradients, shard_batch  # noqa: E402
+from meshfold.runtime.launch import spawn  # noqa: E402
+from meshfold.models import MoETransformer, get_config  # noqa: E402
+from meshfold.interop.hf import save_pretrained  # noqa: E402
+from meshfold.parallel.pipeline import Pipeline  # noqa: E402
+from meshfold.parallel.transformer import parallelize  # noqa: E402
+from meshfold.parallel.data_parallel import reduce_gradients  # noqa: E402
+from meshfold.parallel.batch import shard_batch  # noqa: E402
 from meshfold.train.flops import train_flops_per_step  # noqa: E402
 from peak_rss import peak_rss_mib  # noqa: E402  (benchmarks/peak_rss.py)
 

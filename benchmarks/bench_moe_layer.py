@@ -30,7 +30,7 @@ is left out. ``vs_dense`` = dense time / method time = the fraction of the dense
 ``CPU ms`` / ``vs_dense_cpu``: the same from process CPU time (all threads; includes OpenMP
 spin-waits), which other processes on a shared machine disturb far less than wall time.
 
-Allocator (``--malloc``): ``retain`` (default) calls :func:`meshfold.malloc.retain_freed_memory`
+Allocator (``--malloc``): ``retain`` (default) calls :func:`meshfold.runtime.malloc.retain_freed_memory`
 before timing (``meshfold train`` does with ``train.retain_cpu_memory=true``), so large buffers
 are reused instead of page-faulted in again every step; ``system`` keeps glibc's default (mmap
 per buffer >= 32 MiB). Both apply to every method of the run alike.
@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from peak_rss import peak_rss_mib  # noqa: E402  (benchmarks/peak_rss.py)
 
-from meshfold.malloc import retain_freed_memory  # noqa: E402
+from meshfold.runtime.malloc import retain_freed_memory  # noqa: E402
 from meshfold.models import MoEConfig, MoELayer  # noqa: E402
 from meshfold.kernels import expert_ffn  # noqa: E402
 
@@ -222,7 +222,7 @@ def main() -> None:
                     help="rounds for hf_eager (5-50x slower than the others; keeps the run ~4 min)")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--malloc", choices=("retain", "system"), default="retain",
-                    help="retain: keep freed memory for reuse (meshfold.malloc); system: glibc default")
+                    help="retain: keep freed memory for reuse (meshfold.runtime.malloc); system: glibc default")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     ap.add_argument("--methods", nargs="*", default=list(METHODS))

@@ -32,7 +32,8 @@ def _bench(rank, world_size, tokens, hidden, ffn, shared_ffn, experts, topk, rep
     import torch
 
     from meshfold import FoldSpec, fold
-    from meshfold.models import MoEConfig, MoELayer, parallelize_moe
+    from meshfold.models import MoEConfig, MoELayer
+    from meshfold.parallel.moe import parallelize_moe
 
     dtype = getattr(torch, dtype_name)
     fm = fold(FoldSpec(world_size, ep=world_size))
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    from meshfold.launch import spawn, under_torchrun
+    from meshfold.runtime.launch import spawn, under_torchrun
 
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     if args.experts % world:

@@ -8,7 +8,7 @@ of ffn 512 top-2 and a shared expert of ffn 512, dropless, one process (one devi
 Batch 2 sequences.
 
 ``kept`` = storage bytes of the tensors created during the forward that are still alive when it
-returns (``meshfold.testing.LiveTensors``, weights excluded): what the forward keeps for backward,
+returns (``meshfold.testing.references.LiveTensors``, weights excluded): what the forward keeps for backward,
 plus the loss; the logits [B, S, V] saved for the cross-entropy are kept in every mode, so
 ``blocks`` = kept - logits is what the transformer blocks keep (with the final norm's
 and the head's inputs, about 3 MiB at seq 512). ``step`` = forward + backward,
@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshfold.models import MoEConfig  # noqa: E402
-from meshfold.models.recompute import RECOMPUTE, apply_recompute  # noqa: E402
+from meshfold.parallel.recompute import RECOMPUTE, apply_recompute  # noqa: E402
 from meshfold.models.transformer import MoETransformer, TransformerConfig  # noqa: E402
-from meshfold.testing import LiveTensors  # noqa: E402
+from meshfold.testing.references import LiveTensors  # noqa: E402
 
 MIB = 2 ** 20
 

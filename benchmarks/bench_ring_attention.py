@@ -1,4 +1,4 @@
-"""Context-parallel attention: ring (meshfold.models.ring_attention) against the old all-gather +
+"""Context-parallel attention: ring (meshfold.parallel.ring_attention) against the old all-gather +
 [S/cp, S] mask path, per rank, at a few sequence lengths; cp = 1 (plain ``is_causal`` SDPA on one
 rank) is the baseline, measured in the same run.
 
@@ -33,8 +33,9 @@ def _bench(rank, world_size, seqs, heads, kv_heads, head_dim, reps):
 
     from meshfold.mesh import FoldSpec
     from meshfold.models.attention import CausalMaskCache, attend
-    from meshfold.models.transformer_parallel import _ContextAttention, local_positions
-    from meshfold.testing import cached_fold
+    from meshfold.parallel.context import _ContextAttention
+    from meshfold.parallel.batch import local_positions
+    from meshfold.testing.worlds import cached_fold
 
     class Largest(TorchDispatchMode):
         n = 0
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from meshfold.launch import spawn
+    from meshfold.runtime.launch import spawn
 
     rows = []
     for cp in args.cp:

@@ -3,7 +3,7 @@
 ``StoragePeak(model)`` is a dispatch mode: inside it every storage an op creates is followed
 until it is freed, so its sums are exact and independent of the allocator (ratios between runs
 mean something on a loaded machine, unlike the resident set of :mod:`peak_rss`). Unlike
-``meshfold.testing.LiveTensors`` (what is alive at one moment) it records peaks over the step and
+``meshfold.testing.references.LiveTensors`` (what is alive at one moment) it records peaks over the step and
 what was alive at them. Use::
 
     with StoragePeak(model) as tracked:

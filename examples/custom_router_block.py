@@ -10,7 +10,7 @@ experts, combine) is meshfold's unchanged MoELayer.
 Legend: T = tokens on this rank, H = hidden, D = routing dim, E = experts, k = top-k.
 
 The block is written as single-device code. Its new parameters get a layout beside it, as data
-(``XMOE_LAYOUT``: ``meshfold.models.MOE_LAYOUT`` plus the new parameters);
+(``XMOE_LAYOUT``: ``meshfold.parallel.layouts.MOE_LAYOUT`` plus the new parameters);
 ``parallelize_moe(layer, mesh, layout=XMOE_LAYOUT)`` applies it, leaving the library table as it is.
 Then hypothesis draws folds of 4 CPU ranks (any attn tp x cp x dp and moe etp x ep x edp) and
 each rank checks, in fp64, that its outputs, its input gradients and every full parameter
@@ -33,10 +33,12 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from meshfold import fold
-from meshfold.launch import RankError, World
-from meshfold.models import MOE_LAYOUT, MoEConfig, MoELayer, Router, parallelize_moe
+from meshfold.runtime.launch import RankError, World
+from meshfold.models import MoEConfig, MoELayer, Router
+from meshfold.parallel.moe import parallelize_moe
+from meshfold.parallel.layouts import MOE_LAYOUT
 from meshfold.models.router import topk_routing
-from meshfold.testing import fold_specs
+from meshfold.testing.strategies import fold_specs
 
 R = Replicate()
 # every rank routes its own tokens: the router's parameters are replicated over attn (dp, cp, tp)

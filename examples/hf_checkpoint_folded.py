@@ -3,7 +3,7 @@
 1. transformers builds a tiny random Mixtral (nothing is downloaded) and ``save_pretrained``
    writes it to a temporary directory: ``config.json`` + ``model.safetensors``, the same files a
    Hub checkpoint has.
-2. On 4 gloo ranks, ``meshfold.models.from_pretrained(path, mesh=folded)`` returns the model
+2. On 4 gloo ranks, ``meshfold.interop.hf.from_pretrained(path, mesh=folded)`` returns the model
    already laid out (attention ``tp x cp x dp``, experts ``etp x ep x edp``); each rank reads only
    the slices of the checkpoint tensors it holds.
 3. Every rank runs the forward on its shard of one batch (``shard_batch``: batch over dp,
@@ -25,9 +25,9 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.utils import logging as hf_logging
 
 from meshfold import FoldSpec, fold
-from meshfold.launch import spawn
-from meshfold.models import from_pretrained
-from meshfold.models.transformer_parallel import shard_batch
+from meshfold.runtime.launch import spawn
+from meshfold.interop.hf import from_pretrained
+from meshfold.parallel.batch import shard_batch
 
 WORLD, B, S = 4, 4, 32
 

@@ -5,7 +5,11 @@ see the same ranks as ``(pp, edp, ep, etp)``; :class:`FoldSpec` describes such a
 :func:`fold` builds both views as named DeviceMeshes.
 """
 
-from meshfold.mesh import FoldedMesh, FoldSpec, fold, valid_folds
+from meshfold.runtime.compat import check_torch_version
+
+check_torch_version()  # an unsupported torch fails here, naming its version and the supported range
+
+from meshfold.mesh import FoldedMesh, FoldSpec, fold, valid_folds  # noqa: E402
 
 __all__ = ["FoldSpec", "FoldedMesh", "fold", "redistribute", "valid_folds"]
 

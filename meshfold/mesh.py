@@ -31,7 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["ATTN_DIMS", "MOE_DIMS", "VIEWS", "FoldSpec", "FoldedMesh", "fold", "valid_folds"]
+__all__ = ["ATTN_DIMS", "MOE_DIMS", "VIEWS", "FoldSpec", "FoldedMesh", "backend_device_type", "collective_backend",
+           "fold", "valid_folds"]
 
 ATTN_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 MOE_DIMS: tuple[str, ...] = ("pp", "edp", "ep", "etp")
@@ -259,7 +260,8 @@ class FoldedMesh:
     """Two named DeviceMesh views of the same ranks.
 
     ``attn`` has dims ``("pp", "dp", "cp", "tp")`` and ``moe`` has ``("pp", "edp", "ep", "etp")``.
-    ``num_process_groups`` counts the process groups this fold created (over all ranks);
+    ``num_process_groups`` counts the process groups this fold's views use (over all ranks;
+    folds over the same default group share the groups of equal rank partitions);
     ``num_process_groups_unshared`` is what building each view on its own would have created.
     """
 
@@ -285,11 +287,10 @@ class FoldedMesh:
         return torch.device(self.device_type)
 
     def destroy(self) -> None:
-        """Destroy the process groups this fold created (call on every rank, when done)."""
-        import torch.distributed as dist
-
-        for pg in self._owned_groups:
-            dist.destroy_process_group(pg)
+        """Release this fold's process groups (call on every rank, when done): each is destroyed
+        once no other live fold over the same default group uses it."""
+        for partition in self._owned_groups:
+            _release_group(partition)
         self._owned_groups.clear()
 
     def view(self, name: str):
@@ -307,18 +308,54 @@ class FoldedMesh:
         return self._stages[name]
 
 
+# backends that take tensors of any device but are not an accelerator's own collective library:
+# gloo stages CUDA tensors through the host, the fake backend of dry runs moves nothing
+_HOST_BACKENDS = ("gloo", "fake")
+
+
+def collective_backend(group=None, device_type: str = "cpu") -> str | None:
+    """The backend that runs ``group``'s collectives on ``device_type`` tensors (None: none does).
+
+    Read from the group's backend config, one ``device:backend`` pair per device type: a group
+    made with ``"nccl"`` has ``cuda:nccl``, with ``"gloo"`` ``cpu:gloo,cuda:gloo``, and with
+    ``"cpu:gloo,cuda:nccl"`` (torch's default on a CUDA machine) both; so the backend's *name*
+    (``dist.get_backend``) does not tell which library a CUDA tensor's collective reaches."""
+    import torch.distributed as dist
+
+    for entry in dist.get_backend_config(group).split(","):
+        device, _, backend = entry.strip().rpartition(":")
+        if device in ("", device_type):  # a bare name serves every device type
+            return backend
+    return None
+
+
+def backend_device_type(group=None) -> str:
+    """The device a process group's ranks compute on: the accelerator its config serves with an
+    accelerator's collective library (``"cuda"`` under NCCL, alone or as ``cpu:gloo,cuda:nccl``),
+    else ``"cpu"`` (gloo, whose CUDA support stages through the host, and the fake backend)."""
+    import torch.distributed as dist
+
+    for entry in dist.get_backend_config(group).split(","):
+        device, _, backend = entry.strip().rpartition(":")
+        if device not in ("", "cpu") and backend not in _HOST_BACKENDS:
+            return device
+    return "cpu"
+
+
 def fold(spec: FoldSpec, device_type: str | None = None) -> FoldedMesh:
     """Build the attention and MoE DeviceMesh views of ``spec`` over the default process group.
 
-    ``device_type`` defaults to what the process group's backend implies: ``"cuda"`` under NCCL,
+    ``device_type`` defaults to what the process group's backend implies
+    (:func:`backend_device_type`): ``"cuda"`` under NCCL (also as ``cpu:gloo,cuda:nccl``),
     ``"cpu"`` under gloo, so the same code runs on a laptop's gloo ranks and under torchrun on GPUs
     without pushing CPU tensors into NCCL groups.
 
     Every rank must call this (it creates process groups collectively). A dim whose rank groups
     already exist for another dim (for instance ``etp`` when ``etp == tp``, ``pp`` in both views, or
-    every size-1 dim) reuses the existing process group instead of creating a duplicate; this is
-    done by building the groups with ``torch.distributed.new_subgroups_by_enumeration`` and the
-    meshes with the public ``DeviceMesh.from_group``.
+    every size-1 dim), in this fold or in another live fold over the same default group, reuses
+    the existing process group instead of creating a duplicate; this is done by building the
+    groups with ``torch.distributed.new_subgroups_by_enumeration`` and the meshes with the public
+    ``DeviceMesh.from_group``.
     """
     import torch
     import torch.distributed as dist
@@ -326,13 +363,13 @@ def fold(spec: FoldSpec, device_type: str | None = None) -> FoldedMesh:
 
     if not dist.is_initialized():
         raise RuntimeError("fold() needs an initialised default process group; use "
-                           "meshfold.launch.spawn or torchrun first")
+                           "meshfold.runtime.launch.spawn or torchrun first")
     if dist.get_world_size() != spec.world_size:
         raise ValueError(f"spec.world_size = {spec.world_size} but the process group has "
                          f"{dist.get_world_size()} ranks")
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    created: dict[tuple[tuple[int, ...], ...], object] = {}
+        device_type = backend_device_type()
+    used: dict[tuple[tuple[int, ...], ...], object] = {}
     owned = []
     unshared = 0
     views = {}
@@ -341,18 +378,55 @@ def fold(spec: FoldSpec, device_type: str | None = None) -> FoldedMesh:
         for d in dims:
             partition = tuple(tuple(g) for g in spec.groups(view, d))
             unshared += len(partition)
-            if partition not in created:
+            if partition not in used:
                 if len(partition) == 1:
                     pg = dist.group.WORLD  # the whole world: reuse the default group
                 else:
-                    pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in partition])
-                    owned.append(pg)
-                created[partition] = pg
-            my_groups.append(created[partition])
+                    pg = _acquire_group(partition)
+                    owned.append(partition)
+                used[partition] = pg
+            my_groups.append(used[partition])
         mesh = torch.arange(spec.world_size, dtype=torch.int).reshape(spec.shape(view))
         views[view] = DeviceMesh.from_group(my_groups, device_type, mesh=mesh, mesh_dim_names=dims)
-    created_count = sum(len(p) for p, pg in created.items() if pg in owned)
-    return FoldedMesh(spec, views["attn"], views["moe"], created_count, unshared, owned)
+    group_count = sum(len(p) for p in owned)
+    return FoldedMesh(spec, views["attn"], views["moe"], group_count, unshared, owned)
+
+
+# Process groups by rank partition, shared by every fold over the same default group. Each gloo
+# group keeps a transport thread that wakes about a hundred times a second even when idle, so a
+# long-lived process that folds many layouts (a test world, a notebook) would otherwise pay for
+# every group it ever made; distinct partitions of a world are few. Entries: partition ->
+# [this rank's group, number of live folds using it], valid while ``_GROUPS_OF`` is the default group.
+_GROUPS: dict[tuple[tuple[int, ...], ...], list] = {}
+_GROUPS_OF: list = [None]
+
+
+def _acquire_group(partition: tuple[tuple[int, ...], ...]):
+    """This rank's process group of ``partition`` (a partition of the world into rank groups),
+    created collectively on first use; every rank must acquire the same partitions in the same
+    order, as with ``fold``."""
+    import torch.distributed as dist
+
+    if _GROUPS_OF[0] is not dist.group.WORLD:  # a new default group: the old groups are gone
+        _GROUPS.clear()
+        _GROUPS_OF[0] = dist.group.WORLD
+    if partition not in _GROUPS:
+        pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in partition])
+        _GROUPS[partition] = [pg, 0]
+    _GROUPS[partition][1] += 1
+    return _GROUPS[partition][0]
+
+
+def _release_group(partition: tuple[tuple[int, ...], ...]) -> None:
+    import torch.distributed as dist
+
+    entry = _GROUPS.get(partition)
+    if entry is None or _GROUPS_OF[0] is not dist.group.WORLD:
+        return  # its default group was destroyed, and every subgroup with it
+    entry[1] -= 1
+    if entry[1] == 0:
+        del _GROUPS[partition]
+        dist.destroy_process_group(entry[0])
 
 
 def valid_folds(world_size: int, pp: Iterable[int] | None = None) -> list[FoldSpec]:

@@ -15,7 +15,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from meshfold.launch import World
+from meshfold.runtime.launch import World
 
 settings.register_profile(
     "default", max_examples=25, deadline=None,
@@ -28,7 +28,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 
 @pytest.fixture(scope="session")
 def worlds():
-    """``worlds(n)`` returns a live n-rank :class:`meshfold.launch.World` shared by the session."""
+    """``worlds(n)`` returns a live n-rank :class:`meshfold.runtime.launch.World` shared by the session."""
     cache: dict[int, World] = {}
 
     def get(n: int) -> World:

@@ -1,7 +1,7 @@
 """One training step of meshfold's own model and layout code, real or fake, and its report.
 
 :func:`step_report` is the step both sides run: build the model on the meta device, lay it out
-with :func:`~meshfold.models.transformer_parallel.parallelize` (as ``meshfold train`` does),
+with :func:`~meshfold.parallel.transformer.parallelize` (as ``meshfold train`` does),
 materialize this rank's shards, then forward, backward, gradient reduction, gradient norm and
 the AdamW step, while :mod:`meshfold.dryrun.record` watches. Under gloo it is a real step
 (tests compare the two); :func:`dry_run_rank` runs it for one rank of an N-rank job inside this
@@ -24,11 +24,13 @@ equal up to uneven FSDP2 shards; one rank per stage stands for the stage: its fi
 coordinates 0 in both views). It holds experts ``0 .. E/ep - 1``, which under :class:`Zipf`
 routing receive the most rows, so it is the stage's worst case there too.
 
-Pipeline parallelism (pp > 1): the model is meshfold's :class:`~meshfold.models.pipeline.Pipeline`
+Pipeline parallelism (pp > 1): the model is meshfold's :class:`~meshfold.parallel.pipeline.Pipeline`
 (the rank's chunks and schedule, as ``meshfold train`` builds it), with each ``PipelineStage``
 given its micro-batch's shapes (:func:`_static_stages`; torch's static mode) on both sides: a
 stage otherwise infers them from metadata the previous stage sends at the first step, which the
-fake backend never delivers. So the step is a steady-state one, without that first-step exchange.
+fake backend never delivers. So the step is a steady-state one, without that first-step exchange;
+the schedule's warm-up vote on the inference mode (4-byte messages) is still exchanged on both sides
+(:func:`meshfold.runtime.compat.pipeline_votes_on_fake_groups`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from meshfold.runtime import compat
 from meshfold.dryrun.record import CollectiveLog, HostReads, LivePeak, StepRecorder, summary
 from meshfold.dryrun.routing import Balanced
 from meshfold.placements import token_dispatch
@@ -104,9 +107,10 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
     rank's pipeline chunks) on ``folded`` and run one training step on random tokens, recorded. ``fake``: the
     FakeTensorMode of a dry run (None: a real step). ``on_counts``: called with each host read
     of block counts ``C`` (real runs record them for :class:`~meshfold.dryrun.routing.Replay`)."""
-    from meshfold.models.pipeline import Pipeline
+    from meshfold.parallel.pipeline import Pipeline
     from meshfold.models.transformer import MoETransformer
-    from meshfold.models.transformer_parallel import grad_norm, parallelize, reduce_gradients
+    from meshfold.parallel.transformer import parallelize
+    from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
     from meshfold.train.loop import DTYPES, _global_loss
 
     t0 = time.perf_counter()
@@ -116,7 +120,7 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
     model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")
     with contextlib.ExitStack() as stack:
         if fake is not None:  # fake storage of each shard's size, nothing drawn
-            stack.enter_context(mock.patch("meshfold.models.transformer_parallel.materialize",
+            stack.enter_context(mock.patch("meshfold.parallel.transformer.materialize_shards",
                                            lambda module, *a, **k: _fake_materialize(module, fake)))
         if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
             stack.enter_context(_static_stages(cfg, spec, mcfg, fake))
@@ -134,6 +138,7 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
     with contextlib.ExitStack() as stack:
         if fake is not None:
             stack.enter_context(fake)
+            stack.enter_context(compat.pipeline_votes_on_fake_groups())  # the first step's vote, as real
         stack.enter_context(_counting_reads(reads, on_counts))
         stack.enter_context(recorder)
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
@@ -200,7 +205,7 @@ def _counting_reads(reads: HostReads, on_counts):
         return C_QIE, C
 
     with mock.patch.object(token_dispatch, "block_counts", counted), \
-            mock.patch("meshfold.models.moe_parallel.block_counts", counted):
+            mock.patch("meshfold.parallel.moe.block_counts", counted):
         yield
 
 
@@ -314,13 +319,13 @@ def dry_run(cfg, routing=None, ranks=None, last_here: bool = False) -> list[Rank
     """:func:`dry_run_rank` for each rank of ``ranks`` (default :func:`representative_ranks`),
     each in a fresh process: DTensor caches dispatch plans by mesh equality (in C++ too), so a
     second fold of the same spec in one process would run on the first one's destroyed groups.
-    The processes fork from :mod:`meshfold.launch`'s server, which has imported torch once, and
+    The processes fork from :mod:`meshfold.runtime.launch`'s server, which has imported torch once, and
     run side by side, one per core. ``last_here``: the last rank runs in this process instead
     (meanwhile), for a caller that has made no fold and exits afterwards (``meshfold dryrun``)."""
     import concurrent.futures
     import os
 
-    from meshfold import launch
+    from meshfold.runtime import launch
 
     cfg.validate()  # the settings' one-line errors, before any process starts
     chosen = representative_ranks(cfg.fold_spec()) if ranks is None else list(ranks)

@@ -21,7 +21,7 @@ backend), and the same Python code gives the same records on both sides.
 Each is a mode of its own, and :class:`StepRecorder` is all three as one mode, which is what a
 step uses: every op of a fake step passes through each Python mode on the stack, and half of
 them are the autograd engine's and FSDP2's ``prim.device`` queries, so three modes cost three
-times the per-op overhead for the same records (``tests/test_dryrun.py`` compares the two).
+times the per-op overhead for the same records (``tests/dryrun/test_dryrun.py`` compares the two).
 """
 
 from __future__ import annotations

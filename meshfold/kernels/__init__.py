@@ -11,6 +11,9 @@ tests compare it with:
   ``backend="reference"`` is its plain definition. ``swiglu`` / ``gelu``: its activations.
 * ``gather_rows`` (permute's gather) and ``combine_topk`` (the dropless combine); references
   ``scatter_rows_reference`` and ``combine_reference``.
+
+Layer: imports torch, triton and ``meshfold.runtime`` only; independent of
+``meshfold.placements`` (``tests/test_layers.py``).
 """
 
 from meshfold.kernels.combine import (combine_reference, combine_topk, gather_rows, scatter_rows,
@@ -19,6 +22,7 @@ from meshfold.kernels.ffn import expert_ffn, gelu, swiglu, swiglu_reference
 from meshfold.kernels.grouped_mm import grouped_mm
 from meshfold.kernels.reference import (
     apply_tile_mask,
+    check_etp_alignment,
     dense_tile_mask,
     expand_tile_mask,
     grouped_mm_reference,
@@ -28,6 +32,7 @@ from meshfold.kernels.reference import (
 
 __all__ = [
     "apply_tile_mask",
+    "check_etp_alignment",
     "combine_reference",
     "combine_topk",
     "dense_tile_mask",

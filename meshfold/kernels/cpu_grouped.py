@@ -6,7 +6,7 @@ Why not ``F.grouped_mm``: on CPU it is a loop of ``mm`` calls, each spread over 
 threads with an OpenMP fork/join. Expert GEMMs are thin (a fine-grained MoE gives each expert
 ~256 rows), so the per-call barriers are a real share of the GEMM time on a quiet machine, and
 far more when another process shares the cores: a descheduled thread stalls every barrier
-(benchmarks/RESULTS.md, "MoE layer", has the measurements). Here W workers each run whole block
+(benchmarks/bench_moe_layer.py measures it). Here W workers each run whole block
 GEMMs on the CPU pool (:mod:`.cpu_pool`), with ``intra-op threads / W`` threads each, taking the
 next block from a shared queue, so a stalled worker delays only its own block and there is one
 join per call.

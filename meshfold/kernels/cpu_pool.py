@@ -10,7 +10,7 @@ next op needs. So CPU kernels hand their parts to a few Python pool threads inst
 ``intra-op threads / W`` threads (1 on a small machine), taking the next part from a shared
 queue: a stalled worker delays only its own part, there is one join per call, and no OpenMP team
 is left spinning between ops. ATen ops release the GIL, so the workers overlap.
-(benchmarks/RESULTS.md, "MoE layer", has the measurements behind each choice.)
+(benchmarks/bench_moe_layer.py measures each choice.)
 
 Tasks must write disjoint outputs, and every output element is written by exactly one task of a
 fixed shape whichever worker runs it, so results do not depend on scheduling. The caller's
@@ -130,14 +130,17 @@ def single_threaded(fn, *args):
 
 def in_parts(part, length: int, size: int, device) -> None:
     """``part(start, end)`` over [0, length) cut into pieces of about ``size`` rows: on the pool
-    (:func:`run_tasks`) for CPU tensors, as one piece elsewhere. Parts must write disjoint outputs.
+    (:func:`run_tasks`) for CPU tensors, as one piece elsewhere; never with zero rows. Parts must
+    write disjoint outputs.
 
     For memory-bound row-wise work between grouped GEMMs. As ATen ops on the caller's thread it
     would run in an OpenMP team, whose other threads then spin-wait for the next parallel region
     (libgomp's default), taking a core from the next grouped GEMM's workers."""
+    if not length:
+        return  # no rows: a part of zero rows may not even have a shape (an empty expert's view)
     if device.type != "cpu":
         part(0, length)
-    elif length:
+    else:
         run_tasks([functools.partial(part, a, b) for a, b in blocks(length, max(1, size))])
 
 

@@ -31,14 +31,14 @@ from torch.autograd.function import once_differentiable
 from meshfold.kernels.cpu_pool import in_parts
 from meshfold.kernels.grouped_mm import grouped_mm
 from meshfold.kernels.reference import grouped_mm_reference
-from meshfold.simulated import per_rank_op
+from meshfold.runtime import spmd
 
 __all__ = ["expert_ffn", "swiglu", "swiglu_reference", "gelu", "PART_ELEMENTS"]
 
 FFN_BACKENDS = ("auto", "reference")
 
 
-@per_rank_op  # under LocalTensorMode: once per simulated rank (its rows per expert differ)
+@spmd.per_rank_op  # under LocalTensorMode: once per simulated rank (its rows per expert differ)
 def expert_ffn(x_NH, w_gate_up, w_down, offsets_E, kind: str, masks=(None, None), backend: str = "auto"):
     """Grouped expert MLP: swiglu ``down(silu(gate x) * up x)`` or gelu ``down(gelu(up x))``.
 

@@ -42,6 +42,26 @@ def tile_grid(K: int, N: int, tile: tuple[int, int]) -> tuple[int, int]:
     return K // bk, N // bn
 
 
+def check_etp_alignment(K: int, N: int, tile: tuple[int, int], etp: int, etp_dim: str) -> None:
+    """Raise ValueError unless ``tile`` divides K x N and every ETP shard boundary on ``etp_dim``.
+
+    Under ETP an expert weight is split over ``etp`` ranks along N (fc1, column parallel) or K
+    (fc2, row parallel); a tile across a shard boundary would live on two ranks, so the masks
+    (and the kernel's skip) could not be applied locally.
+    """
+    tile_grid(K, N, tile)
+    if etp_dim not in ("K", "N"):
+        raise ValueError(f"etp_dim={etp_dim!r}; valid: 'K' or 'N'")
+    size, t = (K, tile[0]) if etp_dim == "K" else (N, tile[1])
+    if size % etp:
+        raise ValueError(f"{etp_dim} = {size} does not split over etp = {etp} ranks")
+    shard = size // etp
+    if shard % t:
+        valid = [d for d in range(1, shard + 1) if shard % d == 0 and size % d == 0][-4:]
+        raise ValueError(f"ETP shard of {etp_dim} = {size} / etp {etp} = {shard} is not a multiple of the tile's "
+                         f"{etp_dim}-size {t}: tiles would straddle ranks (valid sizes dividing {shard}: e.g. {valid})")
+
+
 def dense_tile_mask(E: int, K: int, N: int, tile: tuple[int, int], device=None) -> torch.Tensor:
     """All-kept mask [E, K // bk, N // bn] for E expert weights of K x N cut into bk x bn tiles."""
     kt, nt = tile_grid(K, N, tile)

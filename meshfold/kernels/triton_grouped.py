@@ -40,6 +40,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+if interpreting():
+    def _bound(x):
+        """A loop bound as a Python int. The interpreter runs ``range`` on the host and turns a
+        tensor bound into an int with ``int()`` of its data, a 1-element array, which numpy >= 2.4
+        refuses in triton 3.6 (triton-lang/triton#9171); the interpreted kernel calls this plain
+        function instead (the compiled one, the jit identity below)."""
+        return int(x.handle.data.reshape(-1)[0]) if hasattr(x, "handle") else int(x)
+else:
+    @triton.jit
+    def _bound(x):
+        """A loop bound, unchanged (see the interpreter's version above)."""
+        return x
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -64,7 +78,7 @@ def _grouped_rows_kernel(
     tile = pid  # global tile index this program handles next
     group_first_tile = pid * 0  # int32 zero, loop-carried
     row_start = pid * 0
-    for g in range(0, E + 1):
+    for g in range(0, _bound(E + 1)):
         row_end = tl.where(g < E, tl.load(offs_ptr + tl.minimum(g, E - 1)), M)
         num_tiles_m = tl.cdiv(row_end - row_start, BLOCK_M)
         group_last_tile = group_first_tile + num_tiles_m * num_tiles_n
@@ -89,7 +103,7 @@ def _grouped_rows_kernel(
                 if HAS_MASK:
                     # the whole kernel tile lies inside one mask tile (BLOCK_N divides MASK_BN)
                     slot = g * NT_MASK + (tn * BLOCK_N) // MASK_BN
-                    for i in range(0, tl.load(kept_cnt_ptr + slot)):
+                    for i in range(0, _bound(tl.load(kept_cnt_ptr + slot))):
                         kt = tl.load(kept_idx_ptr + slot * KT_MASK + i)
                         for sub in tl.static_range(MASK_BK // BLOCK_K):
                             ks = kt * MASK_BK + sub * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -100,7 +114,7 @@ def _grouped_rows_kernel(
                                 b = b.to(tl.float32)
                             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
                 else:
-                    for k0 in range(0, K, BLOCK_K):
+                    for k0 in range(0, _bound(K), BLOCK_K):
                         ks = k0 + tl.arange(0, BLOCK_K)
                         k_ok = ks < K
                         a = tl.load(a_rows + ks[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -148,7 +162,7 @@ def _grouped_dw_kernel(
         keep = tl.load(mask_ptr + slot) != 0
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     if keep:
-        for m0 in range(row_start, row_end, BLOCK_M):
+        for m0 in range(_bound(row_start), _bound(row_end), BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             row_ok = rows < row_end
             xt = tl.load(x_ptr + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None] * stride_xk,
@@ -167,7 +181,7 @@ def _grouped_dw_kernel(
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): Ampere/Hopper bf16 favourites first;
 # configs whose shared memory does not fit the device or whose tile does not divide the
-# mask tile are pruned before timing.
+# mask tile are pruned before timing. Half precision and fp32 as TF32 run on tensor cores.
 _ROWS_CONFIGS = [
     (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
     (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4),
@@ -178,7 +192,18 @@ _DW_CONFIGS = [
     (64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4),
     (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (32, 64, 64, 4, 5), (32, 32, 32, 2, 5),
 ]
+# fp32 with input_precision="ieee" (torch's default, TF32 off) multiplies on the FMA units with
+# both operand tiles in registers: the tensor-core tiles above spill there, so it has its own
+# small tiles (each holds at most 64 x 64 fp32 accumulators per 128 threads).
+_ROWS_CONFIGS_IEEE = [(64, 64, 16, 4, 2), (128, 64, 16, 8, 2), (32, 64, 32, 4, 3), (64, 64, 32, 4, 3)]
+_DW_CONFIGS_IEEE = [(32, 64, 64, 4, 2), (16, 64, 64, 4, 2), (32, 64, 32, 4, 3), (16, 32, 32, 2, 3)]
+# Autotuning compiles and times every config that survives pruning; on a fresh machine each
+# compile takes seconds. A cap keeps the first N of them (the tables are in order of preference):
+MAX_CONFIGS_ENV = "MESHFOLD_TRITON_MAX_CONFIGS"
 INTERPRET_BLOCK = 16  # small tiles keep the interpreter quick; 16 is tl.dot's minimum
+# Launch geometry in the interpreter: few programs, so that each walks several tiles and groups as
+# on the GPU; a test sets the GPU's own (one program per SM, GROUP_M = 8) to walk its orders too.
+INTERPRET_GEOMETRY = {"programs": 3, "group_m": 2}
 # Compile options of every GPU launch. FP fusion (contracting a * b + c into one FMA outside
 # tl.dot) is stated rather than left to Triton's default, which is on in 3.9 (with a warning when
 # unset) and turns off in 3.10; on is what these kernels have always been compiled with.
@@ -198,27 +223,47 @@ def _smem_limit() -> int:
     return getattr(props, "shared_memory_per_block_optin", 99 * 1024)
 
 
-def _prune_configs(configs, named_args, *, dw=False, smem_limit=None, **kwargs):
-    """Keep configs whose tile divides the mask tile and whose pipeline fits in shared memory.
+def max_configs() -> int | None:
+    """The autotune cap from ``MESHFOLD_TRITON_MAX_CONFIGS`` (None: every config that fits)."""
+    raw = os.environ.get(MAX_CONFIGS_ENV, "")
+    if raw == "":
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MAX_CONFIGS_ENV} = {raw!r}; valid: a positive integer (or unset for every config)")
+    return int(raw)
+
+
+def _prune_configs(configs, named_args, *, dw=False, smem_limit=None, ieee=None, **kwargs):
+    """Keep the configs of the launch's precision (``ieee``: the fp32 FMA table, else the
+    tensor-core table) whose tile divides the mask tile and whose pipeline fits in shared
+    memory, at most :func:`max_configs` of them.
 
     With a mask the kernel tile must sit inside one mask tile, so BLOCK_K | MASK_BK and
     BLOCK_N | MASK_BN; if no listed config qualifies, the largest dividing power of two is used.
-    Per stage the rows kernel holds A [BM, BK] + B [BK, BN], the dW kernel x^T [BK, BM] + dy [BM, BN].
+    Per stage the rows kernel holds A [BM, BK] + B [BK, BN], the dW kernel x^T [BK, BM] + dy [BM, BN];
+    the masked rows kernel holds those of every sub-tile of a mask tile.
     """
     mask_bk, mask_bn, has_mask = kwargs["MASK_BK"], kwargs["MASK_BN"], kwargs["HAS_MASK"]
     elem = named_args[next(iter(named_args))].element_size()
     limit = smem_limit or _smem_limit()
+    table = ieee[kwargs.get("INPUT_PRECISION") == "ieee"] if ieee else None
 
     def fits(cfg):
         kw = cfg.kwargs
         divides = not has_mask or (mask_bk % kw["BLOCK_K"] == 0 and mask_bn % kw["BLOCK_N"] == 0)
         inner = kw["BLOCK_M"] if dw else kw["BLOCK_K"]
-        smem = cfg.num_stages * (kw["BLOCK_M"] * kw["BLOCK_K"] + inner * kw["BLOCK_N"]) * elem
+        tile = (kw["BLOCK_M"] * kw["BLOCK_K"] + inner * kw["BLOCK_N"]) * elem
+        smem = cfg.num_stages * tile
+        if has_mask and not dw and divides:
+            # the masked main loop loads MASK_BK // BLOCK_K sub-tiles per iteration (a static loop),
+            # and the pipeliner buffers each of them: up to num_stages - 1 copies of all of them
+            # (compiled for sm_90: 128 x 128 x 32 fp32 at 3 or 4 stages takes 262148 bytes)
+            smem = max(smem, max(cfg.num_stages - 1, 1) * (mask_bk // kw["BLOCK_K"]) * tile)
         return divides and smem <= limit
 
-    kept = [c for c in configs if fits(c)]
+    kept = [c for c in configs if (table is None or any(c is t for t in table)) and fits(c)]
     if kept:
-        return kept
+        return kept[:max_configs()]
     base = dict(configs[-1].kwargs, BLOCK_M=32, BLOCK_K=32, BLOCK_N=32)
     if has_mask:
         base.update(BLOCK_K=_pow2_divisor(mask_bk, 64), BLOCK_N=_pow2_divisor(mask_bn, 128))
@@ -236,22 +281,35 @@ def _pow2_divisor(size: int, cap: int) -> int:
     return p
 
 
-_MASK_KEYS = ["N", "K", "HAS_MASK", "MASK_BK", "MASK_BN"]
+_MASK_KEYS = ["N", "K", "HAS_MASK", "MASK_BK", "MASK_BN", "INPUT_PRECISION"]
+
+
+def _autotuned(kernel, tensor_core_table, ieee_table, key, group_m: bool, dw: bool):
+    """``kernel`` autotuned over both tables, each launch timing only its precision's table.
+
+    ``cache_results``: the winner of each key (shapes, dtypes, precision, the configs timed) is
+    written to triton's cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``) under a
+    hash of triton's version, the GPU architecture and the kernel's source, so the ranks of a
+    restarted or later run on the machine read it instead of timing again (the ranks of the first
+    run, starting together, each time it once).
+    """
+    tensor_core, ieee = _configs(tensor_core_table, group_m), _configs(ieee_table, group_m)
+    prune = functools.partial(_prune_configs, dw=dw, ieee={False: tensor_core, True: ieee})
+    return triton.autotune(tensor_core + ieee, key=key, prune_configs_by={"early_config_prune": prune},
+                           cache_results=True)(kernel)
 
 
 @functools.cache
 def _tuned_rows_kernel():
     # stride_bn tells forward (B = w, stride 1) from dX (B = w^T): same sizes can favour other tiles
-    return triton.autotune(_configs(_ROWS_CONFIGS, True), key=[*_MASK_KEYS, "stride_bn"],
-                           prune_configs_by={"early_config_prune": _prune_configs})(_grouped_rows_kernel)
+    return _autotuned(_grouped_rows_kernel, _ROWS_CONFIGS, _ROWS_CONFIGS_IEEE, [*_MASK_KEYS, "stride_bn"],
+                      group_m=True, dw=False)
 
 
 @functools.cache
 def _tuned_dw_kernel():
     # autotuning reruns the kernel; every dW element is stored each run, so no reset is needed
-    return triton.autotune(_configs(_DW_CONFIGS, False), key=_MASK_KEYS,
-                           prune_configs_by={"early_config_prune": functools.partial(_prune_configs, dw=True)},
-                           )(_grouped_dw_kernel)
+    return _autotuned(_grouped_dw_kernel, _DW_CONFIGS, _DW_CONFIGS_IEEE, _MASK_KEYS, group_m=False, dw=True)
 
 
 @functools.cache
@@ -312,8 +370,9 @@ def _rows_launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, mask: 
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
             nt, kt)
     if interpreting():
-        # few programs, so each one walks several tiles and groups as on the GPU
-        _grouped_rows_kernel[(3,)](*args, **consts, **_interpret_tile(consts), GROUP_M=2)
+        geometry = INTERPRET_GEOMETRY
+        _grouped_rows_kernel[(geometry["programs"],)](*args, **consts, **_interpret_tile(consts),
+                                                     GROUP_M=geometry["group_m"])
         return c
     sms = _num_programs(a.device.index or 0)
 

@@ -12,7 +12,7 @@ rank's tokens are in sequence order (positions increasing), so :class:`Attention
 index with SDPA's ``is_causal`` and positions only set RoPE: a mask from positions would cost
 an [Sq, Sk] fp32 tensor saved for backward in every layer (16 MiB per layer at S = 2048).
 With context parallelism ``parallelize`` sets the ``context`` hook: ring attention
-(:mod:`meshfold.models.ring_attention`), which classifies blocks from the load-balanced chunk
+(:mod:`meshfold.parallel.ring_attention`), which classifies blocks from the load-balanced chunk
 indices and needs no mask; only positions outside that layout take the generic path here, keys
 all-gathered and masked by position, with a :class:`CausalMaskCache` shared by all layers so the
 mask is built once per forward instead of once per layer.
@@ -121,14 +121,37 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if h % g:
         raise ValueError(f"attend: query heads {h} not a multiple of key/value heads {g}")
     if q_pos is None and k_pos is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != g)
+        return _sdpa(q, k, v, is_causal=True)
     if q_pos is None or k_pos is None:
         raise ValueError("attend: give both q_pos and k_pos, or neither")
     if q_pos.shape[-1] != q.shape[2] or k_pos.shape[-1] != k.shape[2]:
         raise ValueError(f"attend: q_pos {tuple(q_pos.shape)} / k_pos {tuple(k_pos.shape)} do not "
                          f"match Sq = {q.shape[2]} / Sk = {k.shape[2]}")
     mask = causal_mask(q_pos, k_pos, q.dtype) if masks is None else masks(q_pos, k_pos, q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != g)
+    return _sdpa(q, k, v, attn_mask=mask)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask=None, is_causal=False) -> torch.Tensor:
+    """SDPA with ``g`` key/value heads serving ``h`` query heads.
+
+    Which fused kernel can take GQA itself (``enable_gqa``, no copy of K/V) depends on the device:
+    on the CPU its flash kernel does in every dtype, with or without a mask; on CUDA only the
+    flash kernel does, and it needs fp16 / bf16 and no mask. Anything else asked for
+    ``enable_gqa`` on CUDA (fp32, or a mask) falls back to the math kernel, which materialises the
+    [Sq, Sk] scores in fp32; there K/V are repeated to ``h`` heads instead (``h / g`` times their
+    size, far below the scores) so the memory-efficient kernel runs.
+    """
+    h, g = q.shape[1], k.shape[1]
+    if h == g or gqa_in_kernel(q, attn_mask is not None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=h != g)
+    r = h // g
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1),
+                                          attn_mask=attn_mask, is_causal=is_causal)
+
+
+def gqa_in_kernel(q: torch.Tensor, masked: bool) -> bool:
+    """Whether SDPA's fused kernel for queries ``q`` takes grouped K/V itself (see :func:`_sdpa`)."""
+    return q.device.type == "cpu" or (q.dtype in (torch.float16, torch.bfloat16) and not masked)
 
 
 def _check_increasing(positions: torch.Tensor) -> None:
@@ -159,7 +182,7 @@ class Attention(nn.Module):
     share for those keys, also set from outside. ``context`` (None on one device) replaces both:
     a function ``(q [B, h, S, d], k [B, g, S, d], v, positions) -> o [B, h, S, d]`` computing this
     rank's causal attention over every context-parallel rank's keys (``parallelize`` sets a ring,
-    :mod:`meshfold.models.ring_attention`).
+    :mod:`meshfold.parallel.ring_attention`).
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,

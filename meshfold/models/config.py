@@ -42,7 +42,7 @@ class MoEConfig:
 
     Experts: ``expert_kind`` swiglu | gelu; ``shared_ffn`` (0 = none) with ``shared_kind``
     qwen2 (gated by sigmoid of a linear) | deepseek (ungated); ``expert_sparsity`` (a
-    ``meshfold.sparsity`` config, tile-sparse expert weights).
+    ``meshfold.train.sparsity`` config, tile-sparse expert weights).
     """
 
     hidden: int

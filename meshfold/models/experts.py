@@ -58,7 +58,7 @@ class Experts(nn.Module):
         self.register_buffer("mask_down", init.ones_(sp.new_mask(E, Fn, H, etp=etp, etp_dim="K")))
 
     def sparse_layers(self) -> dict:
-        """``{name: (weight parameter, mask [E, Kt, Nt])}`` for ``meshfold.sparsity.TilePruner``:
+        """``{name: (weight parameter, mask [E, Kt, Nt])}`` for ``meshfold.train.sparsity.TilePruner``:
         ``w_down`` [E, F, H]; ``w_gate_up`` [E, H, 2, F], which the pruner reads as [E, H, 2F]
         (gate columns, then up), with its mask [E, H/bk, 2, F/bn] viewed the same way."""
         m = self.mask_gate_up
@@ -70,7 +70,7 @@ class SharedExpert(nn.Module):
     """A dense SwiGLU MLP every token goes through (Qwen2-MoE / DeepSeek shared experts).
 
     ``kind="qwen2"`` scales its output by ``sigmoid(gate(x))`` (a [1, H] linear); ``"deepseek"``
-    is ungated. Laid out like a dense TP MLP on the attention mesh (see moe_parallel).
+    is ungated. Laid out like a dense TP MLP on the attention mesh (``meshfold.parallel.layouts.MOE_LAYOUT``).
     """
 
     def __init__(self, hidden: int, ffn: int, kind: str = "qwen2", dtype: torch.dtype | None = None):

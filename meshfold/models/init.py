@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 __all__ = ["Init", "SLAB", "normal_", "ones_", "zeros_", "declared_inits", "draw_seed", "materialize",
-           "shard_indices", "fill_"]
+           "whole", "fill_"]
 
 SLAB = 1 << 20  # elements per slab: 4 MiB of fp32 drawn at a time, whatever the tensor's size
 
@@ -119,37 +119,11 @@ def _slabs(shape) -> tuple[int, int, int]:
     return k, inner, max(1, SLAB // max(inner, 1))
 
 
-def shard_indices(t: torch.Tensor) -> list[torch.Tensor]:
-    """Per dim of the global tensor, the global indices this rank's local shard holds along it
-    (a local shard is their outer product). ``t``: a DTensor (Shard and strided-shard placements,
-    applied in mesh-dim order as DTensor does) or a plain tensor (everything)."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
-
-    idx = [torch.arange(n) for n in t.shape]
-    if not isinstance(t, DTensor):
-        return idx
-    mesh = t.device_mesh
-    coord = mesh.get_coordinate()
-    for i, p in enumerate(t.placements):
-        if isinstance(p, _StridedShard):
-            size, offsets = p._local_shard_size_and_offset(len(idx[p.dim]), mesh.size(i), coord[i],
-                                                           offset_mode=_StridedShardOffsetMode.ALL)
-            local = torch.tensor(offsets[:size] if size else [], dtype=torch.long)
-        elif isinstance(p, Shard):
-            size, offset = p._local_shard_size_and_offset(len(idx[p.dim]), mesh.size(i), coord[i])
-            local = torch.arange(offset, offset + size)
-        else:
-            continue
-        idx[p.dim] = idx[p.dim][local]
-    return idx
-
-
 @torch.no_grad()
 def fill_(local: torch.Tensor, init: Init, seed: int, name: str, shape, indices: list[torch.Tensor]) -> None:
     """Fill ``local`` (the part of global tensor ``name`` of ``shape`` at ``indices``, see
-    :func:`shard_indices`) with its values under ``init``: the same numbers whichever rank, fold
-    or device does it."""
+    :func:`meshfold.parallel.materialize.shard_indices`) with its values under ``init``: the same
+    numbers whichever rank, fold or device does it."""
     if init.kind == "constant":
         local.fill_(init.value)
         return
@@ -178,17 +152,21 @@ def fill_(local: torch.Tensor, init: Init, seed: int, name: str, shape, indices:
         out[mine] = part.to(device=local.device, dtype=local.dtype)
 
 
-def materialize(module: nn.Module, inits: dict[str, Init], seed: int, device,
-                name_of=lambda name: name) -> None:
-    """Give every tensor of ``module`` (all on the meta device, possibly laid out as DTensors,
-    possibly FSDP2-sharded) storage on ``device`` and fill it: this rank's shard only, from
-    ``inits`` (keyed by single-device name; ``name_of`` maps a laid-out name to it)."""
-    from torch.distributed.tensor import DTensor
+def whole(t: torch.Tensor) -> list[torch.Tensor]:
+    """Per dim, every global index: what a tensor held whole (not laid out) covers."""
+    return [torch.arange(n) for n in t.shape]
 
+
+def materialize(module: nn.Module, inits: dict[str, Init], seed: int, device,
+                name_of=lambda name: name, local=lambda t: t, indices=whole) -> None:
+    """Give every tensor of ``module`` (all on the meta device) storage on ``device`` and fill it
+    from ``inits`` (keyed by single-device name; ``name_of`` maps a tensor's name to it).
+    ``local(t)`` is the storage to fill and ``indices(t)`` the global indices it holds per dim
+    (:func:`fill_`): the whole tensor here; for a laid-out model, each rank's shard
+    (:func:`meshfold.parallel.materialize.materialize_shards`)."""
     module.to_empty(device=device)
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         key = name_of(name)
         if key not in inits:
             raise KeyError(f"{name} (single-device name {key!r}) has no declared initialization")
-        local = t.to_local() if isinstance(t, DTensor) else t
-        fill_(local, inits[key], seed, key, tuple(t.shape), shard_indices(t))
+        fill_(local(t), inits[key], seed, key, tuple(t.shape), indices(t))

@@ -37,7 +37,7 @@ where a scale argument would save nothing worth a second convention).
 [B, h, S, dv]``, this rank's attention over every cp rank's keys. It receives the *latent* (rkv +
 dr numbers per token, 576 for DeepSeek-V3, against h * (dn + dr + dv) = 40960 for the expanded
 K/V) and :meth:`MLA.expand` with this rank's heads of ``wkv_b``, so each rank expands the other
-ranks' latents itself. Layout: :mod:`meshfold.models.mla_parallel`.
+ranks' latents itself. Layout: :mod:`meshfold.parallel.mla`.
 
 Multi-token prediction (DeepSeek-V3's MTP, ``num_nextn_predict_layers``) is not built. It would
 take: per MTP depth ``j`` a module of its own (``enorm``, ``hnorm`` RMSNorms, a projection
@@ -172,7 +172,7 @@ class LatentProjection(nn.Module):
     A module rather than a parameter of :class:`MLA` because it is replicated over tp while the
     heads around it are split: under FSDP2 with mixed precision its tp gradient sum must run in
     the master dtype, which FSDP2 only does for a group all-gathered in that dtype, and a group
-    is a module (:func:`~meshfold.models.data_parallel.fully_shard_folded`, as for the norms)."""
+    is a module (:func:`~meshfold.parallel.data_parallel.fully_shard_folded`, as for the norms)."""
 
     def __init__(self, hidden: int, rank: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -213,7 +213,6 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(rkv, LATENT_NORM_EPS, dtype)
         self.wkv_b = weight(rkv, heads * (cfg.qk_nope_head_dim + dv))  # [rkv, h*(dn+dv)]
         self.wo = weight(heads * dv, hidden)  # [h*dv, H]
-        self.k_norm = None  # no per-head norms (read by data_parallel alongside q_norm)
         self.context = None
 
     def expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor, wkv_b: torch.Tensor):

@@ -101,7 +101,7 @@ class Block(nn.Module):
     """One pre-norm decoder layer: ``forward(x [B, S, H], positions, rope) -> [B, S, H]``.
 
     ``checkpoint`` (None: plain) is the activation-recomputation hook, set from outside
-    (:func:`meshfold.models.recompute.apply_recompute`): ``checkpoint(fn, *args)`` runs the
+    (:func:`meshfold.parallel.recompute.apply_recompute`): ``checkpoint(fn, *args)`` runs the
     block's computation ``fn``, keeping what its policy says for backward."""
 
     checkpoint = None
@@ -153,7 +153,7 @@ def run_blocks(blocks, x: torch.Tensor, positions: torch.Tensor | None, cfg: Tra
 
 def run_layers(m: nn.Module, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
     """The model's computation on a run of its layers, shared by the whole model and a pipeline
-    chunk (:class:`~meshfold.models.pipeline.ModelChunk`), which hold the same attributes:
+    chunk (:class:`~meshfold.parallel.pipeline.ModelChunk`), which hold the same attributes:
     ``embed`` (tokens [B, S] -> [B, S, H]; None: x is hidden already), ``layers``, and ``norm`` +
     ``head`` (None: return hidden [B, S, H]; a None ``head`` with a norm ties it to ``embed``)."""
     if m.embed is not None:

@@ -9,6 +9,8 @@
   expert-major rows on the ``(ep, etp)`` mesh out, and back.
 * :func:`local_view`: a DTensor parameter's local shard with Partial gradients, for single-device
   code applied to each rank's own tokens.
+
+Layer: imports torch, ``meshfold.mesh`` and ``meshfold.runtime`` only (``tests/test_layers.py``).
 """
 
 from meshfold.placements.collectives import (all_gather_v, all_to_all_v, exchange_splits, gather_equal,

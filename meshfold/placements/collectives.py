@@ -33,6 +33,8 @@ all-gather             ``all_gather_single`` (NCCL and gloo)       ``all_to_all_
                                                                    ``group`` times (its G copies)
 reduce-scatter, fp32+  NCCL: ``reduce_scatter_single``;            ``all_to_all_single``, then a
                        gloo: the all-to-all (see below)            local sum in rank order
+                       (the backend that serves the tensor's
+                       device: :func:`meshfold.mesh.collective_backend`)
 reduce-scatter, half   the all-to-all, both backends (see below)   the same
 =====================  ==========================================  ================================
 
@@ -69,8 +71,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from meshfold import simulated
-from meshfold.simulated import pick
+from meshfold.runtime import compat, spmd
+from meshfold.mesh import backend_device_type, collective_backend
 
 __all__ = ["all_to_all_v", "all_gather_v", "all_gather_replicated", "reduce_scatter_v", "sum_partial",
            "exchange_splits", "sum_statistic", "sum_in_place", "gather_equal", "all_agree", "on_dim",
@@ -119,7 +121,7 @@ def _group(mesh, dim: str):
     # simulated ranks: keyed by the ranks too, as a mode over one pipeline stage's ranks sees
     # the same mesh object with other coordinates than a mode over all of them
     cache = mesh.__dict__.setdefault("_meshfold_groups", {})
-    ranks = simulated.simulated_ranks()
+    ranks = spmd.simulated_ranks()
     if ranks is not None:
         cache = cache.setdefault(ranks, {})
     if dim not in cache:
@@ -145,18 +147,16 @@ def _check_splits(name: str, splits: Sequence[int], group_size: int, total: int 
 
 
 def _gather_meta(values: list[int], group, group_size: int) -> list[list[int]]:
-    t = torch.tensor(values, dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
+    t = torch.tensor(values, dtype=torch.int64, device=backend_device_type(group))
     out = [torch.empty_like(t) for _ in range(group_size)]
-    simulated.all_gather(out, t, group)
+    spmd.all_gather(out, t, group)
     return [o.tolist() for o in out]
 
 
 def _a2a(x: torch.Tensor, input_splits: list[int], output_splits: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    simulated.all_to_all_single(out, x, output_splits, input_splits, group)
+    spmd.all_to_all_single(out, x, output_splits, input_splits, group)
     return out
 
 
@@ -182,10 +182,10 @@ def _native_gather(sizes: list[int]) -> bool:
     return _PATH != "a2a" and _even(sizes)
 
 
-def _native_scatter(sizes: list[int], dtype: torch.dtype, group) -> bool:
+def _native_scatter(sizes: list[int], dtype: torch.dtype, group, device_type: str) -> bool:
     if _PATH == "a2a" or not _even(sizes):
         return False
-    return _PATH == "native" or (dtype not in _HALF and dist.get_backend(group) == "nccl")
+    return _PATH == "native" or (dtype not in _HALF and collective_backend(group, device_type) == "nccl")
 
 
 def _gather_v(x, sizes, rank, group):
@@ -195,26 +195,26 @@ def _gather_v(x, sizes, rank, group):
     if out.numel() == 0:
         return out  # every rank sees the same sizes, so every rank skips together
     if _native_gather(sizes):
-        dist.all_gather_single(out, x, group=group)
+        compat.all_gather_single(out, x, group=group)
         return out
     # Send my rows to every rank: input_splits = [n_me] * G, output_splits = sizes.
     send = x.repeat(G, *[1] * (x.dim() - 1))  # one copy (an expand's reshape would be a view per rank
     # under LocalTensorMode, which fails on ranks whose row count makes the strides differ)
-    return _a2a(send, [pick(sizes, rank)] * G, sizes, group)
+    return _a2a(send, [spmd.at(sizes, rank)] * G, sizes, group)
 
 
 def _scatter_v(x, sizes, rank, group):
     G = len(sizes)
     half = x.dtype in _HALF
     if x.numel() == 0:
-        return x.new_zeros((pick(sizes, rank), *x.shape[1:]))
-    if _native_scatter(sizes, x.dtype, group):
+        return x.new_zeros((spmd.at(sizes, rank), *x.shape[1:]))
+    if _native_scatter(sizes, x.dtype, group, x.device.type):
         src = x.float() if half else x.contiguous()  # half precision: sum in fp32, round once
         out = src.new_empty((sizes[rank], *x.shape[1:]))
-        dist.reduce_scatter_single(out, src, group=group)
+        compat.reduce_scatter_single(out, src, group=group)
         return out.to(x.dtype) if half else out
     # Send rows sizes[j] to rank j, receive G copies of my slice, sum them in rank order.
-    mine = pick(sizes, rank)
+    mine = spmd.at(sizes, rank)
     pieces = _a2a(x, sizes, [mine] * G, group)
     pieces = pieces.reshape(G, mine, *x.shape[1:])
     if half:
@@ -298,7 +298,7 @@ class InFlight:
 def _a2a_async(x, ins, outs, group):
     x = x.contiguous()
     out = x.new_empty((sum(outs), *x.shape[1:]))
-    work = simulated.all_to_all_single(out, x, outs, ins, group, async_op=True)
+    work = spmd.all_to_all_single(out, x, outs, ins, group, async_op=True)
     return work, x, out
 
 
@@ -360,8 +360,8 @@ def all_gather_v(x: torch.Tensor, sizes: Sequence[int], mesh, dim: str) -> torch
     rank: -> [sum(sizes), ...]. Backward is :func:`reduce_scatter_v`."""
     group, G, me = _group(mesh, dim)
     sizes = _check_splits("all_gather_v", sizes, G, None, "sizes")
-    if x.shape[0] != pick(sizes, me):
-        raise ValueError(f"all_gather_v: sizes[{me}] = {pick(sizes, me)} but this rank's tensor has "
+    if x.shape[0] != spmd.at(sizes, me):
+        raise ValueError(f"all_gather_v: sizes[{me}] = {spmd.at(sizes, me)} but this rank's tensor has "
                          f"{x.shape[0]} rows (dim 0); sizes = {sizes}")
     if _DEBUG:
         _check_agreement("all_gather_v", dim, sizes, group, G, me)
@@ -396,8 +396,7 @@ def exchange_splits(input_splits: Sequence[int] | torch.Tensor, mesh, dim: str) 
     counts = torch.as_tensor(input_splits, dtype=torch.int64).reshape(-1)
     if counts.numel() != G:
         raise ValueError(f"exchange_splits: {counts.numel()} counts for a mesh dim of {G} ranks")
-    if dist.get_backend(group) == "nccl":
-        counts = counts.cuda()
+    counts = counts.to(backend_device_type(group))
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out.tolist()
@@ -416,7 +415,7 @@ class _GatherReplicated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, sizes, mesh, dim, me):
-        ctx.meta = (pick([sum(sizes[:i]) for i in range(len(sizes))], me), pick(sizes, me))
+        ctx.meta = (spmd.at([sum(sizes[:i]) for i in range(len(sizes))], me), spmd.at(sizes, me))
         return all_gather_v(x.detach(), sizes, mesh, dim)
 
     @staticmethod
@@ -475,7 +474,7 @@ def gather_equal(t: torch.Tensor, mesh, dim: str) -> torch.Tensor:
     if G == 1:
         return t.unsqueeze(0)
     parts = [torch.empty_like(t) for _ in range(G)]
-    simulated.all_gather(parts, t.contiguous(), group)
+    spmd.all_gather(parts, t.contiguous(), group)
     return torch.stack(parts)
 
 

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshfold.placements.collectives import all_gather_replicated, on_dim, sum_partial
-from meshfold.simulated import pick
+from meshfold.runtime import spmd
 
 __all__ = ["RaggedShard", "RaggedTensor", "chunk_sizes", "explicit_shards"]
 
@@ -116,9 +116,9 @@ class RaggedTensor:
                     raise ValueError(f"{p!r} has {len(p.sizes)} sizes but mesh dim "
                                      f"{mesh.mesh_dim_names[i]!r} has {mesh.size(i)} ranks")
                 me = mesh.get_local_rank(i)
-                if local.shape[p.dim] != pick(p.sizes, me):
+                if local.shape[p.dim] != spmd.at(p.sizes, me):
                     raise ValueError(f"{p!r}: this rank (position {me} of mesh dim "
-                                     f"{mesh.mesh_dim_names[i]!r}) should hold {pick(p.sizes, me)} rows "
+                                     f"{mesh.mesh_dim_names[i]!r}) should hold {spmd.at(p.sizes, me)} rows "
                                      f"but its local tensor has {local.shape[p.dim]} "
                                      f"(shape {tuple(local.shape)})")
         self.local = local

@@ -39,7 +39,7 @@ from torch.distributed.tensor import Partial, Replicate
 from meshfold.placements.collectives import (_group, all_gather_v, all_to_all_v, all_to_all_v_start, gather_equal,
                                              reduce_scatter_v)
 from meshfold.placements.ragged import RaggedShard, RaggedTensor
-from meshfold.simulated import per_rank
+from meshfold.runtime import spmd
 
 __all__ = ["Routed", "DispatchInFlight", "block_counts", "dispatch", "dispatch_start", "combine"]
 
@@ -72,7 +72,7 @@ class Routed:
         return RaggedTensor(y_MH, self.tokens.mesh, placements)
 
 
-@per_rank  # i_me and M differ by rank under LocalTensorMode
+@spmd.per_rank  # i_me and M differ by rank under LocalTensorMode
 def _expert_major_order(C_QIE: torch.Tensor, i_me: int, El: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order_M, offsets_El) for the M rows ep rank ``i_me`` receives, stored as chunks (q, i, e)
     (etp rank q's all-gathered piece, holding the chunks (i, e) of its all-to-all), where chunk
@@ -124,12 +124,12 @@ def rows_sent(C: list, mesh, ep: str = "ep", etp: str = "etp") -> int:
 # The host arithmetic on the block counts C[q][i][e], with this rank's coordinates (q_me, i_me)
 # as arguments: under LocalTensorMode (simulated ranks) both differ by rank, so each runs once
 # per rank (per_rank); in a real run it is a plain call.
-@per_rank
+@spmd.per_rank
 def _rows_sent(C, q_me, i_me):
     return sum(C[q_me][i_me])
 
 
-@per_rank
+@spmd.per_rank
 def _a2a_splits(C, q_me, i_me, El, n_ep):
     """(rows this rank sends to each ep rank, rows it receives from each)."""
     mine = C[q_me]  # my etp slice of the block: mine[i] = ep rank i's counts
@@ -138,7 +138,7 @@ def _a2a_splits(C, q_me, i_me, El, n_ep):
     return send, recv
 
 
-@per_rank
+@spmd.per_rank
 def _etp_sizes(C, i_me, El, n_ep, n_etp):
     """(rows each etp rank contributes to the etp gather, rows each ep rank's experts get)."""
     gather = [sum(sum(C[q][i][i_me * El:(i_me + 1) * El]) for i in range(n_ep)) for q in range(n_etp)]

@@ -8,6 +8,9 @@ each its memory per GPU, step-time breakdown and MFU. Formulas and their sources
     >>> from meshfold.plan import plan
     >>> best = plan("mixtral-8x22b", gpus=128, hw="h100")[0]
     >>> best.layout.paper_config(), round(best.mfu, 2)  # doctest: +SKIP
+
+Layer: pure Python: imports ``meshfold.mesh`` and ``meshfold.catalog``, never torch or a
+layer built on it (``tests/test_layers.py``).
 """
 
 from meshfold.plan.baselines import (MEGATRON_STRATEGIES, PAPER_TABLE1, STRATEGIES, STRATEGY_NAMES, PaperRow,

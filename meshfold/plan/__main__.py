@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from meshfold.plan.cli import configure, main
+from meshfold.cli.plan import configure, main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m meshfold.plan", description=__doc__)

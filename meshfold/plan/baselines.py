@@ -82,8 +82,8 @@ class PaperRow:
     """One row of Table 1: MFU per strategy (None = the paper reports OOM) and the two configs.
 
     Configs are written as in the paper: MCore ``CP/TP/EP/PP`` (ETP = TP), folding ``CP/TP/EP/PP``
-    plus ``/ETP``; where the paper omits ETP for the folded config it is taken as 1 (Megatron's
-    recommendation, REFERENCE.md section 1).
+    plus ``/ETP``; where the paper omits ETP for the folded config it is taken as 1 (as in its
+    other folded configs of arXiv 2504.14960, Table 1).
     """
 
     model: str

@@ -34,7 +34,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from meshfold.plan.memory import REDUCE_BUCKET_BYTES, expert_shard, stage_params
+from meshfold.plan.memory import REDUCE_BUCKET_BYTES
+from meshfold.plan.stages import expert_shard, stage_params
 from meshfold.plan.models import ModelShape
 
 __all__ = ["KINDS", "MICROBATCH", "STEP", "collective_bytes", "collective_traffic", "loop_collectives",
@@ -106,7 +107,7 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
     the etp reduce-scatter-v and a native all-gather-v over etp, no position ids gathered, and
     the distributed optimizer's per-step fp32 gradient reduce-scatter and bf16 parameter
     all-gather over dp x cp (dense) and edp (experts), evenly sharded. ``stages``: the layout's
-    :func:`~meshfold.plan.memory.stage_params`, when the caller has them already."""
+    :func:`~meshfold.plan.stages.stage_params`, when the caller has them already."""
     s = layout.spec
     megatron = layout.megatron
     sizes = {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp, "ep": s.ep, "etp": s.etp, "edp": s.edp}
@@ -256,7 +257,7 @@ def _data_parallel(c: _Tally, model, layout, st, n_moe, params, sizes, a, master
                                         + roots * st.ends * root_dtype) / n_d,
               groups * (blocks - 1) + roots)
         c.add("reduce_scatter", dense_dim, master * st.dense, blocks, STEP)
-    if n_e > 1 and experts:   # FSDP2's padded dim-0 pieces of the local experts (memory.expert_shard)
+    if n_e > 1 and experts:   # FSDP2's padded dim-0 pieces of the local experts (stages.expert_shard)
         piece = experts * expert_shard(model, s)
         c.add("all_gather", exp_dim, groups * piece * a, groups * n_moe)
         c.add("reduce_scatter", exp_dim, master * piece * n_e, n_moe, STEP)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from meshfold.catalog import DATA_PARALLEL, RECOMPUTE, SCHEDULES
 from meshfold.mesh import FoldSpec
 from meshfold.plan.collectives import MICROBATCH, STEP, collective_traffic, loop_traffic
 from meshfold.plan.hardware import GIB, Hardware
@@ -39,10 +40,9 @@ __all__ = ["Layout", "Estimate", "estimate", "check_layout", "RECOMPUTE", "SHARD
            "SCHEDULES", "TIME_TERMS", "MEMORY_TERMS"]
 
 BF16 = 2  # bytes
-RECOMPUTE = ("none", "selective", "full")  # meshfold.models.recompute.RECOMPUTE (a test checks)
-# What meshfold runs (transformer_parallel.DATA_PARALLEL, pipeline.SCHEDULES; a test checks):
-SHARDINGS = ("fsdp", "allreduce")  # FSDP2 fully sharded | whole replicas, gradients all-reduced
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# What meshfold runs (meshfold.catalog: RECOMPUTE, SCHEDULES and, as SHARDINGS, its data
+# parallelism: FSDP2 fully sharded | whole replicas, gradients all-reduced)
+SHARDINGS = DATA_PARALLEL
 # The paper's Megatron-Core distributed optimizer: comparison rows only, meshfold does not have it.
 MEGATRON_SHARDINGS = ("zero1",)
 TIME_TERMS = ("compute", "tp", "cp", "ep", "etp", "dp", "pp", "bubble")
@@ -272,7 +272,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # The attention core (scores and values); MLA: scores over dn + dr, values of dv, so
     # T s n (d_qk + d_v) executed, = 2 T s n d for GQA. It runs at the measured flash-attention
     # rate of each kernel call's length (Hardware.attention_fraction): cp = 1 is one causal call
-    # over s; under cp the ring (meshfold.models.ring_attention) calls the kernel on blocks of one
+    # over s; under cp the ring (meshfold.parallel.ring_attention) calls the kernel on blocks of one
     # chunk, s / (2 cp) tokens: two causal diagonal blocks (T^2 / 4 score pairs), the rest unmasked.
     # Backward executes 2.5x the forward FLOPs (FlashAttention's count) at the backward's rate.
     pair_flops = 2 * n * (model.qk_dim + model.value_dim) / tp  # per (query, key) pair computed, fwd

@@ -218,7 +218,7 @@ class Hardware:
 
 # Sources (docs/plan.md, "Assumptions" and "Time model: how it generalizes"):
 # * peak 989.5 TFLOP/s, NVLink 450 GB/s one way, IB 400 Gb/s = 50 GB/s per GPU, 8 GPUs per node:
-#   the DGX H100 setup of arXiv 2504.14960. H200 (REFERENCE.md section 5): same compute and links,
+#   the DGX H100 setup of arXiv 2504.14960. H200 (NVIDIA's H200 datasheet): same compute and links,
 #   141 GB HBM3e; its kernels are taken at H100's measured rates (same SMs and clocks).
 # * memory: H100 80GB reports 81559 MiB in nvidia-smi; H200: 141 GB nominal (141e9 bytes).
 # * gemm_efficiency 0.806, gemm_launch_us 2.3: square BF16 torch.matmul on an H100 80GB HBM3
@@ -238,7 +238,7 @@ class Hardware:
 #   measured): a slower kernel.
 # * gemm_row_tile 64: Hopper's warpgroup MMA computes 64-row tiles (wgmma.m64nNk16).
 # * attention: FlashAttention-3 (arXiv 2407.08608) Fig. 5 and 6, the tables above.
-# * hbm_tbps: 3.35 TB/s (H100 SXM), 4.8 TB/s (H200), REFERENCE.md section 5; no efficiency factor
+# * hbm_tbps: 3.35 TB/s (H100 SXM), 4.8 TB/s (H200), NVIDIA's H100 and H200 datasheets; no efficiency factor
 #   is applied (memory-bound kernels are a small term; line rate is an optimistic bound).
 # * nvlink_efficiency 0.82: NCCL reaches about 370 GB/s of the 450 GB/s NVLink line rate ("~20%
 #   protocol overhead", NVIDIA/nccl-tests#212).

@@ -31,12 +31,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshfold.plan.memory import StageParams, _regathered, _wide_shared, expert_shard
 from meshfold.plan.models import ModelShape
+from meshfold.plan.stages import BF16, FP32, StageParams, expert_shard, regathered, wide_shared
 
 __all__ = ["interleaved_order", "ChunkBytes", "interleaved_peak", "interleaved_activations"]
-
-BF16, FP32 = 2, 4  # bytes
 
 
 def interleaved_order(pp: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
@@ -152,11 +150,11 @@ def interleaved_activations(model: ModelShape, layout, seq: int, m: int, st: Sta
         first, last = c == 0, c == n - 1
         head = emb if last and not model.tie_embeddings else 0.0
         ends = (emb if first else 0.0) + head + (model.hidden if last else 0.0)
-        group, largest = _regathered(model, layout, ids)
+        group, largest = regathered(model, layout, ids)
         reduce = (FP32 + (a if m > 1 else 0.0)) * max(emb if first else 0.0, head) if s.tp > 1 else 0.0
         chunks[c] = ChunkBytes(
             params=dense + experts + ends, sharded=(dense + ends) / (s.dp * s.cp) + experts * expert_shard(model, s),
-            gathered=a * (dense + experts) + (FP32 - a) * _wide_shared(model, layout, ids), root=wide * ends,
+            gathered=a * (dense + experts) + (FP32 - a) * wide_shared(model, layout, ids), root=wide * ends,
             regather=a * group, new_grad=a * largest, stored=sum(acts[model.is_moe_layer(i)][0] for i in ids),
             output=a * (Tr_h if not last else layout.mbs * seq / (s.cp * s.tp) * model.vocab), reduce=reduce)
     neighbours = sum(c != 0 for c in chunks) + sum(c != n - 1 for c in chunks)

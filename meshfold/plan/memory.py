@@ -48,74 +48,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshfold.plan.interleaved import interleaved_activations
 from meshfold.plan.models import ModelShape
+from meshfold.plan.stages import (BF16, FP32, StageParams, expert_shard, regathered, stage_layers,  # noqa: F401
+                                  stage_params, wide_shared)
 
 __all__ = ["StageParams", "stage_layers", "stage_params", "in_flight", "layer_activations", "memory_terms",
            "expert_shard", "REDUCE_BUCKET_BYTES"]
 
-BF16, FP32 = 2, 4  # bytes
-REDUCE_BUCKET_BYTES = 16 * 2**20  # meshfold.models.data_parallel.REDUCE_BUCKET_BYTES (a test checks)
-
-
-def stage_layers(layers: int, pp: int, vpp: int) -> list[list[int]]:
-    """Layer ids each pipeline rank holds, as ``meshfold.models.pipeline.chunk_layers`` cuts them
-    (rank r: chunks r, r + pp, ...; a test compares the two)."""
-    n = pp * vpp
-    chunks = [list(range(i * layers // n, (i + 1) * layers // n)) for i in range(n)]
-    return [[i for c in chunks[r::pp] for i in c] for r in range(pp)]
-
-
-def expert_shard(model: ModelShape, spec) -> float:
-    """Share of a rank's ``E / ep`` local experts that FSDP2's ``edp`` shard holds on the
-    fullest edp rank. ``fully_shard_folded`` shards the experts' dim 0 where edp divides E / ep,
-    else their hidden dim (``expert_shard_placement``): ``1 / edp`` whenever edp divides either.
-    Otherwise dim 0 in torch.chunk pieces padded to the first, ``ceil(E / ep / edp) / (E / ep)``
-    (both collectives move the padded piece)."""
-    local = model.experts // spec.ep
-    if local % spec.edp == 0 or model.hidden % spec.edp == 0:
-        return 1 / spec.edp
-    return -(-local // spec.edp) / local
-
-
-@dataclass(frozen=True)
-class StageParams:
-    """Parameters one rank of pipeline rank ``rank`` holds before data-parallel sharding:
-    ``dense`` (attention-mesh weights: layers' non-expert weights, and ``ends``), ``experts``
-    (MoE-mesh weights), ``ends`` (embedding, head, final norm on this rank), ``head`` (the head
-    alone), the layer ids, and whether it holds the last chunk (the head and the loss)."""
-
-    rank: int
-    layers: tuple[int, ...]
-    dense: float
-    experts: float
-    ends: float
-    head: float
-    last: bool
-
-    @property
-    def total(self) -> float:
-        return self.dense + self.experts
-
-
-def stage_params(model: ModelShape, layout) -> list[StageParams]:
-    """Per pipeline rank, the parameters one of its ranks holds under ``layout``'s tp / ep / etp
-    (before dp x cp / edp sharding): the numbers ``parallelize`` gives every rank's local tensors,
-    ``to_local().numel()`` summed (tests/test_plan.py checks it on gloo)."""
-    s = layout.spec
-    vocab_parallel = layout.sharding == "zero1"  # Megatron's; meshfold replicates them over tp
-    moe, dense = model.layer_params(True), model.layer_params(False)
-    n = s.pp * layout.vpp
-    out = []
-    for r, ids in enumerate(stage_layers(model.layers, s.pp, layout.vpp)):
-        kinds = [moe if model.is_moe_layer(i) else dense for i in ids]
-        emb = model.embedding_params / (s.tp if vocab_parallel else 1)
-        first, last = r == 0, (n - 1) % s.pp == r
-        head = emb if last and not model.tie_embeddings else 0.0
-        ends = (emb if first else 0.0) + head + (model.hidden if last else 0.0)
-        layer_dense = sum(p.replicated + p.tp_split / s.tp for p in kinds)
-        experts = sum(p.experts for p in kinds) / (s.ep * s.etp)
-        out.append(StageParams(r, tuple(ids), layer_dense + ends, experts, ends, head, last))
-    return out
+REDUCE_BUCKET_BYTES = 16 * 2**20  # meshfold.parallel.data_parallel.REDUCE_BUCKET_BYTES (a test checks)
 
 
 def in_flight(layout, microbatches: int, rank: int) -> float:
@@ -244,30 +185,6 @@ def fsdp_step_phases(model: ModelShape, layout, st: StageParams, acts_of_stage: 
     return out
 
 
-def _wide_shared(model: ModelShape, layout, layers) -> float:
-    """Parameters of the gated shared experts of ``layers``, which FSDP2 gathers in fp32 under tp > 1."""
-    if layout.spec.tp == 1 or not (model.shared_ffn and model.shared_gate):
-        return 0.0
-    return sum(map(model.is_moe_layer, layers)) * 3 * model.hidden * model.shared_ffn / layout.spec.tp
-
-
-def _regathered(model: ModelShape, layout, layers) -> tuple[float, float]:
-    """(parameters of the largest FSDP2 group among ``layers`` that a backward re-gathers, x2 for
-    experts sharded off dim 0; parameters of the largest weight: the experts' fused gate/up
-    [E / ep, h, 2 f_e / etp], else the dense MLP's)."""
-    s = layout.spec
-    groups, largest = [0.0], [0.0]
-    for moe in {model.is_moe_layer(i) for i in layers}:
-        p = model.layer_params(moe)
-        if s.dp * s.cp > 1:
-            groups.append(p.replicated + p.tp_split / s.tp)
-        if moe and s.edp > 1:
-            off_dim0 = (model.experts // s.ep) % s.edp != 0
-            groups.append((2 if off_dim0 else 1) * p.experts / (s.ep * s.etp))
-        largest.append(2 / 3 * (p.experts / (s.ep * s.etp) if moe else model.dense_ffn * 3 * model.hidden / s.tp))
-    return max(groups), max(largest)
-
-
 def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: StageParams, flight: float,
                           stored: float, logits: float, head_copy: float) -> float:
     """What pipeline rank ``st.rank`` holds at its forward/backward peak under FSDP2 besides
@@ -303,7 +220,7 @@ def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: Stage
     neighbours = sum(c != 0 for c in chunks) + sum(c != n - 1 for c in chunks)
     recv = m * neighbours * a * Tr_h
     kept_out = 0.0 if st.last and layout.vpp == 1 else flight * a * Tr_h
-    group, largest = _regathered(model, layout, st.layers)
+    group, largest = regathered(model, layout, st.layers)
     gpipe = layout.schedule == "gpipe"
     regather = flight * stored + kept_out + a * group
     phases = [regather]
@@ -360,10 +277,8 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
         elif layout.sharding == "fsdp":
             root = st.ends * (FP32 if s.tp > 1 else a)          # stays gathered forward to backward
             # every group stays unsharded after its first backward
-            gathered = a * (st.total - st.ends) + root + (FP32 - a) * _wide_shared(model, layout, st.layers)
+            gathered = a * (st.total - st.ends) + root + (FP32 - a) * wide_shared(model, layout, st.layers)
             if layout.vpp > 1:
-                from meshfold.plan.interleaved import interleaved_activations  # it reads this module's
-
                 mem["activations"] = interleaved_activations(model, layout, seq, m, st, acts, logits, head_copy,
                                                              gathered)
             else:

@@ -7,7 +7,7 @@ and communication volume of a MoE transformer: attention in every layer, then ei
 a dense SwiGLU MLP of ``dense_ffn``. :meth:`ModelShape.from_config` reads them off any config
 object (meshfold's model configs, a Hugging Face config, a Megatron args namespace).
 
-Parameters are counted as meshfold builds them (``tests/test_plan.py`` checks the count against
+Parameters are counted as meshfold builds them (``tests/plan/test_plan.py`` checks the count against
 ``sum(p.numel())`` of every named config built on meta) and split by how ``parallelize`` lays them
 over ``tp`` (:meth:`ModelShape.layer_params`): replicated (norms, router, the shared expert's
 gate, MLA's latent down projections and norms, embeddings and head) or split by head / ffn.
@@ -21,10 +21,13 @@ v head dims.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["ModelShape", "LayerParams", "MODELS", "model_shape", "shape_of_config"]
+from meshfold.catalog import MODEL_CONFIGS
+
+__all__ = ["ModelShape", "LayerParams", "MODELS", "model_shape", "shape_of_config", "shape_of_fields"]
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,7 @@ class ModelShape:
 
     def _attn_split(self) -> tuple[int, int]:
         """Attention weights (no norms, no biases) as (replicated over tp, split over tp):
-        MLA's down projections to the latents are replicated (``mla_parallel.MLA_LAYOUT``)."""
+        MLA's down projections to the latents are replicated (``meshfold.parallel.layouts.MLA_LAYOUT``)."""
         h, n, g, d = self.hidden, self.heads, self.kv_groups, self.head_dim
         if not self.mla:
             return 0, 2 * h * n * d + 2 * h * g * d
@@ -202,8 +205,9 @@ class ModelShape:
         """Model FLOPs of one training step (fwd + bwd), as Megatron-Core counts them.
 
         ``12 B s L h^2 [ (1 + g/n + s/h)(d n / h) + 1.5 k f_e / h + 1.5 f_sh / h + V / (2 L h) ]``
-        with the full (non-causal) ``s^2`` attention term, the count the paper's MFU uses
-        (REFERENCE.md section 1), over the MoE layers; a dense layer has ``1.5 f_d / h`` in place
+        with the full (non-causal) ``s^2`` attention term, the count the paper's MFU uses (arXiv
+        2504.14960, Table 1; Megatron-LM's ``num_floating_point_operations`` in
+        megatron/training/training.py), over the MoE layers; a dense layer has ``1.5 f_d / h`` in place
         of the two MLP terms. Router and norms are not counted.
         """
         B, s, L, h = global_batch, seq, self.layers, self.hidden
@@ -288,67 +292,36 @@ class ModelShape:
         )
 
 
-# Paper models (arXiv 2504.14960; shapes from REFERENCE.md section 1 and the public HF configs).
-# Llama3-8x70B is Llama-3-70B upcycled to 8 experts, top-2 (hidden 8192, 80 layers, 64 heads,
-# 8 KV groups, FFN 28672, vocab 128256).
-MODELS: dict[str, ModelShape] = {m.name: m for m in (
-    ModelShape("mixtral-8x22b", hidden=6144, layers=56, heads=48, kv_groups=8, experts=8, topk=2,
-               expert_ffn=16384, vocab=32000),
-    ModelShape("qwen2-57b-a14b", hidden=3584, layers=28, heads=28, kv_groups=4, experts=64, topk=8,
-               expert_ffn=2560, shared_ffn=20480, vocab=151936, qkv_bias=True),
-    ModelShape("mixtral-8x22b-g8t8", hidden=6144, layers=56, heads=48, kv_groups=8, experts=64, topk=8,
-               expert_ffn=2048, vocab=32000),
-    ModelShape("llama3-8x70b", hidden=8192, layers=80, heads=64, kv_groups=8, experts=8, topk=2,
-               expert_ffn=28672, vocab=128256),
-    # small ones, for quick looks and tests
-    ModelShape("mixtral-8x7b", hidden=4096, layers=32, heads=32, kv_groups=8, experts=8, topk=2,
-               expert_ffn=14336, vocab=32000),
-    ModelShape("olmoe-1b-7b", hidden=2048, layers=16, heads=16, kv_groups=16, experts=64, topk=8,
-               expert_ffn=1024, vocab=50304, qk_norm=True),
-    ModelShape("tiny-moe", hidden=512, layers=4, heads=8, kv_groups=2, experts=8, topk=2,
-               expert_ffn=1024, vocab=1024),
-    # the rest of meshfold.models.configs.CONFIGS, so `plan --model` and `train model.name` take
-    # the same names (tests/test_train_settings.py checks both lists and every shape against its
-    # config; tests/test_plan.py every parameter count against the built model).
-    ModelShape("qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_groups=4, experts=128, topk=8,
-               expert_ffn=768, vocab=151936, head_dim=128, qk_norm=True),
-    ModelShape("tiny-mixtral", hidden=64, layers=2, heads=4, kv_groups=2, experts=4, topk=2,
-               expert_ffn=128, vocab=256),
-    ModelShape("tiny-qwen2-moe", hidden=64, layers=4, heads=4, kv_groups=2, experts=8, topk=4,
-               expert_ffn=32, shared_ffn=48, vocab=256, first_k_dense=1, moe_every=2, dense_ffn=96,
-               qkv_bias=True),
-    ModelShape("tiny-qwen3-moe", hidden=64, layers=3, heads=4, kv_groups=2, experts=8, topk=2,
-               expert_ffn=32, vocab=256, head_dim=32, first_k_dense=1, dense_ffn=96, qk_norm=True),
-    # DeepSeek-V3 / V2-Lite (deepseek-ai config.json files; see meshfold.models.configs): dense first
-    # layers (first_k_dense_replace), ungated shared experts.
-    ModelShape("deepseek-v3-671b", hidden=7168, layers=61, heads=128, kv_groups=128, experts=256, topk=8,
-               expert_ffn=2048, shared_ffn=2048, vocab=129280, head_dim=56, kv_lora_rank=512,
-               q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-               first_k_dense=3, dense_ffn=18432, shared_gate=False),
-    ModelShape("deepseek-v2-lite", hidden=2048, layers=27, heads=16, kv_groups=16, experts=64, topk=6,
-               expert_ffn=1408, shared_ffn=2816, vocab=102400, head_dim=128, kv_lora_rank=512,
-               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense=1,
-               dense_ffn=10944, shared_gate=False),
-    ModelShape("tiny-deepseek-v3", hidden=64, layers=3, heads=4, kv_groups=4, experts=8, topk=4,
-               expert_ffn=32, shared_ffn=32, vocab=256, head_dim=16, kv_lora_rank=16, q_lora_rank=24,
-               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense=1, dense_ffn=96,
-               shared_gate=False),
-)}
+def shape_of_fields(name: str, fields: dict) -> ModelShape:
+    """The shape of a model given as plain ``TransformerConfig`` fields (the form of
+    :data:`meshfold.catalog.MODEL_CONFIGS`; a field left out has the dataclass's default)."""
+    moe, a = fields["moe"], fields.get("mla")
+    layers, heads = fields["layers"], fields["heads"]
+    first, every = fields.get("first_k_dense", 0), fields.get("moe_every", 1)
+    dense = any(not (i >= first and (i - first) % every == 0) for i in range(layers))
+    shared = moe.get("shared_ffn", 0)
+    mla = {} if a is None else dict(kv_lora_rank=a["kv_lora_rank"], q_lora_rank=a.get("q_lora_rank") or 0,
+                                    qk_nope_head_dim=a["qk_nope_head_dim"], qk_rope_head_dim=a["qk_rope_head_dim"],
+                                    v_head_dim=a["v_head_dim"])
+    return ModelShape(name, hidden=fields["hidden"], layers=layers, heads=heads,
+                      kv_groups=fields.get("kv_heads") or heads, experts=moe["num_experts"],
+                      topk=moe.get("topk", 2), expert_ffn=moe["ffn"], vocab=fields["vocab"], shared_ffn=shared,
+                      head_dim=fields.get("head_dim"), first_k_dense=first, moe_every=every,
+                      dense_ffn=fields.get("ffn", 0) if dense else 0,
+                      shared_gate=not shared or (moe.get("shared_kind") or "qwen2") == "qwen2",
+                      qkv_bias=fields.get("qkv_bias", False), qk_norm=fields.get("qk_norm", False),
+                      tie_embeddings=fields.get("tie_embeddings", False), **mla)
 
 
 def shape_of_config(name: str, cfg) -> ModelShape:
     """The shape of a meshfold :class:`~meshfold.models.transformer.TransformerConfig` (MoE)."""
-    moe, a = cfg.moe, getattr(cfg, "mla", None)
-    mla = {} if a is None else dict(kv_lora_rank=a.kv_lora_rank, q_lora_rank=a.q_lora_rank or 0,
-                                    qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
-                                    v_head_dim=a.v_head_dim)
-    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.layers))
-    return ModelShape(name, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
-                      kv_groups=cfg.kv_heads or cfg.heads, experts=moe.num_experts, topk=moe.topk,
-                      expert_ffn=moe.ffn, vocab=cfg.vocab, shared_ffn=moe.shared_ffn, head_dim=cfg.head_dim,
-                      first_k_dense=cfg.first_k_dense, moe_every=cfg.moe_every, dense_ffn=cfg.ffn if dense else 0,
-                      shared_gate=not moe.shared_ffn or moe.shared_kind == "qwen2", qkv_bias=cfg.qkv_bias,
-                      qk_norm=cfg.qk_norm, tie_embeddings=cfg.tie_embeddings, **mla)
+    return shape_of_fields(name, dataclasses.asdict(cfg))
+
+
+# Every named model of meshfold (meshfold.catalog.MODEL_CONFIGS, the paper's among them): `plan
+# --model` and `train model.name` take the same names (tests/plan/test_plan.py checks every
+# parameter count against the built model).
+MODELS: dict[str, ModelShape] = {name: shape_of_fields(name, f) for name, f in MODEL_CONFIGS.items()}
 
 
 def model_shape(model: str | ModelShape | object) -> ModelShape:

@@ -3,7 +3,7 @@
 :func:`candidates` walks every FoldSpec of the GPU count that the model's shapes allow and, for
 each, every micro-batch size, virtual-pipeline size, pipeline schedule and data-parallel
 sharding that meshfold runs (:func:`~meshfold.plan.cost.check_layout` holds meshfold's rules;
-tests/test_plan.py runs every proposed layout through ``meshfold train``'s own validation).
+tests/plan/test_plan.py runs every proposed layout through ``meshfold train``'s own validation).
 :func:`plan` estimates them all and ranks the feasible ones by MFU.
 
 Knobs, as meshfold names them: ``sharding`` = ``parallelize(data_parallel=...)`` (``fsdp``,

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
 
-from meshfold.models.transformer_parallel import single_device_name
+from meshfold.parallel.transformer import single_device_name
 
 __all__ = ["save", "load", "latest", "verify", "newest_intact", "CheckpointError"]
 

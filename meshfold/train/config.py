@@ -18,7 +18,7 @@ ep = 4
 [train]
 steps = 200
 
-[sparsity]  # tile-sparse experts (meshfold.sparsity.ExpertSparsity fields)
+[sparsity]  # tile-sparse experts (meshfold.train.sparsity.ExpertSparsity fields)
 tile = [16, 16]
 schedule = [0.25, 0.5]
 start_step = 50
@@ -36,8 +36,10 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshfold.catalog import DATA_PARALLEL, RECOMPUTE, SCHEDULES
 from meshfold.mesh import FoldSpec
 from meshfold.plan.hardware import HARDWARE
+from meshfold.train.optim import NO_DECAY_KINDS
 
 __all__ = ["TrainConfig", "load_config", "parse_override", "master_dtype"]
 
@@ -48,7 +50,9 @@ class Rule:
 
     ``kind`` is int, float, bool, str or list; a float setting takes TOML integers too. ``low``
     / ``high`` bound numbers (``open_low``: strictly above ``low``); ``optional``: unset (None)
-    is allowed, which only the default can be, since TOML has no null.
+    is allowed, which only the default can be, since TOML has no null. A list holds ``item``
+    values (str, int or float), each checked against ``choices`` or the bounds, and exactly
+    ``length`` of them when that is set.
     """
 
     kind: type
@@ -59,6 +63,8 @@ class Rule:
     open_high: bool = False
     choices: tuple = ()
     optional: bool = False
+    item: type = str
+    length: int | None = None
 
     def check(self, key: str, value: Any) -> Any:
         """``value`` as the setting holds it, or ValueError naming ``key``, the value and what is valid."""
@@ -81,18 +87,37 @@ class Rule:
             if not isinstance(value, str) or (self.choices and value not in self.choices) or not value:
                 raise ValueError(f"{key} = {value!r}; valid: {self.describe()}")
             return value
-        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        if not isinstance(value, list) or (self.length is not None and len(value) != self.length):
+            raise ValueError(f"{key} must be {self.describe()}, got {value!r}")
+        if self.item is str and not self.choices:
+            ok = all(isinstance(v, str) for v in value)
+        else:
+            one = Rule(self.item, "", self.low, self.high, self.open_low, self.open_high, self.choices)
+            try:
+                value = [one.check(key, v) for v in value]
+                ok = True
+            except ValueError:
+                ok = False
+        if not ok:
             raise ValueError(f"{key} must be {self.describe()}, got {value!r}")
         return value
 
     def describe(self) -> str:
         """What is valid, in words: ``an integer >= 1``, ``one of gpipe, 1f1b``."""
+        if self.kind is list:
+            one = Rule(self.item, "", self.low, self.high, self.open_low, self.open_high, self.choices)
+            if self.choices:
+                return f"a list of any of {one.describe()}"
+            count = f"{self.length} " if self.length is not None else ""
+            if self.item is str:
+                return f"a list of {count}strings"
+            bounds = one.describe().split(" ", 2)[2:]  # "a number >= 0 ..." -> ">= 0 ..."
+            return f"a list of {count}{'integers' if self.item is int else 'numbers'}" + \
+                (f" {bounds[0]}" if bounds else "")
         if self.choices:
             return ", ".join(self.choices)
         if self.kind is bool:
             return "true or false"
-        if self.kind is list:
-            return "a list of strings"
         if self.kind is str:
             return "a non-empty string"
         what = "an integer" if self.kind is int else "a number"
@@ -113,7 +138,6 @@ def setting(default, kind, doc, **rule):
 
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16")
-RECOMPUTE_MODES = ("none", "selective", "full")  # meshfold.models.recompute.RECOMPUTE (checked by a test)
 DTYPE_BITS = {"bfloat16": 16, "float32": 32, "float64": 64}
 
 
@@ -138,7 +162,16 @@ class TrainSettings:
     lr: float = setting(3e-3, float, "peak learning rate (AdamW)", low=0, open_low=True)
     min_lr_ratio: float = setting(0.1, float, "the cosine decay ends at lr x min_lr_ratio", low=0, high=1)
     warmup: int = setting(20, int, "steps of linear warm-up", low=0)
-    weight_decay: float = setting(0.01, float, "AdamW weight decay", low=0)
+    weight_decay: float = setting(0.01, float, "AdamW's decoupled weight decay, on every parameter but those "
+                                  "train.no_weight_decay names", low=0)
+    no_weight_decay: list = setting(["1d"], list, "parameter kinds AdamW does not decay: 1d (biases, norm gains, "
+                                    "every other one-dimensional parameter), embedding, head (the output "
+                                    "projection; a tied head is the embedding), router (the routers' weights)",
+                                    choices=NO_DECAY_KINDS)
+    betas: list = setting([0.9, 0.95], list, "AdamW's (beta1, beta2): decay rates of the gradient's first and "
+                          "second moment estimates", item=float, length=2, low=0, high=1, open_high=True)
+    eps: float = setting(1e-8, float, "AdamW's epsilon, added to the root of the second moment", low=0,
+                         open_low=True)
     grad_clip: float = setting(1.0, float, "clip the global gradient norm to this (0: no clipping)", low=0)
     seed: int = setting(0, int, "seed of the weights and of the batches drawn", low=0)
     dtype: str = setting("float32", str, "compute dtype: what the layers compute in (bfloat16: mixed "
@@ -165,7 +198,7 @@ class TrainSettings:
     timeout: float = setting(300.0, float, "seconds a collective may wait, and half of it a rank may go "
                              "without a heartbeat, before the job is declared hung", low=0, open_low=True)
     retain_cpu_memory: bool = setting(False, bool, "CPU ranks keep freed memory for reuse "
-                                      "(meshfold.malloc): fewer page faults, the peak heap held until exit")
+                                      "(meshfold.runtime.malloc): fewer page faults, the peak heap held until exit")
     microbatches: int | None = setting(None, int, "micro-batches per step: the pipeline schedule's with "
                                        "fold.pp > 1 (default pp), else gradient accumulation (default 1)",
                                        low=1, optional=True)
@@ -176,15 +209,26 @@ class TrainSettings:
                                         low=0, open_low=True, optional=True)
     data_parallel: str = setting("fsdp", str, "data parallelism: fsdp (FSDP2: parameters, gradients and AdamW "
                                  "state sharded over dp x cp, experts over edp) or allreduce (whole replicas, "
-                                 "gradients all-reduced once per step)", choices=("fsdp", "allreduce"))
+                                 "gradients all-reduced once per step)", choices=DATA_PARALLEL)
     schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
-                            choices=("gpipe", "1f1b", "interleaved-1f1b"))
+                            choices=SCHEDULES)
     virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
+    tensorboard: bool = setting(False, bool, "also write the metrics as TensorBoard event files into "
+                                "<out_dir>/tensorboard/ (needs the tensorboard package: pip install "
+                                "\"meshfold[tensorboard]\")")
+    wandb: bool = setting(False, bool, "also log the metrics to Weights & Biases (needs the wandb package: pip "
+                          "install \"meshfold[wandb]\"; project, entity and mode come from its WANDB_* "
+                          "environment variables, e.g. WANDB_MODE=offline)")
+    profile_steps: list | None = setting(None, list, "[a, b]: record steps a to b (inclusive) with "
+                                         "torch.profiler into <out_dir>/profile/ (a Chrome trace per rank; on "
+                                         "CUDA also a memory snapshot) (default: unset, no profile)",
+                                         item=int, length=2, low=1, optional=True)
+    profile_ranks: str = setting("rank0", str, "which ranks train.profile_steps records", choices=("rank0", "all"))
     recompute: str = setting("none", str, "activation recomputation of every transformer block: selective "
                              "keeps the matrix products' outputs and recomputes norms, RoPE, attention "
                              "core and activations; full keeps only each block's input (both replay "
                              "the forward's routing); results are identical, memory smaller",
-                             choices=RECOMPUTE_MODES)
+                             choices=RECOMPUTE)
 
 
 @dataclass
@@ -275,7 +319,7 @@ class TrainConfig:
         if self.sparsity:
             if moe is None:
                 raise ValueError("[sparsity] settings given but the model has no MoE layers")
-            from meshfold.sparsity import ExpertSparsity
+            from meshfold.train.sparsity import ExpertSparsity
 
             sp = dict(self.sparsity)
             for key in ("tile", "schedule"):
@@ -302,7 +346,7 @@ class TrainConfig:
         import json
         from pathlib import Path
 
-        from meshfold.models.hf import config_from_hf
+        from meshfold.interop.hf import config_from_hf
 
         path = Path(self.train.init_from) / "config.json"
         if not path.is_file():
@@ -336,6 +380,9 @@ class TrainConfig:
                              f"gives 2*cp load-balanced chunks, each split over tp = {spec.tp})")
         if t.seq > cfg.max_seq:
             raise ValueError(f"train.seq = {t.seq} exceeds model max_seq = {cfg.max_seq}")
+        if t.profile_steps is not None and not t.profile_steps[0] <= t.profile_steps[1] <= t.steps:
+            raise ValueError(f"train.profile_steps = {t.profile_steps} must be [a, b] with a <= b <= train.steps "
+                             f"= {t.steps}")
         if spec.pp == 1 and t.microbatches and (t.batch // spec.dp) % t.microbatches:
             raise ValueError(f"train.batch / dp = {t.batch // spec.dp} sequences per rank is not "
                              f"divisible by train.microbatches = {t.microbatches}")
@@ -346,7 +393,7 @@ class TrainConfig:
             raise ValueError(f"train.init_from with fold.pp = {spec.pp}: pipeline stages do not load Hugging "
                              f"Face checkpoints yet; use pp = 1")
         if spec.pp > 1:
-            from meshfold.models.pipeline import check_pipeline
+            from meshfold.parallel.pipeline import check_pipeline
 
             mb = t.microbatches or spec.pp
             try:
@@ -360,7 +407,7 @@ class TrainConfig:
             if self.sparsity:
                 raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
                                  "all layers, which pipeline stages hold apart; use pp = 1")
-        from meshfold.models.transformer_parallel import check_fold
+        from meshfold.parallel.transformer import check_fold
 
         check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts
         return spec, cfg

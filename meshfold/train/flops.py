@@ -1,4 +1,5 @@
-"""FLOPs per training step, counted as Megatron-Core counts them (REFERENCE.md section 1).
+"""FLOPs per training step, counted as Megatron-Core counts them (Megatron-LM's
+``num_floating_point_operations``, megatron/training/training.py; arXiv 2504.14960's MFU).
 
 Per layer, forward, for B sequences of s tokens, hidden h, n heads, g KV heads, head dim c:
 

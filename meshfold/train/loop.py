@@ -17,30 +17,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshfold.malloc import retain_freed_memory
-from meshfold.mesh import fold
-from meshfold.models.pipeline import Pipeline
+from meshfold.runtime.malloc import retain_freed_memory
+from meshfold.mesh import backend_device_type, fold
+from meshfold.parallel.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
-from meshfold.models.transformer_parallel import (batch_rows, grad_norm, parallelize, reduce_gradients,
-                                                  shard_batch)
+from meshfold.parallel.transformer import parallelize
+from meshfold.parallel.batch import batch_rows, shard_batch
+from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
 from meshfold.plan.hardware import HARDWARE
 from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig
 from meshfold.train.flops import train_flops_per_step
+from meshfold.train.optim import build_optimizer, lr_at
 from meshfold.train.progress import Progress
+from meshfold.train.tracking import Profiler, StepMemory, Trackers
 from meshfold.train.pruning import FoldedPruner
 
 __all__ = ["train_rank", "accumulate", "microbatch_counts"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def _lr(step: int, t) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
-    if step < t.warmup:
-        return t.lr * (step + 1) / t.warmup
-    frac = (step - t.warmup) / max(1, t.steps - t.warmup)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
 def _measure_peak(seconds: float = 0.5, device=None, dtype=torch.float32) -> float:
@@ -95,20 +90,28 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], bac
     ``model.loss`` of micro-batch i is its global mean, ``sum_i / counts[i]``; weighting it by
     ``counts[i] / sum(counts)`` makes the micro-batches add up to the whole batch's mean loss and
     gradients (up to summation order), as Pipeline's schedules do. MoE balancing losses are
-    computed per micro-batch (Megatron-Core's definition) and attach with their full coefficient,
-    as under Pipeline: their gradients add up over the micro-batches, where Megatron-Core scales
-    each by 1 / microbatches. Under FSDP2 only the last backward reduce-scatters.
+    computed per micro-batch (Megatron-Core's definition) and each enters the backward scaled by
+    1 / microbatches, as under Pipeline and in Megatron-Core (``MoELayer.balancing_scale``), so
+    their gradient is the mean over the micro-batches. Under FSDP2 only the last backward
+    reduce-scatters.
     """
     m, total = len(counts), sum(counts)
     sync = getattr(model, "set_requires_gradient_sync", None)
+    layers = model.moe_layers()
+    for layer in layers:
+        layer.balancing_scale = 1 / m
     loss = 0.0
-    for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
-        if sync is not None and backward:
-            sync(i == m - 1)
-        part = model.loss(tokens_ms, targets_ms, positions) * (counts[i] / total)
-        if backward:
-            part.backward()
-        loss += part.item()
+    try:
+        for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
+            if sync is not None and backward:
+                sync(i == m - 1)
+            part = model.loss(tokens_ms, targets_ms, positions) * (counts[i] / total)
+            if backward:
+                part.backward()
+            loss += part.item()
+    finally:
+        for layer in layers:
+            layer.balancing_scale = 1.0
     return loss
 
 
@@ -118,6 +121,19 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _rank_device() -> torch.device:
+    """This rank's compute device, from the process group's config: under gloo (local spawn, or
+    torchrun on CPUs) the CPU; under NCCL (torchrun on GPUs, as ``nccl`` or ``cpu:gloo,cuda:nccl``)
+    the GPU the launcher selected from LOCAL_RANK."""
+    device_type = backend_device_type()
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device_type != "cpu":
+        raise ValueError(f"process group backend {dist.get_backend_config()!r} computes on {device_type!r}; "
+                         f"meshfold train runs on 'cpu' (gloo) or 'cuda' (nccl)")
+    return torch.device("cpu")
+
+
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     spec, mcfg = cfg.validate()
     t = cfg.train
@@ -125,18 +141,15 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     out = Path(t.out_dir)
     ckpt_dir = out / "checkpoints"
     torch.manual_seed(t.seed)
-    # gloo ranks (local spawn, or torchrun on CPUs) train on the CPU; nccl ranks (torchrun on
-    # GPUs) on their own GPU, which the launcher already selected from LOCAL_RANK
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    device = _rank_device()
     if device.type == "cpu" and t.retain_cpu_memory:
-        retain_freed_memory()  # reuse large activation buffers across steps (meshfold.malloc)
+        retain_freed_memory()  # reuse large activation buffers across steps (meshfold.runtime.malloc)
     folded = fold(spec, device.type)
     compute = DTYPES[t.dtype]
     last = checkpoint.latest(ckpt_dir) if t.resume else None
     if t.init_from is not None and last is None:  # (a resume reads its own checkpoint instead)
-        from meshfold.models.hf import from_pretrained
-        from meshfold.models.recompute import apply_recompute
+        from meshfold.interop.hf import from_pretrained
+        from meshfold.parallel.recompute import apply_recompute
 
         # laid out as parallelize lays it out, each rank reading only its own slices (pp = 1)
         model = from_pretrained(t.init_from, mesh=folded, dtype=DTYPES[t.master_dtype], cfg=mcfg,
@@ -151,9 +164,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                              data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
         else:
             parallelize(model, folded, data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                            betas=(0.9, 0.95), foreach=False)
-    from meshfold.data import load_corpus
+    opt = build_optimizer(model, t)
+    from meshfold.data.corpus import load_corpus
 
     corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
     own_rows = batch_rows(t.batch, spec, rank)  # the only rows of each global batch this rank reads
@@ -173,6 +185,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         _truncate_metrics(out / "metrics.jsonl", start)
     metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
     progress = Progress(t.steps, start) if rank == 0 else None
+    memory, profiler = StepMemory(device), Profiler(t, out, rank, device)
+    trackers = Trackers(t, out, start) if rank == 0 else None
     if rank == 0 and resumed_from:
         print(f"resumed from {resumed_from} at step {start}", flush=True)
     last_good = resumed_from
@@ -180,10 +194,14 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     end = t.steps if t.stop_at is None else min(t.steps, t.stop_at)
     for step in range(start, end):
         n = step + 1  # steps are counted from 1 in logs, checkpoints and settings
+        profiler.begin(n)
+        memory.start()
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = _lr(step, t)
+            group["lr"] = lr_at(n, t)
         tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed, rows=own_rows)
+        for layer in model.moe_layers():
+            layer.reset_step()  # the step's MoE metrics cover all of its micro-batches
         faults.before_step(injected, rank, n)
         loss = _global_loss(model, tokens, targets, spec, rank, backward=True,
                             microbatches=t.microbatches or 1)  # the same on every rank
@@ -191,12 +209,14 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             loss = float("nan")  # all ranks stop or skip together
         if math.isfinite(loss):
             record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, (peak_hw, peak), t0)
+            record["memory"] = memory.gather()  # every rank's peak of the step (a collective)
             if n % t.eval_every == 0 or n == t.steps:
                 record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
             if rank == 0:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
                 progress.update(record)
+                trackers.log(record)
             history.append(record)
         elif t.skip_nonfinite:
             opt.zero_grad(set_to_none=True)
@@ -215,9 +235,11 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                      "world_size": world_size, "train_steps": t.steps, "init_from": t.init_from}
             crash = faults.crash_in_save(injected, n)
             last_good = str(checkpoint.save(ckpt_dir, n, model, opt, state, crash_before_rename=crash))
+        profiler.end(n)
     if rank == 0:
         progress.close()
         metrics_file.close()
+        trackers.close()
     return {"final_loss": history[-1]["loss"] if history else None, "steps": len(history),
             "start": start, "checkpoint": last_good}
 
@@ -267,12 +289,15 @@ def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peaks, t0)
 
 
 def _moe_metrics(model) -> list[dict]:
-    """Per MoE layer, in layer order: losses, tokens per expert, dropped fraction (collective:
-    ``last_losses`` sums over the stage's ranks; with pp, the stages' layers are gathered)."""
-    mine = [(i, {"losses": {k: float(v) for k, v in b.mlp.last_losses.items()},
-                 "tokens_per_expert": b.mlp.last_metrics["tokens_per_expert"].tolist(),
-                 "dropped_fraction": float(b.mlp.last_metrics["dropped_fraction"])})
-            for i, b in model.moe_blocks()]
+    """Per MoE layer, in layer order, over every micro-batch of the step: losses, tokens per
+    expert, dropped fraction (collective: ``step_metrics`` sums over the stage's ranks; with pp,
+    the stages' layers are gathered)."""
+    mine = []
+    for i, b in model.moe_blocks():
+        m = b.mlp.step_metrics()
+        mine.append((i, {"losses": {k: float(v) for k, v in m["losses"].items()},
+                         "tokens_per_expert": m["tokens_per_expert"].tolist(),
+                         "dropped_fraction": float(m["dropped_fraction"])}))
     if not isinstance(model, Pipeline):
         return [m for _, m in mine]
     everyone = [None] * dist.get_world_size()

@@ -38,14 +38,15 @@ def check_launch(world_size: int) -> list[str]:
 
 def check_data(cfg) -> None:
     """The training text exists and gives one batch of ``train.seq + 1`` bytes in each split."""
-    from meshfold.data import corpus_files, default_corpus_paths, split_point, split_sizes
-    from meshfold.tokens import is_token_folder, read_index
+    from meshfold.data.corpus import split_point, split_sizes
+    from meshfold.data.files import corpus_files, default_corpus_paths
+    from meshfold.data.tokens import is_token_folder, read_index
 
     paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq
     if cfg.data.tokenizer and paths and is_token_folder(paths):
         raise ValueError(f"data.tokenizer with --data {paths[0]}, which is tokenized already: drop one of them")
     if cfg.data.tokenizer and not (paths and is_token_folder(paths)):
-        from meshfold.tokens import load_tokenizer
+        from meshfold.data.tokens import load_tokenizer
 
         ids, vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(with_added_tokens=True), cfg.model_config().vocab
         if ids > vocab:
@@ -110,7 +111,7 @@ def check_init_from(path, mcfg) -> None:
     naming the tensor and both shapes."""
     import torch
 
-    from meshfold.models.hf import load_state
+    from meshfold.interop.hf import load_state
     from meshfold.models.transformer import MoETransformer
 
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""Rank 0's progress line: step, loss, tokens/s, MFU and ETA.
+"""Rank 0's progress line: step, loss, tokens/s, MFU, the busiest rank's memory and ETA.
 
 On a terminal the line rewrites itself; in a log (not a TTY) it prints about twenty lines per run
 so a CI log or a redirected file stays readable.
@@ -20,6 +20,14 @@ def _utilization(r: dict) -> str:
     return f"{100 * r['mfu_of_measured_gemm']:.1f}% of measured GEMM"
 
 
+def _memory(r: dict) -> str:
+    """The busiest rank's memory peak of the step, and which rank that is."""
+    m = r.get("memory")
+    if not m:
+        return ""
+    return f"  mem {m['mib'][m['peak_rank']]:,.0f} MiB (rank {m['peak_rank']})"
+
+
 class Progress:
     def __init__(self, total: int, start: int = 0, stream=None):
         self.total, self.start = total, start
@@ -38,7 +46,7 @@ class Progress:
         bar = "#" * filled + "." * (width - filled)
         val = f" val {r['val_loss']:.3f}" if "val_loss" in r else ""
         line = (f"[{bar}] step {step}/{self.total}  loss {r['loss']:.4f}{val}  "
-                f"{r['tokens_per_s']:,.0f} tok/s  {_utilization(r)}  ETA {eta:5.0f}s")
+                f"{r['tokens_per_s']:,.0f} tok/s  {_utilization(r)}{_memory(r)}  ETA {eta:5.0f}s")
         if self.tty:
             self.stream.write("\r" + line + "\033[K")  # clear what a longer line left behind
         elif done % self.every == 0 or step == self.total or "val_loss" in r:

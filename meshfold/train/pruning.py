@@ -1,12 +1,12 @@
 """Tile-wise pruning of folded expert weights during ``meshfold train``.
 
-The pruning method lives in :mod:`meshfold.sparsity` and works on whole weights. Under EP / ETP
+The pruning method lives in :mod:`meshfold.train.sparsity` and works on whole weights. Under EP / ETP
 each rank holds only a shard, yet the paper's threshold is global over the whole group of layers.
 So at a prune step every rank gathers the full expert weights (and, for the Taylor score, the
-full accumulated ``(dL/dW * W)^2``), runs the same :class:`~meshfold.sparsity.TilePruner` step
+full accumulated ``(dL/dW * W)^2``), runs the same :class:`~meshfold.train.sparsity.TilePruner` step
 on them (identical input, identical masks everywhere; the masks are full-size buffers that each
 layer slices for its shard), then zeroes its own shards of the weights, pending gradients and
-optimizer moments under the new masks (:func:`~meshfold.sparsity.mask_weight_`). The cost:
+optimizer moments under the new masks (:func:`~meshfold.train.sparsity.mask_weight_`). The cost:
 with the Taylor score, full weights and gradients are gathered every step until the last stage
 (and every rank keeps full fp32 scores), magnitude scoring gathers only at prune steps. That
 suits the CPU-scale models ``meshfold train`` runs; scoring shards locally and reducing only
@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshfold.kernels.reference import expand_tile_mask
-from meshfold.sparsity import ExpertSparsity, TilePruner, mask_weight_
+from meshfold.train.sparsity import ExpertSparsity, TilePruner, mask_weight_
 
 __all__ = ["FoldedPruner", "shard_like"]
 
@@ -30,7 +30,7 @@ def shard_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
     An expert weight is sharded over ep and etp by the fold and then over edp by FSDP2, on dim 0
     (a strided shard: FSDP2 cuts the ep-local experts) or on the hidden dim
-    (:func:`~meshfold.models.data_parallel.expert_shard_placement`). Slicing by the fold's own
+    (:func:`~meshfold.parallel.data_parallel.expert_shard_placement`). Slicing by the fold's own
     ep / etp ranges misses the edp cut, so the piece is taken by DTensor's own placements,
     locally (``src_data_rank=None``: every rank holds ``full``, nothing is sent)."""
     if not isinstance(p, DTensor):

@@ -8,11 +8,12 @@ plots, ``logs/`` and ``run.json``, the run's identity. Three rules keep it whole
   by a dead run is simply taken over; a live holder makes a second run fail at once, naming its
   PID.
 * **A rerun continues the same run or refuses.** ``run.json`` records every setting that
-  changes what is trained (model, MoE, sparsity, data, seed, batch, sequence, optimizer and
-  schedule, dtype). A rerun whose settings differ fails before any rank starts, naming the
-  differences. What may change: the fold (checkpoints reshard), ``train.steps`` (the
-  learning-rate schedule is recomputed, and the run says so), and settings of how the run is
-  watched or kept (evaluation and checkpoint intervals, timeout, ``stop_at``, memory).
+  changes what is trained (model, MoE, sparsity, data, seed, batch, sequence, micro-batches,
+  optimizer and schedule, dtype). A rerun whose settings differ fails before any rank starts,
+  naming the differences. What may change: the fold (checkpoints reshard; the micro-batch count
+  it implies must stay), ``train.steps`` (the learning-rate schedule is recomputed, and the
+  run says so), and settings of how the run is watched or kept (evaluation and checkpoint
+  intervals, timeout, ``stop_at``, memory, tracking and profiling).
 * **Starting over is one rename.** ``train.resume=false`` on a folder that holds a run moves the
   whole folder aside to ``<out_dir>.replaced-<time>`` and starts in an empty one, so old and new
   checkpoints and metrics are never mixed.
@@ -34,8 +35,11 @@ __all__ = ["RunLock", "identity", "prepare"]
 LOCK = ".lock"
 IDENTITY = "run.json"
 # train.* settings that change what is trained; the others change how the run is watched or kept
-IDENTITY_TRAIN = ("batch", "seq", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed", "dtype",
-                  "master_dtype", "init_from")
+IDENTITY_TRAIN = ("batch", "seq", "lr", "min_lr_ratio", "warmup", "weight_decay", "no_weight_decay", "betas", "eps",
+                  "grad_clip", "seed", "dtype", "master_dtype", "init_from")
+# what a run.json written before these settings existed trained with (the micro-batch count was
+# not recorded: such a run continues with any)
+BEFORE_RECORDED = {"train.betas": [0.9, 0.95], "train.eps": 1e-8, "train.no_weight_decay": []}
 
 
 class RunLock:
@@ -105,6 +109,9 @@ def identity(cfg, mcfg) -> dict:
         if sp is not None:
             out.update({f"sparsity.{k}": v for k, v in dataclasses.asdict(sp).items()})
     out.update({f"train.{k}": getattr(cfg.train, k) for k in IDENTITY_TRAIN})
+    # micro-batches as resolved: each one's balancing losses are computed on its own tokens
+    pp = cfg.fold_spec().pp
+    out["train.microbatches"] = cfg.train.microbatches or (pp if pp > 1 else 1)
     out["data.paths"] = [os.path.abspath(p) for p in cfg.data.paths] or "Python standard library"
     out["data.val_fraction"] = cfg.data.val_fraction
     out["data.tokenizer"] = os.path.abspath(cfg.data.tokenizer) if cfg.data.tokenizer else None
@@ -128,6 +135,9 @@ def _recorded(out: Path, cfg, now: dict) -> tuple[dict, int | None]:
             ident = rec["identity"]
             if "train.dtype" in ident:  # recorded before train.master_dtype: weights were train.dtype
                 ident.setdefault("train.master_dtype", ident["train.dtype"])
+            if "train.batch" in ident:  # recorded before the optimizer's settings and micro-batches
+                for key, value in {**BEFORE_RECORDED, "train.microbatches": now["train.microbatches"]}.items():
+                    ident.setdefault(key, value)
             return ident, rec.get("steps")
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path} is damaged ({err}); move it aside to continue the run "
@@ -182,6 +192,9 @@ def prepare(lock: RunLock, cfg, mcfg) -> list[str]:
         if old_steps is not None and old_steps != steps:
             notes.append(f"train.steps {old_steps} -> {steps}: the learning-rate schedule now spans "
                          f"{steps} steps (warm-up {cfg.train.warmup}, cosine decay to step {steps})")
+    if cfg.train.warmup >= steps:
+        notes.append(f"train.warmup = {cfg.train.warmup} >= train.steps = {steps}: the run ends inside the "
+                     f"warm-up, at lr x {steps}/{cfg.train.warmup}, before any decay")
     tmp = out / (IDENTITY + ".tmp")
     tmp.write_text(json.dumps({"identity": now, "steps": steps}, indent=1) + "\n")
     os.replace(tmp, out / IDENTITY)

@@ -67,10 +67,10 @@ def reference() -> str:
             "| setting | tiny default |", "|---|---|"]
     out += [f"| `moe.{f.name}` | `{_toml(getattr(base.moe, f.name))}` |"
             for f in dataclasses.fields(base.moe) if f.name not in ("router_dtype", "expert_sparsity")]
-    from meshfold.sparsity import ExpertSparsity
+    from meshfold.train.sparsity import ExpertSparsity
 
     out += ["", "### [sparsity]", "",
-            "Tile-sparse experts (`meshfold.sparsity.ExpertSparsity`; none by default). Its fields:", "",
+            "Tile-sparse experts (`meshfold.train.sparsity.ExpertSparsity`; none by default). Its fields:", "",
             "| setting | default |", "|---|---|"]
     for f in dataclasses.fields(ExpertSparsity):
         d = f.default if f.default is not dataclasses.MISSING else (

@@ -1,0 +1,122 @@
+"""``meshfold dryrun``: one training step of an N-rank job on this machine, without tensor data.
+
+Example (the paper's Mixtral-8x22B on 128 GPUs, folded, pp = 1)::
+
+    meshfold dryrun --model mixtral-8x22b --gpus 128 --fold 1/2/8/1/1 --gbs 256 --mbs 1 --json out.json
+
+``--fold CP/TP/EP/PP/ETP`` is the paper's notation (``CP/TP/EP/PP`` alone: ETP = TP, as
+Megatron-Core without folding). Prints each representative rank's memory (parameters,
+gradients, optimizer state, activation peak, total against the ``--gpu`` budget) and its
+collectives summed per (kind, mesh dim); ``--json`` writes the full per-rank report, with every
+collective record. A rank over the GPU's usable memory fails the run (exit 1), naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshfold.catalog import RECOMPUTE
+
+__all__ = ["configure", "main", "parse_fold", "train_config"]
+
+GIB = 1024 ** 3
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a named model config (meshfold.models.configs)")
+    parser.add_argument("--gpus", type=int, required=True, help="ranks of the job (world size)")
+    parser.add_argument("--fold", required=True, metavar="CP/TP/EP/PP[/ETP]",
+                        help="the fold in the paper's notation; ETP defaults to TP")
+    parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    parser.add_argument("--gbs", type=int, default=256, help="global batch in sequences (default 256)")
+    parser.add_argument("--mbs", type=int, default=1,
+                        help="micro-batch in sequences per dp rank: gbs / dp / mbs micro-batches (default 1)")
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float64"),
+                        help="compute dtype (master weights and AdamW state: float32 or wider)")
+    parser.add_argument("--gpu", default="h100", help="hardware preset whose memory is the budget (default h100)")
+    parser.add_argument("--routing", default="balanced", help="balanced (default) or zipf:S, e.g. zipf:1.0")
+    parser.add_argument("--ranks", type=int, nargs="+", help="ranks to dry-run (default: one per pipeline stage)")
+    parser.add_argument("--json", metavar="FILE", help="write the per-rank report here")
+
+
+def parse_fold(text: str, world_size: int) -> dict:
+    """``"CP/TP/EP/PP[/ETP]"`` -> TrainConfig's ``fold`` table."""
+    parts = text.split("/")
+    if len(parts) not in (4, 5) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--fold {text!r}; valid: CP/TP/EP/PP or CP/TP/EP/PP/ETP of positive integers, "
+                         f"e.g. 1/2/8/8/1")
+    cp, tp, ep, pp, *etp = (int(p) for p in parts)
+    return {"world_size": world_size, "cp": cp, "tp": tp, "ep": ep, "pp": pp, "etp": etp[0] if etp else tp}
+
+
+def train_config(args):
+    """The :class:`~meshfold.train.config.TrainConfig` a ``meshfold train`` of these settings uses."""
+    from meshfold.train.config import TrainConfig
+
+    cfg = TrainConfig(model={"name": args.model}, fold=parse_fold(args.fold, args.gpus))
+    t = cfg.train
+    t.batch, t.seq, t.dtype, t.recompute = args.gbs, args.seq, args.dtype, args.recompute
+    spec, _ = cfg.validate()  # the fold's and the model's one-line errors, as meshfold train gives them
+    per_rank = args.gbs // spec.dp
+    if args.mbs < 1 or per_rank % args.mbs:
+        raise ValueError(f"--mbs {args.mbs}: gbs / dp = {per_rank} sequences per dp rank is not a multiple "
+                         f"of it (valid: divisors of {per_rank})")
+    t.microbatches = per_rank // args.mbs
+    t.gpu = args.gpu
+    cfg.validate()
+    return cfg
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:9.2f}"
+
+
+def main(args: argparse.Namespace) -> int:
+    import time
+
+    from meshfold.dryrun.engine import dry_run
+    from meshfold.dryrun.routing import parse_routing
+    from meshfold.plan.hardware import hardware
+
+    routing = parse_routing(args.routing)
+    hw = hardware(args.gpu)
+    cfg = train_config(args)
+    spec = cfg.fold_spec()
+    if args.ranks:
+        bad = [r for r in args.ranks if not 0 <= r < spec.world_size]
+        if bad:
+            raise ValueError(f"--ranks {bad}: out of range [0, {spec.world_size})")
+    from meshfold.runtime import launch
+
+    launch.preload("meshfold.dryrun")  # for the other ranks' processes: this command's code cannot change
+    t0 = time.perf_counter()
+    reports = dry_run(cfg, routing, args.ranks, last_here=True)  # the command exits after it
+    wall = time.perf_counter() - t0
+    budget = hw.usable_bytes
+    print(f"meshfold dryrun: {args.model} on {spec.world_size} ranks, fold {args.fold} "
+          f"(tp{spec.tp} cp{spec.cp} dp{spec.dp} pp{spec.pp} | etp{spec.etp} ep{spec.ep} edp{spec.edp}), "
+          f"gbs {args.gbs} x seq {args.seq}, {cfg.train.microbatches} micro-batches, {args.dtype}, "
+          f"recompute {args.recompute}, routing {routing.describe()}; {wall:.1f} s")
+    print(f"{'rank':>5} {'stage':>5} {'params':>9} {'grads':>9} {'optim':>9} {'act.peak':>9} {'peak':>9}  GiB "
+          f"(usable on {hw.name}: {budget / GIB:.2f})")
+    for r in reports:
+        print(f"{r.rank:>5} {r.stage:>5} {_gib(r.param_bytes)} {_gib(r.grad_bytes)} {_gib(r.optimizer_bytes)} "
+              f"{_gib(r.activation_peak_bytes)} {_gib(r.peak_bytes)}")
+    for r in reports:
+        print(f"rank {r.rank}: {len(r.collectives)} collectives, {len(r.host_reads)} host reads "
+              f"({sum(1 for w, _ in r.host_reads if w == 'block_counts')} of block counts)")
+        for (kind, dim), n in sorted(r.collective_summary().items()):
+            print(f"  {kind:>14} over {dim:<10} {n / 2 ** 20:12.1f} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "world_size": spec.world_size, "fold": args.fold,
+                       "routing": routing.describe(), "gpu": hw.name, "usable_bytes": budget,
+                       "wall_s": round(wall, 2), "ranks": [r.to_json() for r in reports]}, f, indent=1)
+    over = [r for r in reports if r.peak_bytes > budget]
+    for r in over:
+        print(f"meshfold dryrun: rank {r.rank} runs out of memory: peak {r.peak_bytes / GIB:.2f} GiB > "
+              f"{budget / GIB:.2f} GiB usable on {hw.name}", file=sys.stderr)
+    return 1 if over else 0

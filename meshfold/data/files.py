@@ -1,0 +1,68 @@
+"""Which files a run reads: the ``--data`` paths as files, or the Python standard library's sources.
+
+The default corpus is the running Python's own standard-library sources: real text, present on
+every machine that can run meshfold, no download. Folders are read in sorted order, without
+hidden files and folders or binary files.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+__all__ = ["corpus_files", "default_corpus_paths"]
+
+
+def default_corpus_paths(limit_bytes: int = 8_000_000) -> list[Path]:
+    """The standard library's ``*.py`` files (sorted), up to about ``limit_bytes``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests"}
+    found = []
+    for folder, dirs, files in os.walk(root):  # not into the skipped folders: site-packages is most
+        dirs[:] = [d for d in dirs if d not in skip]  # of the tree, and every rank lists it
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
+    out, total = [], 0
+    for path in sorted(found):
+        if skip.intersection(path.parts):
+            continue
+        try:
+            size = path.stat().st_size
+        except OSError:
+            continue
+        out.append(path)
+        total += size
+        if total >= limit_bytes:
+            break
+    if not out:
+        raise FileNotFoundError(f"no Python sources found under {root}; pass --data")
+    return out
+
+
+def _is_binary(path: Path) -> bool:
+    """A file whose first 8 KiB hold a NUL byte (images, archives, compiled code): not text."""
+    try:
+        with open(path, "rb") as f:
+            return b"\0" in f.read(8192)
+    except OSError:
+        return False  # reading it later names the error
+
+
+def corpus_files(paths: list[str | Path]) -> list[Path]:
+    """The files ``--data`` names: files as given, folders' files in sorted order without hidden
+    files and folders (``.git/``, ``.venv/``) or binary files."""
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            for f in sorted(p.rglob("*")):
+                rel = f.relative_to(p).parts
+                if f.is_file() and not any(part.startswith(".") for part in rel) and not _is_binary(f):
+                    files.append(f)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ValueError(f"--data {p}: no such file or folder")
+    if not files:
+        raise ValueError(f"--data {' '.join(map(str, paths))}: no text files found (hidden and binary "
+                         f"files are skipped)")
+    return files

@@ -1,0 +1,227 @@
+"""Pre-tokenized training data: ``meshfold tokenize`` writes it, ``meshfold train --data DIR`` reads it.
+
+A token folder holds shards of flat token ids and one small JSON index::
+
+    DIR/index.json          {"format": "meshfold-tokens-1", "dtype": "uint16", "vocab_size": V,
+                             "eos_id": e, "tokenizer": "...", "tokens": N,
+                             "shards": [{"file": ..., "tokens": n}, ...]}
+    DIR/shard-00000.bin     ids as little-endian uint16 (vocab <= 65536) or uint32, EOS between
+    DIR/shard-00001.bin     documents (a document is one input file)
+    DIR/tokenizer.json      the tokenizer, when --train-tokenizer made it
+
+The reader requires ``format``, ``dtype``, ``vocab_size``, ``shards`` and ``tokens``, the total
+over the shards (a check that the shard list is the one written); ``eos_id`` and ``tokenizer``
+say what made the ids; ``meshfold tokenize`` also records ``sources`` (what to reuse it for).
+
+Why this layout: it is what numpy memory-maps without parsing (every rank maps the shards and
+reads only the windows it trains on), it is the layout nanoGPT and Megatron-Core's indexed
+datasets use in spirit (flat ids, an index beside them), and the index lets ``meshfold train``
+check vocabulary, size and integrity before any rank starts.
+
+The shards form one stream; its last ``data.val_fraction`` of tokens is held out for
+validation, as for byte-level text. Batches are drawn from ``(seed, step)`` exactly as for bytes
+(:mod:`meshfold.data.corpus`), so a resumed run reads the batches an uninterrupted one would: the
+sampler's position is the step, which the checkpoint holds.
+
+Tokenizers are Hugging Face ``tokenizers`` files (``pip install "meshfold[tokenize]"``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from meshfold.data.files import corpus_files, default_corpus_paths
+
+__all__ = ["TokenStream", "is_token_folder", "load_tokenizer", "read_index", "tokenize", "train_tokenizer",
+           "write_shards"]
+
+FORMAT = "meshfold-tokens-1"
+INDEX = "index.json"
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError('tokenized data needs the tokenizers package: pip install "meshfold[tokenize]"') from None
+    return tokenizers
+
+
+def load_tokenizer(path: str | Path):
+    """A ``tokenizers.Tokenizer`` from a tokenizer.json, or a Hugging Face checkpoint folder with one."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"tokenizer {path}: no tokenizer.json there")
+    try:
+        return _tokenizers().Tokenizer.from_file(str(file))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises its own exception types
+        raise ValueError(f"tokenizer {file}: not a tokenizers file ({err})") from None
+
+
+def eos_id(tok) -> int:
+    """The id that separates documents: the tokenizer's end-of-text token."""
+    for name in EOS_NAMES:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    raise ValueError(f"the tokenizer has none of the end-of-text tokens {list(EOS_NAMES)}")
+
+
+def train_tokenizer(files: list[Path], vocab: int, out: Path):
+    """Train a byte-level BPE tokenizer of ``vocab`` ids on ``files`` (offline); saves and returns it."""
+    tk = _tokenizers()
+    if vocab < 257 + 1:
+        raise ValueError(f"--train-tokenizer {vocab}: a byte-level BPE needs at least 258 ids (256 bytes + EOS + 1)")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(f) for f in files], trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return tok
+
+
+def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_tokens: int = 1 << 27,
+                 stream=sys.stdout, extra: dict | None = None) -> dict:
+    """Tokenize ``files`` (one document each) into ``out``'s shards and index; returns the index.
+
+    Shows a progress line per file; the index is written last, so an interrupted run leaves a
+    folder ``meshfold train`` refuses (no index) rather than a silently short one."""
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    eos = eos_id(tok)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / INDEX).unlink(missing_ok=True)
+    shards, buf, total = [], [], 0
+
+    def flush():
+        ids = np.concatenate(buf).astype(dtype) if buf else np.zeros(0, dtype)
+        name = f"shard-{len(shards):05d}.bin"
+        ids.tofile(out / name)
+        shards.append({"file": name, "tokens": int(ids.size)})
+        buf.clear()
+
+    pending = 0
+    for n, f in enumerate(files, 1):
+        ids = tok.encode(f.read_text(encoding="utf-8", errors="replace")).ids
+        doc = np.asarray(([eos] if total else []) + ids, dtype=np.int64)
+        buf.append(doc)
+        pending += doc.size
+        total += doc.size
+        if pending >= shard_tokens:
+            flush()
+            pending = 0
+        done = int(24 * n / len(files))
+        stream.write(f"\r[{'#' * done}{'.' * (24 - done)}] {n}/{len(files)} files  {total:,} tokens\033[K")
+        stream.flush()
+    if buf or not shards:
+        flush()
+    stream.write("\n")
+    index = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": vocab, "eos_id": eos,
+             "tokenizer": tokenizer_name, "tokens": total, "shards": shards, "sources": sources(files),
+             **(extra or {})}
+    (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    return index
+
+
+def tokenize(files: list[str], out: str | Path, tokenizer: str | None = None, train_vocab: int | None = None,
+             shard_tokens: int = 1 << 27) -> dict:
+    """Tokenize ``files`` into ``out`` with a given tokenizer or one trained on them; the index."""
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    out = Path(out)
+    paths = corpus_files(files)
+    if train_vocab is not None:
+        tok = train_tokenizer(paths, train_vocab, out)
+        name = str(out / "tokenizer.json")
+    else:
+        tok, name = load_tokenizer(tokenizer), str(tokenizer)
+    return write_shards(tok, paths, out, name, shard_tokens)
+
+
+def sources(files: list[Path]) -> list:
+    """What a token folder was made from: ``[path, size, mtime_ns]`` of each file, to reuse it
+    only while the text (and the tokenizer file) is unchanged."""
+    return [[str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files]
+
+
+def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdout) -> Path:
+    """``data.tokenizer``: the text ``paths`` tokenized into ``folder`` (reused while the text
+    and the tokenizer are the same); returns the folder to train on."""
+    files = corpus_files(paths) if paths else default_corpus_paths()
+    file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+    try:
+        index = json.loads((folder / INDEX).read_text())
+        if index.get("sources") == sources(files) and index.get("tokenizer_file") == sources([file])[0]:
+            read_index(folder)
+            stream.write(f"  data: reusing the tokens in {folder}/\n")
+            return folder
+    except (OSError, ValueError):
+        pass
+    stream.write(f"  data: tokenizing {len(files)} files with {tokenizer} into {folder}/\n")
+    write_shards(load_tokenizer(tokenizer), files, folder, str(Path(tokenizer).resolve()), stream=stream,
+                 extra={"tokenizer_file": sources([file])[0]})
+    return folder
+
+
+def is_token_folder(paths) -> bool:
+    """Whether ``--data`` names one pre-tokenized folder (it has an index.json)."""
+    return len(paths) == 1 and (Path(paths[0]) / INDEX).is_file()
+
+
+def read_index(folder: str | Path) -> dict:
+    """The folder's index, with every shard checked to exist and to hold as many ids as it says."""
+    folder = Path(folder)
+    try:
+        index = json.loads((folder / INDEX).read_text())
+        shards, dtype = index["shards"], np.dtype(index["dtype"])
+        assert index["format"] == FORMAT and dtype in (np.uint16, np.uint32)
+        int(index["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as err:
+        raise ValueError(f"{folder / INDEX} is not a meshfold token index ({type(err).__name__}: {err}); "
+                         f"rewrite it with meshfold tokenize") from None
+    if sum(s["tokens"] for s in shards) != index.get("tokens"):
+        raise ValueError(f"{folder / INDEX}: its shards hold {sum(s['tokens'] for s in shards):,} tokens, "
+                         f"not the {index.get('tokens')} it says; rerun meshfold tokenize")
+    for s in shards:
+        path = folder / s["file"]
+        size = path.stat().st_size if path.is_file() else -1
+        if size != s["tokens"] * dtype.itemsize:
+            raise ValueError(f"{path} is {'missing' if size < 0 else f'{size:,} bytes'}, not the "
+                             f"{s['tokens']:,} tokens x {dtype.itemsize} bytes the index says; rerun "
+                             f"meshfold tokenize")
+    return index
+
+
+class TokenStream:
+    """The shards of a token folder as one read-only stream of ids, memory-mapped: ``len`` and
+    slicing (``stream[a:b]``, a numpy array) read only the bytes asked for."""
+
+    def __init__(self, folder: str | Path, index: dict | None = None):
+        folder = Path(folder)
+        index = index or read_index(folder)
+        self.maps = [np.memmap(folder / s["file"], dtype=index["dtype"], mode="r")
+                     for s in index["shards"] if s["tokens"]]
+        self.offsets = np.cumsum([0] + [m.size for m in self.maps])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        lo, hi, _ = window.indices(len(self))
+        parts = []
+        first = int(np.searchsorted(self.offsets, lo, side="right")) - 1
+        for k in range(max(first, 0), len(self.maps)):
+            a, b = self.offsets[k], self.offsets[k + 1]
+            if a >= hi:
+                break
+            parts.append(self.maps[k][max(lo, a) - a:min(hi, b) - a])
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -1,0 +1,269 @@
+"""The planner against the dry run: each memory term and each collective's bytes, side by side.
+
+The planner (:func:`~meshfold.plan.cost.estimate`) states what one step of a layout costs from
+closed formulas; ``meshfold dryrun`` (:func:`~meshfold.dryrun.dry_run`) runs that step of
+meshfold's own code on fake tensors and records it. :func:`compare` puts the two next to each
+other for one layout, term by term, so a formula that drifts from the code shows up as a ratio
+away from 1 (docs/plan.md, "Planner against the dry run", has the table and what each row means).
+
+Like is compared with like (per rank of a pipeline stage, per step):
+
+* ``params``, ``optimizer``: the rank's local storage, as both report it.
+* ``grads (sharded)``: the planner's sharded fp32 gradients (``4 x local params / dp cp`` dense,
+  ``/ edp`` experts) against the dry run's ``grad_bytes``, the reduced gradients the optimizer
+  steps on.
+* ``step peak (grads + buffers + activations)``: the planner's gradients (unsharded while
+  accumulating), FSDP2's gathered weights (``buffers``) and the activations against the dry
+  run's ``activation_peak_bytes``, the peak of everything forward and backward create and keep
+  alive: activations, temporaries, gathered weights, gradients as they form.
+* ``total``: the planner's memory per GPU against the dry run's ``peak_bytes``.
+* one row per ``(kind, dim)`` collective either side issues, in bytes per step.
+
+A real-shape step costs the dry run seconds per layer on a CPU, so both sides run the same reduced model (``layers``) and the same number of micro-batches
+(``global_batch = dp x mbs x microbatches``): per-layer terms scale with the layer count and
+per-micro-batch terms with the micro-batches, while hidden sizes, heads, experts, the sequence
+and the fold keep every byte of a layer the real one. With pp > 1 each pipeline stage is
+compared by its first rank (:func:`pipeline_cases`: the pipeline's memory moments, its send /
+recv over pp, FSDP2 under a schedule, uneven chunks, the embedding and the head's stages).
+
+    python -m meshfold.dryrun.check            # the table of docs/plan.md (minutes: one process a stage)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshfold.mesh import FoldSpec
+from meshfold.plan.cost import Layout, estimate
+from meshfold.plan.hardware import hardware
+from meshfold.plan.stages import FP32, expert_shard
+from meshfold.plan.models import MODELS
+
+__all__ = ["Case", "Row", "compare", "cases", "pipeline_cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
+           "TOLERANCE"]
+
+TOLERANCE = 0.10  # every term within 10%: the accuracy the planner states (docs/plan.md)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: ``model`` (a name of both ``MODELS`` and meshfold's configs) cut to
+    ``layers`` layers, on ``spec`` with ``microbatches`` of ``mbs`` sequences of ``seq`` tokens
+    per dp rank, bf16 compute over fp32 masters, FSDP2 (``meshfold train``'s); with pp > 1
+    through ``schedule`` with ``virtual`` chunks per rank (``train.schedule``, ``train.virtual``)."""
+
+    label: str
+    model: str
+    spec: FoldSpec
+    layers: int = 1
+    seq: int = 4096
+    mbs: int = 1
+    microbatches: int = 1
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual: int = 1
+
+    @property
+    def global_batch(self) -> int:
+        return self.spec.dp * self.mbs * self.microbatches
+
+    def describe(self) -> str:
+        s = self.spec
+        return (f"{self.model} ({self.layers} layer{'s' * (self.layers > 1)}) on {s.world_size} ranks, "
+                f"{s.cp}/{s.tp}/{s.ep}/{s.pp}/{s.etp}, seq {self.seq}, mbs {self.mbs} x {self.microbatches} "
+                f"micro-batches, recompute {self.recompute}"
+                + (f", {self.schedule}" + (f" virtual {self.virtual}" if self.virtual > 1 else "") if s.pp > 1 else ""))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One term of pipeline rank ``stage``: the planner's bytes, the dry run's, and planner / dry
+    run (None when the dry run has 0 bytes: then the planner must have 0 too)."""
+
+    term: str
+    planner: float
+    dryrun: float
+    stage: int = 0
+
+    @property
+    def ratio(self) -> float | None:
+        return self.planner / self.dryrun if self.dryrun else None
+
+    @property
+    def within(self) -> bool:
+        if not self.dryrun:
+            return not self.planner
+        return abs(self.ratio - 1) <= TOLERANCE
+
+
+def _train_config(case: Case):
+    from meshfold.train.config import TrainConfig
+
+    s = case.spec
+    cfg = TrainConfig(model={"name": case.model, "layers": case.layers},
+                      fold={"world_size": s.world_size, "tp": s.tp, "cp": s.cp, "pp": s.pp, "ep": s.ep,
+                            "etp": s.etp})
+    t = cfg.train
+    t.batch, t.seq, t.dtype, t.recompute = case.global_batch, case.seq, "bfloat16", case.recompute
+    t.microbatches, t.schedule, t.virtual = case.microbatches, case.schedule, case.virtual
+    return cfg
+
+
+def planned(case: Case):
+    """The planner's :class:`~meshfold.plan.cost.Estimate` of ``case`` (on the reduced model)."""
+    shape = dataclasses.replace(MODELS[case.model], layers=case.layers)
+    lay = Layout(case.spec, mbs=case.mbs, vpp=case.virtual, recompute=case.recompute, sharding="fsdp",
+                 schedule=case.schedule)
+    return estimate(shape, hardware("h100"), lay, case.seq, case.global_batch)
+
+
+def planned_collectives(est, stage: int) -> dict[tuple[str, str], float]:
+    """The planner's ``{(kind, dim): bytes}`` of pipeline rank ``stage`` under the dry run's
+    balanced routing: the model's step (equal etp counts where E divides each rank's pairs, see
+    :func:`~meshfold.plan.collectives.collective_bytes`) plus the training loop's collectives."""
+    from meshfold.plan.collectives import collective_bytes, loop_collectives
+
+    d, s = est.detail, est.layout.spec
+    model = d["model"]
+    pairs = d["seq"] * est.layout.mbs // (s.cp * s.tp) * model.topk
+    c = dict(collective_bytes(model, est.layout, d["seq"], d["global_batch"],
+                              ragged=pairs % model.experts != 0)[stage])
+    for key, v in loop_collectives(est.layout, d["global_batch"]).items():
+        c[key] = c.get(key, 0.0) + v
+    return c
+
+
+def dry_run_names(spec, rank: int, collectives: dict) -> dict[tuple[str, str], float]:
+    """``collectives`` renamed as the dry run's log names them on ``rank``: a group spanning the
+    same ranks as another dim (edp = dp, ep = tp on some folds) takes the name
+    :func:`meshfold.dryrun.dim_names` gives it (the MoE view's for all-to-alls)."""
+    from meshfold.dryrun.record import dim_names
+    from meshfold.mesh import VIEWS
+
+    names = {"attn": dim_names(spec, rank, "attn"), "moe": dim_names(spec, rank, "moe")}
+    out: dict = {}
+    for (kind, dim), v in collectives.items():
+        dims = tuple(dim.split("+"))
+        view = "moe" if all(d in VIEWS["moe"] and d not in VIEWS["attn"] for d in dims) else "attn"
+        ranks = frozenset(spec.group_of(rank, view, dims))
+        key = (kind, names["moe" if kind == "all_to_all" else "attn"].get(ranks, dim))
+        out[key] = out.get(key, 0.0) + v
+    return out
+
+
+def rows(est, report) -> list[Row]:
+    """The rows of one pipeline stage: ``est`` (planner) against ``report`` (a dry-run
+    :class:`~meshfold.dryrun.RankReport` of that stage), memory first, then collectives."""
+    s = est.layout.spec
+    mem, st = est.detail["memory_per_rank"][report.stage], est.detail["params_per_rank"][report.stage]
+    sharded_grads = FP32 * (st.dense / (s.dp * s.cp) + st.experts * expert_shard(est.detail["model"], s))
+    r = report.stage
+    out = [Row("params", mem["params"], report.param_bytes, r),
+           Row("grads (sharded)", sharded_grads, report.grad_bytes, r),
+           Row("optimizer", mem["optimizer"], report.optimizer_bytes, r),
+           Row("step peak (grads + buffers + activations)", mem["grads"] + mem["buffers"] + mem["activations"],
+               report.activation_peak_bytes, r),
+           Row("total", sum(mem.values()), report.peak_bytes, r)]
+    want = dry_run_names(s, report.rank, planned_collectives(est, r))
+    got = report.collective_summary()
+    for kind, dim in sorted(set(want) | set(got)):
+        out.append(Row(f"{kind} {dim}", want.get((kind, dim), 0.0), got.get((kind, dim), 0), r))
+    return out
+
+
+def compare(case: Case, routing=None) -> list[Row]:
+    """Planner against dry run for ``case``: one dry-run process per pipeline stage, its first
+    rank (:func:`~meshfold.dryrun.representative_ranks`: with pp = 2 the first stage, with the
+    embedding, and the last, with the head and the loss)."""
+    from meshfold.dryrun.engine import dry_run
+
+    est = planned(case)
+    out = []
+    for report in dry_run(_train_config(case), routing):
+        out += rows(est, report)
+    return out
+
+
+def _paper(name: str, layers: int, **kw) -> Case:
+    """One pipeline stage's ranks of the paper's Table 1 folded config of ``name`` (pp = 1; its
+    pipeline is :func:`pipeline_cases`'), with ``layers`` layers."""
+    from meshfold.plan.baselines import PAPER_TABLE1, paper_spec
+
+    row = PAPER_TABLE1[name]
+    s = paper_spec(row, "mcore+folding")
+    stage = FoldSpec(s.world_size // s.pp, tp=s.tp, cp=s.cp, ep=s.ep, etp=s.etp)
+    return Case(f"{name} Table 1 folding {s.cp}/{s.tp}/{s.ep}/{s.pp}/{s.etp}, one stage", name, stage, layers, **kw)
+
+
+def cases() -> list[Case]:
+    """The cases of docs/plan.md's table."""
+    return [
+        _paper("mixtral-8x22b", 1, microbatches=2),
+        _paper("qwen2-57b-a14b", 1, microbatches=2),
+        _paper("mixtral-8x22b-g8t8", 1, microbatches=2),
+        _paper("llama3-8x70b", 1, microbatches=2),
+        Case("cp 2, etp 2", "mixtral-8x22b", FoldSpec(16, tp=2, cp=2, ep=4, etp=2), 1, microbatches=1),
+        Case("full recompute", "qwen2-57b-a14b", FoldSpec(16, tp=2, ep=8), 1, microbatches=2, recompute="full"),
+        *pipeline_cases(),
+    ]
+
+
+def pipeline_cases() -> list[Case]:
+    """pp = 2 of the Table 1 folds' attention / MoE views (two stages of 16 ranks), one layer a
+    stage except where the split is uneven: every schedule ``Pipeline`` runs at real shapes."""
+    return [
+        Case("pp 2, 1f1b, 4 micro-batches > pp", "mixtral-8x22b", FoldSpec(32, tp=2, ep=8, pp=2), 2,
+             microbatches=4),
+        Case("pp 2, 1f1b, 2 micro-batches = pp", "qwen2-57b-a14b", FoldSpec(32, tp=2, ep=4, pp=2), 2,
+             microbatches=2),
+        Case("pp 2, gpipe, 1 micro-batch < pp", "mixtral-8x22b-g8t8", FoldSpec(32, tp=4, ep=8, pp=2), 2,
+             microbatches=1, schedule="gpipe"),
+        Case("pp 2, 1f1b, uneven: 3 layers (1 + 2)", "mixtral-8x22b", FoldSpec(32, tp=2, ep=8, pp=2), 3,
+             microbatches=2),
+        Case("pp 2, interleaved-1f1b, virtual 2", "mixtral-8x22b", FoldSpec(32, tp=2, ep=8, pp=2), 4,
+             microbatches=2, schedule="interleaved-1f1b", virtual=2),
+    ]
+
+
+
+def _fmt(n: float) -> str:
+    """MiB, or bytes (``B``) under 1 MiB: the statistics' all-reduces are a few hundred bytes."""
+    return f"{n / 2**20:,.1f}" if n >= 2**20 or not n else f"{n:,.0f} B"
+
+
+def markdown(results: list[tuple[Case, list[Row]]]) -> str:
+    """The table: one block of rows per case, MiB per rank per step, ratio = planner / dry run."""
+    lines = ["| case | term | planner MiB | dry run MiB | planner / dry run |", "|---|---|---:|---:|---:|"]
+    for case, rs in results:
+        for i, r in enumerate(rs):
+            ratio = "-" if r.ratio is None else f"{r.ratio:.3f}" + ("" if r.within else " **x**")
+            where = case.label if i == 0 else ""
+            if case.spec.pp > 1 and (i == 0 or rs[i - 1].stage != r.stage):
+                where += f"{', ' if where else ''}stage {r.stage}"
+            lines.append(f"| {where} | {r.term} | {_fmt(r.planner)} | {_fmt(r.dryrun)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(prog="python -m meshfold.dryrun.check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", type=int, nargs="+", help="indices of cases() to run (default all)")
+    args = parser.parse_args(argv)
+    chosen = cases() if not args.case else [cases()[i] for i in args.case]
+    results, bad = [], 0
+    for case in chosen:
+        t0 = time.perf_counter()
+        rs = compare(case)
+        print(f"{case.label}: {case.describe()}; {time.perf_counter() - t0:.0f} s", flush=True)
+        results.append((case, rs))
+        bad += sum(not r.within for r in rs)
+    print(markdown(results))
+    print(f"{bad} term(s) outside {TOLERANCE:.0%}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

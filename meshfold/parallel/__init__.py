@@ -1,0 +1,24 @@
+"""How a single-device model is laid onto a fold: the layouts declared as data
+(:mod:`.layouts`), the MoE layer's collectives (:mod:`.moe`), tensor and sequence parallelism
+(:mod:`.transformer`), context parallelism and its ring (:mod:`.context`, :mod:`.mla`,
+:mod:`.ring_attention`), data parallelism (:mod:`.data_parallel`), the pipeline
+(:mod:`.pipeline`), activation recomputation (:mod:`.recompute`), batch sharding
+(:mod:`.batch`) and shard-by-shard initialization (:mod:`.materialize`).
+
+    model = parallelize(MoETransformer(cfg, device="meta"), fold(spec))   # or Pipeline(...) with pp > 1
+    tokens, positions = shard_batch(global_tokens, spec, rank)
+
+Layer: above ``meshfold.models``; imports models, kernels, placements, mesh, catalog and
+runtime, never interop, data, plan, train, dryrun, testing or cli (``tests/test_layers.py``).
+"""
+
+from meshfold.parallel.batch import batch_rows, local_positions, shard_batch
+from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
+from meshfold.parallel.layouts import MLA_LAYOUT, MOE_LAYOUT, TRANSFORMER_LAYOUT
+from meshfold.parallel.moe import FoldedComm, parallelize_moe
+from meshfold.parallel.pipeline import Pipeline
+from meshfold.parallel.transformer import check_fold, full_state_dict, parallelize, single_device_name
+
+__all__ = ["MLA_LAYOUT", "MOE_LAYOUT", "TRANSFORMER_LAYOUT", "FoldedComm", "Pipeline", "batch_rows", "check_fold",
+           "full_state_dict", "grad_norm", "local_positions", "parallelize", "parallelize_moe", "reduce_gradients",
+           "shard_batch", "single_device_name"]

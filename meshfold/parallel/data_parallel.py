@@ -1,0 +1,184 @@
+"""Data parallelism of a folded model: FSDP2 groups and policies over the folded mesh's data dims,
+the all-reduce alternative (:func:`reduce_gradients`), and the global gradient norm.
+
+Used by :func:`meshfold.parallel.transformer.parallelize` (``data_parallel="fsdp"`` calls
+:func:`fully_shard_folded`) and by training loops (``reduce_gradients`` after backward, a no-op
+for gradients FSDP2 already reduce-scattered; ``grad_norm`` for clipping).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from meshfold.runtime.compat import fully_shard_over
+from meshfold.models.moe import MoELayer
+from meshfold.parallel.layouts import OWN_GROUP_OVER_TP, single_device_name
+from meshfold.placements import sum_in_place
+
+__all__ = ["REDUCE_BUCKET_BYTES", "reduce_dtype", "expert_shard_placement", "fully_shard_folded", "reduce_gradients", "grad_norm"]
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients of ``dtype`` parameters are summed in: at least fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def expert_shard_placement(param, edp: int):
+    """Which dim FSDP2 shards an expert weight over ``edp``: dim 0 (its local experts) when edp
+    divides their count, else the first dim no other mesh dim splits that edp divides (the
+    hidden size). FSDP2 cuts dim 0 in torch.chunk pieces padded to the first: one local expert
+    (Mixtral at ep = 8) over edp = 2 left edp rank 0 holding it whole and both collectives
+    moving twice the shard (docs/plan.md, "Planner against the dry run")."""
+    from torch.distributed.tensor import Shard
+
+    split = {q.dim for q in getattr(param, "placements", ()) if isinstance(q, Shard)}
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if local.shape[0] % edp == 0:
+        return Shard(0)
+    for d in range(1, param.ndim):
+        if d not in split and param.shape[d] % edp == 0:
+            return Shard(d)
+    return Shard(0)
+
+
+def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 over the folded mesh's data-parallel dims, bottom-up: each MoE layer's experts are
+    one group on the moe mesh (sharded over ``edp``), each block one group on the attention mesh
+    (sharded over ``dp x cp``), the root holds embeddings, final norm and head.
+
+    Parameters are already DTensors on the whole stage mesh with ``Replicate`` on the data dims,
+    which is FSDP2's SPMD mode (``dp_mesh_dims``; :func:`meshfold.runtime.compat.fully_shard_over` has the
+    fallback for torch < 2.13): it shards them further, all-gathers before each
+    group's forward and backward, and reduce-scatters the gradients, turning our ``Partial``
+    gradient placements into sums (non-data dims such as ``tp`` for norms are all-reduced
+    first). The loss is already a global mean split into per-rank shares, so gradients are summed,
+    not averaged: divide factor 1.
+
+    Mixed precision is FSDP2's ``MixedPrecisionPolicy``: parameters all-gathered and computed in
+    ``compute_dtype``, gradients reduce-scattered (and, with gradient sync off, accumulated) in
+    :func:`reduce_dtype` of the master dtype, then kept in the master dtype. A router whose
+    ``router_dtype`` differs from the compute or the master dtype is a group of its own with a
+    policy of its dtype (FSDP2 groups hold one dtype, and the block's policy would cast it).
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
+
+    attn, moe = folded.stage("attn"), folded.stage("moe")
+
+    def dense(module, **kwargs):  # a group of attention-mesh weights, sharded over dp x cp
+        fully_shard_over(module, attn, ("dp", "cp"), **kwargs)
+
+    def policy(master: torch.dtype, compute: torch.dtype | None) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=compute or master, reduce_dtype=reduce_dtype(master))
+
+    master = next(p.dtype for n, p in model.named_parameters() if ".router." not in n)
+    mp = policy(master, compute_dtype)
+    # Weights replicated over tp get tp sums of gradients (norms, embeddings, head, the shared
+    # expert's gate, MLA's latent down projections and norms). FSDP2 adds those shares in its
+    # param_dtype before the reduce-scatter, so under mixed precision with tp > 1 they are
+    # all-gathered in the master dtype instead (their own groups, and the root) and cast for
+    # compute by the parametrization (_Local), whose backward hands FSDP2 master-dtype
+    # gradients: the tp sum runs in fp32 too.
+    tp_summed = folded.spec.tp > 1 and compute_dtype not in (None, master)
+    wide = MixedPrecisionPolicy(param_dtype=master, reduce_dtype=reduce_dtype(master),
+                                cast_forward_inputs=False) if tp_summed else mp
+    for block in model.layers.children():
+        if isinstance(block.mlp, MoELayer):
+            fully_shard_over(block.mlp.experts, moe, ("edp",), mp_policy=mp,
+                             shard_placement_fn=lambda p: expert_shard_placement(p, folded.spec.edp))
+            router = block.mlp.router.weight.dtype
+            if router != master or router != (compute_dtype or master):  # e.g. an fp32 gate under bf16
+                dense(block.mlp.router, mp_policy=policy(router, router))
+            shared = block.mlp.shared
+            if tp_summed and shared is not None and shared.gate is not None:
+                dense(shared, mp_policy=wide)
+        if tp_summed:
+            modules = {single_device_name(name): m for name, m in block.named_modules()}
+            for name in OWN_GROUP_OVER_TP:
+                if name in modules:
+                    dense(modules[name], mp_policy=wide)
+        dense(block, mp_policy=mp)
+    dense(model, mp_policy=wide)  # embeddings, final norm, head
+    for method in ("loss", "local_logits"):  # entry points besides forward: gather the root's weights too
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def _dtensor_params(model):
+    return [p for p in model.parameters() if isinstance(p, DTensor)]
+
+
+REDUCE_BUCKET_BYTES = 16 * 2**20  # gradient bytes per all-reduce: bounds the step's extra memory
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module) -> None:
+    """Data-parallel step: turn every Partial gradient into the parameter's own placements.
+
+    Gradients that are partial over the same mesh dims are all-reduced together, in buckets of
+    about ``REDUCE_BUCKET_BYTES`` (a larger gradient is summed alone, in place): one all-reduce
+    per bucket and dim instead of one per parameter, and the sums are copied back into the
+    gradients' own storage, so the step holds at most one bucket beyond the gradients (one flat
+    buffer of all of them would hold every gradient twice for a moment). Sums run in
+    :func:`reduce_dtype` (at least fp32): bf16 gradients are summed in an fp32 bucket.
+    """
+    buckets: dict = {}
+    for p in _dtensor_params(model):
+        if p.grad is None:
+            continue
+        g = p.grad
+        dims = tuple(i for i, q in enumerate(g.placements) if isinstance(q, Partial))
+        if dims:  # none: already reduced (FSDP2's reduce-scatter)
+            buckets.setdefault((id(p.device_mesh), dims), []).append(p)
+    for (_, dims), params in buckets.items():
+        mesh = params[0].device_mesh
+        names = [mesh.mesh_dim_names[i] for i in dims if mesh.size(i) > 1]  # none: nothing to sum
+        locals_ = [p.grad.to_local() for p in params]
+        for run in _by_size(locals_, REDUCE_BUCKET_BYTES) if names else []:
+            bucket = locals_[run]
+            wide = reduce_dtype(bucket[0].dtype)
+            alone = len(bucket) == 1 and bucket[0].is_contiguous() and bucket[0].dtype == wide  # in place
+            flat = bucket[0] if alone else torch.cat([t.reshape(-1) for t in bucket]).to(wide)
+            sum_in_place(flat, mesh, names)
+            if not alone:
+                for t, part in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
+                    t.copy_(part.view_as(t))
+        for p, t in zip(params, locals_):
+            p.grad = DTensor.from_local(t, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _by_size(tensors: list[torch.Tensor], limit: int) -> list[slice]:
+    """``tensors`` in order, cut into runs of at most ``limit`` bytes (a larger one alone)."""
+    runs, start, size = [], 0, 0
+    for i, t in enumerate(tensors):
+        n = t.numel() * t.element_size()
+        if i > start and size + n > limit:
+            runs.append(slice(start, i))
+            start, size = i, 0
+        size += n
+    return runs + [slice(start, len(tensors))] if tensors else runs
+
+
+@torch.no_grad()
+def grad_norm(model: nn.Module) -> torch.Tensor:
+    """Global L2 norm of all (reduced) gradients, each element counted once (``model``: a
+    parallelized model or a Pipeline, anything with ``folded``)."""
+    total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        if isinstance(g, DTensor):
+            replicas = 1
+            for i, q in enumerate(g.placements):
+                if isinstance(q, Replicate):
+                    replicas *= g.device_mesh.size(i)
+            total += g.to_local().double().square().sum() / replicas
+        else:
+            total += g.double().square().sum() / model.folded.spec.world_size
+    return sum_in_place(total, model.folded.attn).sqrt()  # over every rank

@@ -1,0 +1,263 @@
+"""How an MoE layer runs on a FoldedMesh: its layout applied, and the collectives it needs.
+
+The layer itself (:mod:`meshfold.models.moe`) is single-device code that asks a *comm* object
+(:class:`meshfold.models.comm.MoEComm`) for five things: the local shard of each parameter, sums
+of token statistics over attention dims, gathering routing over ``(cp, tp)`` for full-sequence
+dropping, the dispatch / combine pair around the experts, and the TP entry / exit of the shared
+expert. :class:`~meshfold.models.comm.LocalComm` answers them on one device (identities);
+:class:`FoldedComm` answers them on the folded mesh with meshfold's ragged collectives. Model
+files make no process-group calls.
+
+Layout (one pipeline stage; the MoE view's ``pp`` dim is sliced away), as
+:data:`meshfold.parallel.layouts.MOE_LAYOUT` declares it:
+
+===================  ======  ===============================  ==================================
+parameter            view    placements (dp|edp, cp|ep, tp|etp)  why
+===================  ======  ===============================  ==================================
+router.weight        attn    R, R, R                          every rank routes its own tokens
+experts.w_gate_up    moe     R, Shard(0), Shard(3)            experts over ep, ffn over etp
+experts.w_down       moe     R, Shard(0), Shard(1)            experts over ep, ffn over etp
+shared.w_gate_up     attn    R, R, Shard(2)                   column-parallel over tp
+shared.w_down        attn    R, R, Shard(0)                   row-parallel over tp
+shared.gate          attn    R, R, R                          applied to each rank's tokens
+===================  ======  ===============================  ==================================
+
+Every rank holds different tokens along every non-pp dim (batch over dp, sequence over cp, sequence
+over tp with sequence parallelism), so a parameter replicated along a dim gets a *partial*
+gradient there: the local views are taken with ``to_local(grad_placements=...)`` marking those dims
+``Partial()``, and ``param.grad.full_tensor()`` (or a DP reduction) sums them.
+
+Token counts: every rank of an attention (cp, tp) group holds the same number of tokens (sequence
+parallelism splits evenly), which the shared expert's TP all-gather and full-sequence dropping rely
+on instead of exchanging sizes; ``MESHFOLD_DEBUG_SPLITS=1`` checks it.
+
+Dispatch (the paper's token dispatcher): :func:`meshfold.placements.dispatch` over the ``(ep, etp)``
+block of the MoE mesh, which returns the routed rows as a RaggedTensor there (one host sync for
+the counts, all-to-all-v over ``ep``, all-gather-v over ``etp``), and
+:func:`meshfold.placements.combine`, which takes the experts' outputs back. The layer calls
+:meth:`FoldedComm.dispatch_start`, which returns with the ``ep`` all-to-all in flight
+(``async_op=True``), computes its shared expert, then waits; in backward the gradient's
+all-to-all likewise travels during the shared expert's backward (``FoldedComm.overlap = False``
+dispatches synchronously instead, for A/B measurements). The shared expert's own ``tp``
+collectives run on another process group meanwhile, issued in the same order on every rank.
+
+Host syncs: one device-to-host read per layer forward, dropless or dropping, folded or not (one
+device, dropless or pad-to-capacity: none). Folded, it is the block's counts; when dropping
+without padding they are read before the permute (:meth:`FoldedComm.rows_sent`), which needs the
+number of kept rows, and the dispatch reuses them. Dropping selects the kept pairs by sorting
+them first (no boolean mask), and token statistics build host-known sizes with fill kernels
+instead of uploading them. ``tests/parallel/test_host_syncs.py`` counts them. With pad-to-capacity every
+expert gets the same number of rows, but the counts are still exchanged (a rank's capacity
+depends on its own token count): a static-split path is a possible optimisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from meshfold.kernels import check_etp_alignment
+from meshfold.models.comm import Arrived
+from meshfold.parallel.layouts import MASK_LAYOUT, MOE_LAYOUT
+from meshfold.placements import (Routed, all_gather_v, combine, dispatch, gather_equal, local_view,
+                                  reduce_scatter_v, sum_statistic)
+from meshfold.placements.collectives import debug_checks_enabled
+from meshfold.placements.token_dispatch import block_counts, dispatch_start, rows_sent
+from meshfold.runtime import spmd
+
+__all__ = ["FoldedComm", "parallelize_moe", "place", "local_slices", "moe_param_layout", "check_moe_fold"]
+
+ATTN = ("dp", "cp", "tp")
+MOE = ("edp", "ep", "etp")
+
+
+class FoldedComm:
+    """The folded mesh: ``attn`` = (dp, cp, tp) and ``moe`` = (edp, ep, etp) of this pp stage."""
+
+    def __init__(self, folded, compute_dtype: torch.dtype | None = None):
+        self.compute_dtype = compute_dtype  # None: the parameters' own
+        self.attn = folded.stage("attn")
+        self.moe = folded.stage("moe")
+        spec = folded.spec
+        self.dp, self.cp, self.tp = spec.dp, spec.cp, spec.tp
+        self.ep, self.etp = spec.ep, spec.etp
+        self.ep_rank = self.moe.get_local_rank("ep")
+        self.overlap = True  # dispatch_start leaves the all-to-all in flight (False: waits at once)
+
+    # ---- parameters ----
+    def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of parameter ``name``, in the compute dtype (the router: in its
+        ``router_dtype``); the cast's backward returns the gradient in the parameter's dtype."""
+        v = local_view(p)
+        return v if self.compute_dtype is None or name == "router.weight" else v.to(self.compute_dtype)
+
+    def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a tile mask: experts over ep, ffn tiles over etp (dim 3 of the
+        gate_up mask, dim 1 of the down mask, as MASK_LAYOUT says)."""
+        e0, e1 = self.expert_range(mask.shape[0])
+        dim = MASK_LAYOUT[name]
+        n = mask.shape[dim] // self.etp
+        q = self.moe.get_local_rank("etp")
+        return mask[e0:e1].narrow(dim, q * n, n)
+
+    # ---- token statistics ----
+    def sum(self, t: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
+        """Sum a (non-differentiable) statistic over attention dims, e.g. ("cp", "tp")."""
+        return sum_statistic(t, self.attn, dims)
+
+    def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
+        """Concatenate per-token rows over attention dims (rank-major, innermost dim fastest);
+        returns (rows of the whole group, offset of this rank's rows). Every rank of the group
+        holds the same number of tokens (the attention layout splits sequences evenly), so no
+        sizes are exchanged (no host sync); MESHFOLD_DEBUG_SPLITS=1 verifies it."""
+        offset = 0
+        for d in reversed(dims):  # tp first, then cp: the group's rank order
+            if getattr(self, d) == 1:
+                continue
+            sizes = self._even_sizes(t.shape[0], d, t.device)
+            offset += self.attn.get_local_rank(d) * t.shape[0]
+            t = all_gather_v(t.detach(), sizes, self.attn, d)
+        return t, offset
+
+    def _even_sizes(self, n_local: int, dim: str, device) -> list[int]:
+        """[n_local] * group size; with debug checks on, verified across the group first."""
+        n = getattr(self, dim)
+        if debug_checks_enabled():
+            seen = gather_equal(torch.tensor([n_local], device=device), self.attn, dim).flatten().tolist()
+            if len(set(seen)) > 1:
+                raise ValueError(f"ranks of attn dim {dim!r} hold different token counts "
+                                 f"{seen}; the MoE layer needs an even split")
+        return [n_local] * n
+
+    # ---- dispatch ----
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        n = num_experts // self.ep
+        return self.ep_rank * n, (self.ep_rank + 1) * n
+
+    @functools.cached_property
+    def experts_mesh(self):
+        """The ``(ep, etp)`` block of the MoE mesh that one dispatch spans."""
+        return self.moe["ep", "etp"]
+
+    def rows_sent(self, counts_E) -> int:
+        """The rows this rank sends (its kept pairs when dropping), read on the host with the
+        counts of the whole dispatch block: the forward's one host read, which the
+        :meth:`dispatch` of these same counts then reuses instead of reading again."""
+        block = block_counts(counts_E, self.experts_mesh)
+        self._read_counts = (counts_E, block)
+        return rows_sent(block[1], self.experts_mesh)
+
+    def _take_block(self, counts_E):
+        """The block counts :meth:`rows_sent` read for these same ``counts_E`` (then forgotten),
+        else None: the dispatch reads them itself."""
+        read, self._read_counts = getattr(self, "_read_counts", None), None
+        return read[1] if read is not None and read[0] is counts_E else None
+
+    def dispatch(self, x_NH, counts_E) -> Routed:
+        """This rank's expert-major rows to their experts: ``routed.tokens`` is a RaggedTensor on
+        the ``(ep, etp)`` mesh (:func:`meshfold.placements.dispatch`)."""
+        return dispatch(x_NH, counts_E, self.experts_mesh, block=self._take_block(counts_E))
+
+    def dispatch_start(self, x_NH, counts_E):
+        """:meth:`dispatch` with its all-to-all over ``ep`` left in flight: ``.wait()`` gives the
+        Routed rows (:func:`meshfold.placements.token_dispatch.dispatch_start`). With
+        ``overlap = False``: the synchronous :meth:`dispatch` (the same result; for A/B tests)."""
+        if not self.overlap:
+            return Arrived(self.dispatch(x_NH, counts_E))
+        return dispatch_start(x_NH, counts_E, self.experts_mesh, block=self._take_block(counts_E))
+
+    def combine(self, routed: Routed, y_MH):
+        """The experts' outputs (summands over etp) back to the rows' ranks, in permute order."""
+        return combine(routed.outputs(y_MH), routed)
+
+    # ---- shared expert: a TP MLP with sequence parallelism ----
+    def shared_in(self, x_TH):
+        if self.tp == 1:
+            return x_TH
+        self._shared_sizes = self._even_sizes(x_TH.shape[0], "tp", x_TH.device)  # even sequence-parallel split
+        return all_gather_v(x_TH, self._shared_sizes, self.attn, "tp")
+
+    def shared_out(self, y_TH):
+        if self.tp == 1:
+            return y_TH
+        return reduce_scatter_v(y_TH, self._shared_sizes, self.attn, "tp")
+
+
+def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = None) -> torch.nn.Parameter:
+    """``param`` as a DTensor parameter laid out as ``placements`` on ``mesh``: sliced from the
+    full tensor every rank holds, or, given ``local`` (this rank's shard, e.g. read from a
+    checkpoint), assembled from the shards without any rank holding the whole (``param`` may then
+    be on the meta device)."""
+    if local is None:
+        sl = local_slices(param.shape, mesh, placements)
+        local = _shard(param.detach(), [s.start for s in sl], [s.stop for s in sl])
+    stride = torch.empty(param.shape, device="meta").stride()
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=stride)
+    out = torch.nn.Parameter(dt, requires_grad=param.requires_grad)
+    if out.device_mesh is not mesh:
+        # DTensor's op cache treats equal meshes as one and may return an equal mesh of an
+        # earlier fold; FSDP2 groups parameters by mesh identity, so pin ours
+        out._spec = dataclasses.replace(out._spec, mesh=mesh)
+    return out
+
+
+@spmd.per_rank  # under LocalTensorMode the slices differ by simulated rank
+def _shard(full: torch.Tensor, starts: list[int], stops: list[int]) -> torch.Tensor:
+    return full[tuple(slice(a, b) for a, b in zip(starts, stops))].clone()
+
+
+def local_slices(shape, mesh, placements) -> tuple[slice, ...]:
+    """The region of a tensor of ``shape`` this rank holds under ``placements`` on ``mesh``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+
+
+def moe_param_layout(name: str, comm: "FoldedComm", layout: dict | None = None):
+    """(mesh, placements) of MoE-layer parameter ``name`` (relative to the layer) in ``layout``
+    (default :data:`MOE_LAYOUT`)."""
+    table = MOE_LAYOUT if layout is None else layout
+    if name not in table:
+        where = "MOE_LAYOUT" if layout is None else "the given layout"
+        raise ValueError(f"parameter {name!r} has no layout in {where} ({list(table)})")
+    view, placements = table[name]
+    return (comm.attn if view == "attn" else comm.moe), placements
+
+
+def check_moe_fold(cfg, ep: int, etp: int, tp: int) -> None:
+    """Raise ``ValueError`` naming the MoE size that does not divide over the fold: experts over
+    ``ep``, expert ffn over ``etp`` (and sparsity tiles within each etp shard), shared-expert ffn
+    over attention ``tp``. Needs no mesh: ``meshfold train`` runs it before spawning."""
+    if cfg.num_experts % ep:
+        raise ValueError(f"num_experts = {cfg.num_experts} is not divisible by ep = {ep} "
+                         f"(valid ep: divisors of {cfg.num_experts})")
+    if cfg.ffn % etp:
+        raise ValueError(f"ffn = {cfg.ffn} is not divisible by etp = {etp}")
+    if cfg.shared_ffn and cfg.shared_ffn % tp:
+        raise ValueError(f"shared_ffn = {cfg.shared_ffn} is not divisible by tp = {tp}")
+    if cfg.expert_sparsity is not None:
+        check_etp_alignment(cfg.hidden, cfg.ffn, cfg.expert_sparsity.tile, etp, "N")
+        check_etp_alignment(cfg.ffn, cfg.hidden, cfg.expert_sparsity.tile, etp, "K")
+
+
+def parallelize_moe(layer, folded, local_state: dict | None = None, *, layout: dict | None = None,
+                    compute_dtype: torch.dtype | None = None) -> None:
+    """Apply ``layout`` (default :data:`MOE_LAYOUT`): turn ``layer``'s parameters into DTensors
+    on the folded mesh (from the full weights every rank holds, e.g. after seeding identically, or
+    from this rank's shards in ``local_state``, keyed by parameter name within the layer) and give
+    the layer a :class:`FoldedComm`. A layer with parameters of its own passes a layout that
+    extends MOE_LAYOUT (``{**MOE_LAYOUT, name: (view, placements)}``) rather than editing the
+    library table. ``compute_dtype``: the dtype the layer computes in (None: its parameters'),
+    the router excepted. Raises if the layer's sizes do not divide over the mesh."""
+    comm = FoldedComm(folded, compute_dtype)
+    check_moe_fold(layer.cfg, comm.ep, comm.etp, comm.tp)
+    for name, param in list(layer.named_parameters()):
+        mesh, placements = moe_param_layout(name, comm, layout)
+        module_name, _, attr = name.rpartition(".")
+        module = layer.get_submodule(module_name)
+        setattr(module, attr, place(param, mesh, placements, None if local_state is None else local_state[name]))
+    layer.comm = comm

@@ -1,0 +1,265 @@
+"""Pipeline parallelism (``pp``) for :class:`~meshfold.models.transformer.MoETransformer`.
+
+The model is cut into ``pp * virtual`` contiguous *chunks* of layers (Megatron's "model chunks"):
+chunk ``s`` holds layers ``[s * L // n, (s + 1) * L // n)`` of ``n = pp * virtual``, the first also
+the embeddings, the last the final norm and head. Pipeline rank ``r`` holds chunks ``r, r + pp,
+r + 2 pp, ...`` (one chunk without virtual stages; ``virtual`` chunks for the interleaved
+schedule). Inside a chunk everything is the single-device code, laid out on the rank's stage of
+the folded mesh by :func:`~meshfold.parallel.transformer.parallelize` (TP, CP, DP or
+FSDP2, EP): both views share the ``pp`` groups, so every attention rank and every MoE rank of a
+chunk lives on the same pipeline stage.
+
+Activations move between stages with ``torch.distributed.pipelining`` (``PipelineStage`` over
+the ``pp`` process group) and one of its schedules:
+
+===================  =====================================  ==================================
+``schedule``         torch class                            needs
+===================  =====================================  ==================================
+``gpipe``            ``ScheduleGPipe``                      all forwards, then all backwards
+``1f1b``             ``Schedule1F1B``                       microbatches >= pp
+``interleaved-1f1b`` ``ScheduleInterleaved1F1B``            virtual >= 2, microbatches % pp == 0
+===================  =====================================  ==================================
+
+Each rank's local batch (``B / dp`` sequences) is split into ``microbatches`` along the batch
+dim. The loss of a microbatch is its summed cross-entropy over the *global* token count, so the
+microbatch losses of all ranks add up to the single-device mean loss and the gradients they
+accumulate are the single-device gradients (``scale_grads=False``: nothing is averaged). MoE
+balancing losses are computed per microbatch (Megatron's definition) and each enters the backward
+scaled by ``1 / microbatches`` (``MoELayer.balancing_scale``, as Megatron-Core scales them), so the
+single-device equivalent is gradient accumulation over the same microbatches
+(``meshfold.train.loop.accumulate``).
+
+Tied embeddings need the embedding on the first and the head on the last stage to be one tensor;
+with ``pp > 1`` that is not supported (a clear error says so).
+
+Example (4 ranks: pp2 x tp2 | pp2 x ep2)::
+
+    pipe = Pipeline(MoETransformer(cfg), fold(FoldSpec(4, pp=2, tp=2, ep=2)), microbatches=2)
+    tokens, positions = shard_batch(global_tokens, spec, rank)
+    targets, _ = shard_batch(global_targets, spec, rank)
+    loss = pipe.step(tokens, targets, positions)   # the global mean loss, on every rank
+    optimizer.step()                               # over pipe.parameters()
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshfold.catalog import SCHEDULES, check_choice
+from meshfold.models.moe import MoELayer, add_step_entries
+from meshfold.models.transformer import MoETransformer, cross_entropy_sum, run_layers
+from meshfold.parallel.transformer import parallelize
+from meshfold.placements import sum_in_place
+
+__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline"]
+
+def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
+    """Layer ids of each of ``num_chunks`` contiguous, balanced model chunks."""
+    if num_chunks > num_layers:
+        raise ValueError(f"{num_chunks} pipeline chunks (pp x virtual) but only {num_layers} layers; "
+                         f"every chunk needs at least one layer")
+    return [list(range(s * num_layers // num_chunks, (s + 1) * num_layers // num_chunks))
+            for s in range(num_chunks)]
+
+
+class ModelChunk(nn.Module):
+    """A run of a MoETransformer's layers, with the embeddings if it is the first chunk and the
+    final norm and head if it is the last. ``forward(x)``: tokens [B, S] (first chunk) or hidden
+    [B, S, H] -> hidden [B, S, H] or logits [B, S, V] (last chunk). Parameter names are the
+    whole model's (``layers.<i>...``). ``positions`` (absolute, this rank's tokens) is set per
+    step, the same for every microbatch."""
+
+    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+        self.positions: torch.Tensor | None = None
+        self.inits, self.init_seed = getattr(model, "inits", None), getattr(model, "init_seed", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_layers(self, x, self.positions)
+
+
+class _CountedCalls:
+    """What each forward of a chunk added to its MoE layers' expert-bias counts.
+
+    ``torch.distributed.pipelining`` (dynamic shapes) runs every stage's forward once more than
+    the schedule's microbatches at its first step and whenever it switches between training and
+    evaluation, to infer the shapes it sends: the first stage on the real first microbatch, later
+    stages on uninitialized tensors. Those runs come before the step's microbatches, so after a
+    step with ``microbatches + j`` calls the first ``j`` are taken back out of the counts (each
+    forward *adds* to them: MoELayer.forward). The step's sums (``MoELayer.step_metrics``) are
+    rebuilt from the other calls' own entries, never by subtraction: a later stage's extra run
+    reads uninitialized memory, whose losses may be NaN. Their other per-forward state (losses,
+    metrics) is overwritten by the microbatches that follow."""
+
+    def __init__(self, chunk: nn.Module):
+        self.layers = [b.mlp for b in chunk.layers.values() if isinstance(b.mlp, MoELayer)]
+        self.log: list[tuple[list, list]] = []  # per call: each layer's state before, after
+        chunk.register_forward_pre_hook(self._before)
+        chunk.register_forward_hook(self._after)
+
+    def _state(self) -> list:
+        return [(m._bias_counts, m._step, m._step_entry) for m in self.layers]
+
+    def _before(self, module, args):
+        self.log.append((self._state(), []))
+
+    def _after(self, module, args, output):
+        self.log[-1][1].extend(self._state())
+
+    def forget_extra(self, microbatches: int) -> None:
+        extra = len(self.log) - microbatches
+        if extra > 0:
+            for k, m in enumerate(self.layers):
+                for before, after in self.log[:extra]:
+                    (b, _, _), (a, _, _) = before[k], after[k]
+                    if a is not b:  # a training forward counted (evaluation does not)
+                        m._bias_counts = m._bias_counts - (a if b is None else a - b)
+                step = self.log[0][0][k][1]  # the step's sums before the first call
+                for before, after in self.log[extra:]:
+                    if after[k][1] is not before[k][1]:  # a training forward added its entry
+                        step = add_step_entries(step, after[k][2])
+                m._step = step
+        self.log.clear()
+
+
+def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int) -> None:
+    """Raise ``ValueError`` naming the setting if this pipeline cannot run (no process needed)."""
+    check_choice("schedule", schedule, SCHEDULES)
+    if not (isinstance(virtual, int) and virtual >= 1):
+        raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
+    if (schedule == "interleaved-1f1b") != (virtual > 1):
+        raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the interleaved schedule "
+                         f"needs virtual >= 2 chunks per rank, the others virtual = 1")
+    if not (isinstance(microbatches, int) and microbatches >= 1):
+        raise ValueError(f"microbatches = {microbatches!r}; valid: an integer >= 1")
+    if schedule != "gpipe" and microbatches < pp:
+        raise ValueError(f"microbatches = {microbatches} < pp = {pp}: {schedule} needs at least "
+                         f"one microbatch per stage")
+    if schedule == "interleaved-1f1b" and microbatches % pp:
+        raise ValueError(f"microbatches = {microbatches} is not a multiple of pp = {pp} "
+                         f"(the interleaved schedule runs them in rounds of pp)")
+    if cfg.tie_embeddings and pp > 1:
+        raise ValueError("tie_embeddings with pp > 1: the embedding (first stage) and the head "
+                         "(last stage) would have to be one tensor; untie them or use pp = 1")
+    chunk_layers(cfg.layers, pp * virtual)
+
+
+class Pipeline:
+    """This rank's model chunks of ``model`` on ``folded`` and a pipeline schedule over them.
+
+    ``model`` is the whole single-device model, either with identical weights on every rank
+    (e.g. seeded alike) or built on the meta device (``MoETransformer(cfg, device="meta")``),
+    in which case each rank materializes only the shards of its own chunks; each rank keeps only
+    its chunks' layers. ``schedule`` is one of :data:`SCHEDULES`,
+    ``virtual`` the number of chunks per rank (interleaved schedule), ``data_parallel`` and
+    ``compute_dtype`` as in :func:`~meshfold.parallel.transformer.parallelize`: with a
+    compute dtype narrower than the model's, the micro-batches' gradients accumulate in the
+    model's (master) dtype (FSDP2: in its fp32 reduce dtype, while the schedule turns gradient
+    sync off) and are summed in fp32. ``recompute`` (none | selective | full): activation
+    checkpointing of every block of this rank's chunks, as in ``parallelize``; a block's recompute
+    runs when the schedule runs that microbatch's backward of the block.
+    """
+
+    def __init__(self, model: MoETransformer, folded, microbatches: int, schedule: str = "1f1b",
+                 virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
+                 recompute: str = "none"):
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+
+        spec = folded.spec
+        pp = spec.pp
+        check_pipeline(pp, model.cfg, microbatches, schedule, virtual)
+        self.folded, self.microbatches = folded, microbatches
+        n = pp * virtual
+        layers = chunk_layers(model.cfg.layers, n)
+        r = folded.attn.get_local_rank("pp")
+        self.stage_ids = [r + k * pp for k in range(virtual)]
+        self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1) for s in self.stage_ids]
+        for chunk in self.chunks:
+            parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype, recompute=recompute)
+        group = folded.attn["pp"].get_group()
+        stages = [PipelineStage(c, s, n, folded.device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
+        self.has_last = any(s == n - 1 for s in self.stage_ids)
+        for layer in self.moe_layers():
+            layer.balancing_scale = 1 / microbatches
+        self._calls = [_CountedCalls(c) for c in self.chunks]
+        self._n_global = None
+        if schedule == "interleaved-1f1b":
+            self.schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=self._loss, scale_grads=False)
+        else:
+            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            self.schedule = cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, targets)[0] / self._n_global
+
+    # ---- what a training loop needs of a model: this rank's part of it -----------------------
+    def parameters(self):
+        """This rank's parameters (all its chunks), e.g. for the optimizer."""
+        return (p for c in self.chunks for p in c.parameters())
+
+    def named_parameters(self):
+        """``(name, parameter)`` of this rank's chunks, named as in the whole model
+        (``layers.<i>...``), so checkpoints of any fold and pp agree."""
+        return ((n, p) for c in self.chunks for n, p in c.named_parameters())
+
+    def named_buffers(self):
+        return ((n, b) for c in self.chunks for n, b in c.named_buffers())
+
+    def moe_layers(self):
+        """This rank's MoE layers, in layer order."""
+        return [b.mlp for _, b in self.moe_blocks()]
+
+    def moe_blocks(self):
+        """``(layer id, block)`` of this rank's blocks with an MoE layer."""
+        return [(int(i), b) for c in self.chunks for i, b in c.layers.named_children()
+                if isinstance(b.mlp, MoELayer)]
+
+    def train(self, mode: bool = True):
+        for c in self.chunks:
+            c.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+             backward: bool = True) -> torch.Tensor:
+        """One forward + backward of this rank's local batch (from ``shard_batch``), microbatched
+        through the schedule; gradients accumulate in the parameters. Returns the global mean
+        loss (cross-entropy, without the balancing losses, which are in the gradients), the same
+        value on every rank. ``backward=False``: forward only (evaluation)."""
+        if tokens.shape[0] % self.microbatches:
+            raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
+                             f"microbatches = {self.microbatches}")
+        count = (targets != -100).sum().double()
+        sum_in_place(count, self.folded.attn)  # every pp stage holds the same data: pp x the global count
+        self._n_global = count / self.folded.spec.pp
+        for chunk in self.chunks:
+            chunk.positions = positions
+        losses: list[torch.Tensor] = []
+        for calls in self._calls:
+            calls.log.clear()
+        # return_outputs=False: torch's last stage would otherwise keep every micro-batch's
+        # logits [b, s, V] until the step ends, to merge them into an output nobody reads.
+        # Only a rank holding the first stage hands the schedule the tokens: later stages receive
+        # activations (and torch 2.11's shape inference refuses inputs given to them).
+        inputs = (tokens,) if 0 in self.stage_ids else ()
+        if backward:
+            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
+        else:
+            with torch.no_grad():
+                self.schedule.eval(*inputs, target=targets, losses=losses, return_outputs=False)
+        for calls in self._calls:
+            calls.forget_extra(self.microbatches)
+        share = torch.zeros((), dtype=torch.float64, device=count.device)
+        if self.has_last:
+            share += torch.stack([x.detach() for x in losses]).sum().double()
+        sum_in_place(share, self.folded.attn)  # only the last stage's ranks hold losses
+        return share

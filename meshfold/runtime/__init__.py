@@ -1,0 +1,8 @@
+"""How meshfold's ranks exist: launched as local processes (:mod:`.launch`), simulated in one
+process (:mod:`.simulated`, reached only through the seam :mod:`.spmd`), the process-wide CPU
+allocator setting of the entry points (:mod:`.malloc`), and every difference between the torch
+releases meshfold supports (:mod:`.compat`).
+
+Layer: the bottom one. Imports torch and the standard library, nothing else of meshfold. Every
+layer may import it (``tests/test_layers.py`` runs the import contract in ``pyproject.toml``).
+"""

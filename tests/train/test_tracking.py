@@ -1,0 +1,129 @@
+"""What a run records besides the model: per-rank memory, TensorBoard events, W&B logs and a
+profiler trace, each holding the run's steps, across a resume for more steps (whose schedule
+is the documented one of the new length)."""
+
+import importlib.util
+import io
+import json
+import sys
+import types
+
+import pytest
+
+from meshfold.train.optim import lr_at
+
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+def _fake_wandb(log_path):
+    """A stand-in ``wandb`` module that appends every call to ``log_path`` (JSON lines)."""
+    def write(**row):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    run = types.SimpleNamespace(log=lambda values, step: write(call="log", step=step, values=values),
+                                finish=lambda: write(call="finish"))
+
+    def init(**kwargs):
+        write(call="init", name=kwargs.get("name"), config=kwargs.get("config"))
+        return run
+
+    return types.SimpleNamespace(init=init)
+
+
+def _train(rank, world_size, cfg, wandb_log):
+    from meshfold.train.loop import train_rank
+
+    sys.modules["wandb"] = _fake_wandb(wandb_log)
+    try:
+        return train_rank(rank, world_size, cfg)
+    finally:
+        del sys.modules["wandb"]
+
+
+def _run(world, out, steps, wandb_log):
+    """One ``meshfold train`` invocation on the session's 2-rank world: the launcher's part
+    (settings, run.json) here, the ranks there. Returns the launcher's notes."""
+    from meshfold.train.config import load_config
+    from meshfold.train.rundir import RunLock, prepare
+
+    sets = [f"train.steps={steps}", "train.batch=4", "train.seq=16", "train.warmup=2", "train.eval_every=1000",
+            "model.layers=2", "fold.world_size=2", "fold.tp=1", "fold.ep=2", "train.ckpt_every=1000",
+            "train.profile_steps=[2, 3]", "train.wandb=true", f"train.tensorboard={str(HAS_TENSORBOARD).lower()}",
+            f"train.out_dir={json.dumps(str(out))}"]
+    cfg = load_config(None, sets)
+    _, mcfg = cfg.validate()
+    with RunLock(out) as lock:
+        notes = prepare(lock, cfg, mcfg)
+    world.run(_train, cfg, str(wandb_log), timeout=600)
+    return notes
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_run_records_memory_events_logs_and_a_profile_of_its_steps_across_a_longer_resume(worlds, tmp_path):
+    out, wandb_log = tmp_path / "run", tmp_path / "wandb.jsonl"
+    world = worlds(2)
+    _run(world, out, 3, wandb_log)
+    notes = _run(world, out, 5, wandb_log)  # resumed from step 3's checkpoint, for 2 more steps
+    assert any("train.steps 3 -> 5: the learning-rate schedule now spans 5 steps" in n for n in notes), notes
+
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    t = types.SimpleNamespace(lr=3e-3, warmup=2, min_lr_ratio=0.1)
+    for r in rows:  # steps 4 and 5 on the 5-step schedule, the earlier ones on the 3-step one
+        assert r["lr"] == pytest.approx(lr_at(r["step"], types.SimpleNamespace(**vars(t), steps=3 if r["step"] <= 3
+                                                                                else 5)), rel=1e-15)
+        m = r["memory"]
+        assert m["kind"] == "cpu_peak_rss" and len(m["mib"]) == 2 and all(x > 50 for x in m["mib"])
+        assert m["mib"][m["peak_rank"]] == max(m["mib"])
+
+    calls = [json.loads(line) for line in open(wandb_log)]
+    assert [c["call"] for c in calls] == ["init", "log", "log", "log", "finish", "init", "log", "log", "finish"]
+    assert [c["step"] for c in calls if c["call"] == "log"] == [1, 2, 3, 4, 5]
+    assert calls[0]["config"]["train.betas"] == [0.9, 0.95]  # the run's identity
+    assert {"loss", "lr", "grad_norm", "memory/peak_mib", "aux/aux"} <= set(calls[1]["values"])
+
+    trace = json.loads((out / "profile" / "rank0-steps2-3.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"step 2", "step 3"} <= names and "step 1" not in names and "step 4" not in names
+    assert not (out / "profile" / "rank1-steps2-3.json").exists()  # rank 0 only, by default
+
+    if HAS_TENSORBOARD:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(out / "tensorboard")).Reload()
+        loss = events.Scalars("loss")
+        assert [e.step for e in loss] == [1, 2, 3, 4, 5]
+        assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+        assert [e.step for e in events.Scalars("memory/peak_mib")] == [1, 2, 3, 4, 5]
+
+
+def test_a_tracker_without_its_package_is_refused_naming_the_extra(monkeypatch):
+    from meshfold.train import tracking
+
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
+    for setting in ("tensorboard", "wandb"):
+        t = types.SimpleNamespace(tensorboard=setting == "tensorboard", wandb=setting == "wandb")
+        with pytest.raises(ValueError, match=rf'train.{setting} = true needs the {setting} package, which is not '
+                                             rf'installed: pip install "meshfold\[{setting}\]"'):
+            tracking.check_trackers(t)
+    tracking.check_trackers(types.SimpleNamespace(tensorboard=False, wandb=False))  # not asked: no check
+
+
+def test_the_progress_line_names_the_busiest_ranks_memory():
+    from meshfold.train.progress import Progress
+
+    stream = io.StringIO()
+    Progress(10, stream=stream).update({"step": 10, "loss": 1.0, "tokens_per_s": 5.0, "mfu": None,
+                                        "mfu_of_measured_gemm": 0.1,
+                                        "memory": {"kind": "cpu_peak_rss", "mib": [100.0, 312.4], "peak_rank": 1}})
+    assert "mem 312 MiB (rank 1)" in stream.getvalue()
+
+
+def test_profile_steps_outside_the_run_are_refused():
+    from meshfold.train.config import load_config
+
+    for steps in ("[3, 2]", "[1, 300]"):
+        with pytest.raises(ValueError, match=r"train.profile_steps = \[\d+, \d+\] must be \[a, b\] with a <= b"):
+            load_config(None, [f"train.profile_steps={steps}"]).validate()
