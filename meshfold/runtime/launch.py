@@ -172,7 +172,14 @@ def preload(*modules: str) -> None:
     a rank forked from the server runs a preloaded module as it was when the server started. It
     takes effect when the server starts (this process's first ``spawn``, ``World`` or
     :func:`start_server`); after that, ranks import the modules themselves, as without it.
+    The server skips a module it cannot import, so a name that does not resolve is refused here.
     """
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"preload: no module named {missing}; give importable module names such as "
+                         f"'meshfold.train.loop'")
     PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 
+from meshfold.runtime import launch
+from meshfold.runtime import launch
 from meshfold.runtime.launch import RankError, World, spawn
 from meshfold.mesh import VIEWS, fold
 from meshfold.testing.strategies import fold_specs
@@ -235,3 +237,20 @@ def test_spawn_runs_unchanged_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text() == "[1, 1]"
+
+
+def _imported(rank, world_size, names):
+    import sys
+
+    return [name for name in names if name in sys.modules]
+
+
+def test_ranks_fork_with_the_sessions_preloaded_modules_and_preload_refuses_unknown_names():
+    """tests/conftest.py preloads meshfold's modules into the server ranks fork from, so a new rank
+    starts with them imported (this module imports none of them); a name that does not import is
+    refused, not skipped by the server."""
+    from tests.conftest import PRELOAD_MODULES
+
+    assert spawn(_imported, 1, PRELOAD_MODULES) == [list(PRELOAD_MODULES)]
+    with pytest.raises(ValueError, match=r"no module named \['meshfold.no_such_module'\]"):
+        launch.preload("meshfold.no_such_module")
