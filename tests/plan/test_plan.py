@@ -31,13 +31,19 @@ def _cp1(layout: Layout) -> bool:
 
 @pytest.fixture(scope="module")
 def table1():
-    """Best estimate per strategy for each Table 1 model: {model: {strategy: Estimate}}."""
+    """Best estimate per strategy for each Table 1 model: {model: {strategy: Estimate}}.
+
+    Each search keeps only layouts some of its strategies accept (``where``): the best of a
+    strategy is the same as in the full search, in a ninth of the time."""
+    ours = [k for k in STRATEGIES if k not in MEGATRON_STRATEGIES]
     out = {}
     for name, row in PAPER_TABLE1.items():
-        ours = plan(name, row.gpus, H100, SEQ, GBS, where=_cp1)
-        megatron = plan(name, row.gpus, H100, SEQ, GBS, where=_cp1, shardings=MEGATRON_SHARDINGS)
-        out[name] = {key: next(e for e in (megatron if key in MEGATRON_STRATEGIES else ours) if keep(e.layout))
-                     for key, keep in STRATEGIES.items()}
+        found = {}
+        for keys, shardings in ((ours, SHARDINGS), (MEGATRON_STRATEGIES, MEGATRON_SHARDINGS)):
+            est = plan(name, row.gpus, H100, SEQ, GBS, shardings=shardings,
+                       where=lambda lay: _cp1(lay) and any(STRATEGIES[k](lay) for k in keys))
+            found.update({k: next(e for e in est if STRATEGIES[k](e.layout)) for k in keys})
+        out[name] = {k: found[k] for k in STRATEGIES}
     return out
 
 
