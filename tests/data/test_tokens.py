@@ -62,6 +62,7 @@ def test_each_dp_rank_reads_only_its_own_rows_of_the_same_batch(corpus):
     assert val.max() < 300 and n_train == int(len(TokenStream(out)) * 0.9)
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_training_on_tokens_resumes_exactly(corpus, tmp_path):
     from tests.train.test_train import SMALL, losses, meshfold
@@ -126,6 +127,7 @@ def test_tokenize_command_names_bad_inputs(tmp_path):
     assert np.fromfile(tmp_path / "o" / "shard-00000.bin", dtype=np.uint16).size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_data_tokenizer_tokenizes_text_for_the_run_and_reuses_it(corpus, tmp_path):
     from tests.train.test_train import SMALL2, losses, meshfold

@@ -87,6 +87,7 @@ def test_dry_run_reports_the_real_step_on_4_ranks(worlds, data):
     _check_same_step(worlds, data, 4)
 
 
+@pytest.mark.slow
 @settings(max_examples=3, phases=NO_SHRINK)
 @given(data=st.data())
 def test_dry_run_reports_the_real_step_on_8_ranks(worlds, data):

@@ -149,6 +149,7 @@ def layouts(draw):
     return model, dataclasses.replace(lay, recompute=draw(st.sampled_from(modes))), seq, gbs
 
 
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(requests(), st.sampled_from(["h100", "h200"]))
 def test_every_plan_is_a_valid_foldspec(req, gpu):
@@ -161,6 +162,7 @@ def test_every_plan_is_a_valid_foldspec(req, gpu):
         assert check_layout(model, e.layout, seq, gbs) == ""
 
 
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(requests(), st.floats(0.25, 32.0))
 def test_recomputation_is_tried_only_where_the_layout_without_it_does_not_fit(req, memory_gib):
@@ -239,6 +241,7 @@ def _args(**kw):
     return parser.parse_args(argv)
 
 
+@pytest.mark.slow
 def test_cli_prints_best_folds_and_the_baselines(capsys):
     assert cli.main(_args(model="qwen2-57b-a14b", gpus=64, gpu="h100", seq=4096, gbs=256, top=3,
                           compare=True, cp1=True)) == 0
@@ -524,6 +527,7 @@ def _held_state_bytes(rank, world_size, spec, data_parallel):
     return sum(map(nbytes, params)), sum(nbytes(p.grad) for p in params), sum(map(nbytes, state))
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("data_parallel", ["fsdp", "allreduce"])
 def test_params_grads_and_optimizer_terms_are_what_a_step_holds(worlds, data_parallel):
@@ -557,6 +561,7 @@ def _local_param_numel(rank, world_size, spec, name, data_parallel):
     return spec.coords(rank)["attn"]["pp"], numel, nbytes
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("spec, data_parallel", [
     (FoldSpec(4, tp=2, ep=2), "fsdp"), (FoldSpec(4, tp=2, ep=4), "allreduce"),

@@ -107,6 +107,7 @@ def newest_step(out_dir) -> int:
     return max(found, default=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, True), (signal.SIGKILL, False)],
                          ids=["SIGTERM", "Ctrl-C", "SIGKILL"])
 def test_ranks_never_outlive_the_launcher(tmp_path, reference, sig, to_group):
@@ -143,6 +144,7 @@ def test_ranks_never_outlive_the_launcher(tmp_path, reference, sig, to_group):
         verify(latest(tmp_path / "checkpoints"))
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, reference):
     """A rank stopped with SIGSTOP beats no heartbeat: the job ends within train.timeout, names it,
     and keeps the tracebacks in the run folder's log."""
@@ -172,6 +174,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, refe
     assert_resumes_like_reference(tmp_path, reference)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_job_and_leaves_no_process(tmp_path, reference):
     proc = start(tmp_path, faults="kill=1@4")
     try:
@@ -185,6 +188,7 @@ def test_a_killed_rank_ends_the_job_and_leaves_no_process(tmp_path, reference):
     assert_resumes_like_reference(tmp_path, reference)
 
 
+@pytest.mark.slow
 def test_one_run_per_folder(tmp_path, reference, monkeypatch, capsys):
     """A second run on a folder in use fails at once naming the first's PID; the first finishes
     with every step logged once, in order; the lock of a dead run is taken over."""
@@ -216,6 +220,7 @@ def test_one_run_per_folder(tmp_path, reference, monkeypatch, capsys):
     assert rc == 0 and "nothing to train" in out, err
 
 
+@pytest.mark.slow
 def test_resume_false_starts_the_folder_over_and_never_mixes_runs(tmp_path, monkeypatch, capsys):
     """train.resume=false moves the earlier run aside whole; the folder then holds only the new
     run's checkpoints and metrics, and a plain rerun resumes the new run."""
@@ -234,6 +239,7 @@ def test_resume_false_starts_the_folder_over_and_never_mixes_runs(tmp_path, monk
     assert rc == 0 and "the newest checkpoint is at step 4" in out, err
 
 
+@pytest.mark.slow
 def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path, monkeypatch, capsys):
     out = ["--out-dir", str(tmp_path)]
     assert meshfold("train", "--steps", "2", *SMALL2, *out).returncode == 0
@@ -250,6 +256,7 @@ def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path, monkeypatc
     assert rc == 0 and "the newest checkpoint is at step 3" in stdout, err
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_names_the_shard_and_the_intact_one(tmp_path, monkeypatch, capsys):
     out = ["--out-dir", str(tmp_path)]
     assert meshfold("train", "--steps", "4", *SMALL2, "--set", "train.ckpt_every=2", *out).returncode == 0

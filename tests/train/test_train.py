@@ -50,6 +50,7 @@ def losses(out_dir):
     return {r["step"]: r for r in map(json.loads, open(Path(out_dir) / "metrics.jsonl"))}
 
 
+@pytest.mark.slow
 def test_default_run_learns(tmp_path):
     proc = meshfold("train", "--steps", "40", "--out-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -86,6 +87,7 @@ def test_bad_settings_fail_before_spawning(tmp_path, monkeypatch, capsys, overri
     assert rc == 2 and message in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     common = [*SMALL, "--set", "train.ckpt_every=4"]
@@ -98,6 +100,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert [la[s]["loss"] for s in range(5, 9)] == [lb[s]["loss"] for s in range(5, 9)]  # bit-exact
 
 
+@pytest.mark.slow
 def test_resharded_resume_continues_with_the_same_loss(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     fp64 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "train.ckpt_every=3"]
@@ -111,6 +114,7 @@ def test_resharded_resume_continues_with_the_same_loss(tmp_path):
     assert abs(losses(a)[4]["loss"] - losses(b)[4]["loss"]) < 1e-9 * losses(a)[4]["loss"]
 
 
+@pytest.mark.slow
 def test_allreduce_data_parallel_trains_the_same_losses_as_fsdp(tmp_path):
     # meshfold plan often proposes train.data_parallel=allreduce: it must be the same training
     fp64 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "fold.world_size=2", "--set", "fold.tp=1",
@@ -125,6 +129,7 @@ def test_allreduce_data_parallel_trains_the_same_losses_as_fsdp(tmp_path):
     assert runs["fsdp"][2] != runs["fsdp"][0]  # the steps did change the model
 
 
+@pytest.mark.slow
 def test_pipeline_run_checkpoint_resumes_without_pp_with_the_same_loss(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     fp64 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "train.ckpt_every=3", "--set", "model.layers=4"]
@@ -142,6 +147,7 @@ def test_pipeline_run_checkpoint_resumes_without_pp_with_the_same_loss(tmp_path)
     assert abs(rows[4]["loss"] - losses(b)[4]["loss"]) < 1e-9 * rows[4]["loss"]
 
 
+@pytest.mark.slow
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2,
                     "--set", "train.ckpt_every=3", faults="crash_in_save_at=6")
@@ -154,6 +160,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]  # steps 4-6 logged once, by the run that kept them
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2,
                     "--set", "train.ckpt_every=2", faults="nan_at=3")
@@ -165,6 +172,7 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     assert losses(tmp_path / "skip")[6]["skipped_steps"] == 1
 
 
+@pytest.mark.slow
 def test_generate_and_export(tmp_path, monkeypatch, capsys):
     assert meshfold("train", "--steps", "3", "--out-dir", str(tmp_path), *SMALL2).returncode == 0
     assert not (tmp_path / "loss.png").exists()  # train.plots=false
@@ -190,6 +198,7 @@ def test_generate_and_export(tmp_path, monkeypatch, capsys):
     torch.testing.assert_close(exported(tokens), model(tokens))
 
 
+@pytest.mark.slow
 def test_torchrun_launch(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -212,6 +221,7 @@ SPARSE_FOLDS = {"etp2": ["fold.ep=2", "fold.etp=2"], "edp2-experts": ["fold.ep=2
                 "edp2-hidden": ["fold.ep=2", "fold.etp=1", "moe.num_experts=2"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fold", SPARSE_FOLDS)
 def test_tile_sparse_training_reaches_each_stage_and_keeps_pruned_weights_zero(tmp_path, fold):
     sets = [a for s in SPARSE_FOLDS[fold] for a in ("--set", s)]
