@@ -44,7 +44,10 @@ def _is_size(value: object) -> bool:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, in O(sqrt(n)) steps (``n`` may be any world size
+    a user types)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True)
@@ -209,17 +212,35 @@ class FoldSpec:
         ``fold`` creates one process group per group of ranks of every *distinct* partition of
         the world among the dims of both views; a dim whose partition another dim already has
         (pp in both views, etp == tp, size-1 dims) shares it, and the whole world reuses the
-        default group.
+        default group. Counted from sizes and strides alone (no rank is enumerated): a dim of
+        size s > 1 and stride t partitions the world as every other such dim of equal (s, t) does.
         """
         seen, shared, unshared = set(), 0, 0
         for view, dims in VIEWS.items():
             for d in dims:
-                part = tuple(tuple(g) for g in self.groups(view, d))
-                unshared += len(part)
-                if part not in seen:
-                    seen.add(part)
-                    shared += len(part) if len(part) > 1 else 0
+                size = getattr(self, d)
+                n_groups = self.world_size // size
+                key = (size, self._strides[view][d]) if size > 1 else (1, 0)
+                unshared += n_groups
+                if key not in seen:
+                    seen.add(key)
+                    shared += n_groups if n_groups > 1 else 0
         return shared, unshared
+
+    def first_groups(self, view: str, dim: str, count: int) -> list[range]:
+        """The first ``count`` groups of ``groups(view, dim)`` as ranges, built from the layout's
+        strides without enumerating the world (``describe`` of any world size is instant)."""
+        self._dims(view)
+        size, stride = getattr(self, dim), self._strides[view][dim]
+        out = []
+        block = 0
+        while len(out) < count and block < self.world_size:  # ranks whose `dim` coordinate is 0
+            for first in range(block, min(block + stride, self.world_size)):
+                out.append(range(first, first + size * stride, stride))
+                if len(out) == count:
+                    break
+            block += size * stride
+        return out
 
     # ---- presentation ---------------------------------------------------------------------
     def describe(self) -> str:
@@ -230,9 +251,9 @@ class FoldSpec:
             lines.append(f"\n{view} view ({sizes}), dims leftmost slowest")
             width = max(len(d) for d in dims)
             for d in dims:
-                groups = self.groups(view, d)
-                shown = " ".join(_fmt_group(g) for g in groups[:8])
-                more = f" ... ({len(groups)} groups)" if len(groups) > 8 else ""
+                n_groups = self.world_size // getattr(self, d)
+                shown = " ".join(_fmt_group(g) for g in self.first_groups(view, d, 8))
+                more = f" ... ({n_groups} groups)" if n_groups > 8 else ""
                 lines.append(f"  {d:<{width}} size {getattr(self, d):>3}: {shown}{more}")
         created, unshared = self.process_group_count()
         lines.append(f"\nfold() creates {created} process groups ({unshared} if each view built "
@@ -249,9 +270,12 @@ class FoldSpec:
         return "\n".join(lines)
 
 
-def _fmt_group(group: list[int]) -> str:
-    if len(group) > 2 and group == list(range(group[0], group[-1] + 1)):
+def _fmt_group(group: range) -> str:
+    """``[4-7]`` for consecutive ranks, ``[0,8]`` for a few, ``[0,2,4,...,98]`` for many."""
+    if len(group) > 2 and group.step == 1:
         return f"[{group[0]}-{group[-1]}]"
+    if len(group) > 8:
+        return f"[{group[0]},{group[1]},{group[2]},...,{group[-1]}]"
     return "[" + ",".join(map(str, group)) + "]"
 
 

@@ -52,21 +52,41 @@ def parse_fold(text: str, world_size: int) -> dict:
     return {"world_size": world_size, "cp": cp, "tp": tp, "ep": ep, "pp": pp, "etp": etp[0] if etp else tp}
 
 
+# how the settings meshfold train's checks name read in dryrun's own flags
+FLAGS = {"train.batch": "--gbs", "train.seq": "--seq", "fold.world_size": "--gpus", "fold.pp": "pp of --fold",
+         "train.microbatches": "micro-batches (gbs / dp / --mbs)", "train.dtype": "--dtype",
+         "train.recompute": "--recompute", "train.gpu": "--gpu"}
+
+
+def _in_flags(err: ValueError) -> ValueError:
+    """``err`` with each ``train.*`` / ``fold.*`` setting it names replaced by the dryrun flag
+    that sets it (``train.batch = 6 is ...`` -> ``--gbs 6 is ...``)."""
+    text = str(err).replace(" (train.microbatches, train.schedule, train.virtual)", " (--mbs)")
+    for setting, flag in FLAGS.items():
+        text = text.replace(f"{setting} = ", f"{flag} " if flag.startswith("--") else f"{flag} = ")
+        text = text.replace(setting, flag)
+    return ValueError(text)
+
+
 def train_config(args):
     """The :class:`~meshfold.train.config.TrainConfig` a ``meshfold train`` of these settings uses."""
     from meshfold.train.config import TrainConfig
 
     cfg = TrainConfig(model={"name": args.model}, fold=parse_fold(args.fold, args.gpus))
     t = cfg.train
-    t.batch, t.seq, t.dtype, t.recompute = args.gbs, args.seq, args.dtype, args.recompute
-    spec, _ = cfg.validate()  # the fold's and the model's one-line errors, as meshfold train gives them
-    per_rank = args.gbs // spec.dp
-    if args.mbs < 1 or per_rank % args.mbs:
-        raise ValueError(f"--mbs {args.mbs}: gbs / dp = {per_rank} sequences per dp rank is not a multiple "
-                         f"of it (valid: divisors of {per_rank})")
-    t.microbatches = per_rank // args.mbs
-    t.gpu = args.gpu
-    cfg.validate()
+    t.batch, t.seq, t.dtype, t.recompute, t.gpu = args.gbs, args.seq, args.dtype, args.recompute, args.gpu
+    try:
+        cfg.check_types()
+        spec = cfg.fold_spec()  # the fold's one-line errors, as meshfold layout and train give them
+        if args.gbs % spec.dp == 0:  # (else validate names it) the micro-batches --mbs makes
+            per_rank = args.gbs // spec.dp
+            if args.mbs < 1 or per_rank % args.mbs:
+                raise ValueError(f"--mbs {args.mbs}: gbs / dp = {per_rank} sequences per dp rank is not a "
+                                 f"multiple of it (valid: divisors of {per_rank})")
+            t.microbatches = per_rank // args.mbs
+        cfg.validate()  # the model's and the settings' checks, as meshfold train runs them
+    except ValueError as err:
+        raise _in_flags(err) from None
     return cfg
 
 

@@ -27,7 +27,10 @@ def main_export(args: argparse.Namespace) -> int:
     if dst in (run, src) or run / "checkpoints" in (dst, *dst.parents):
         raise ValueError(f"export target {args.out} is the run being read or inside its checkpoints; "
                          f"choose a folder of its own")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.force:
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"export target {args.out} is a file; give a folder (new or empty) for config.json "
+                         f"and model.safetensors")
+    if dst.exists() and any(dst.iterdir()) and not args.force:
         raise ValueError(f"export target {args.out} is not empty; choose an empty or new folder, or pass "
                          f"--force to overwrite its config.json and model.safetensors")
     from meshfold.train.trained import load_trained

@@ -13,7 +13,7 @@ import sys
 
 from meshfold.plan.baselines import MEGATRON_STRATEGIES, PAPER_TABLE1, STRATEGIES, STRATEGY_NAMES
 from meshfold.plan.cost import MEGATRON_SHARDINGS, TIME_TERMS, Estimate
-from meshfold.plan.hardware import GIB, HARDWARE, hardware
+from meshfold.plan.hardware import ATTENTION_KERNELS, GIB, HARDWARE, MESHFOLD_ATTENTION_KERNEL, hardware
 from meshfold.plan.models import MODELS, model_shape
 from meshfold.plan.search import plan
 
@@ -41,6 +41,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true",
                         help="also print the paper's strategies (FSDP, FSDP+EP on meshfold's FSDP2; TP+EP+DP, "
                              "MCore, MCore + folding as Megatron-Core runs them, for comparison)")
+    parser.add_argument("--attention-kernel", default=MESHFOLD_ATTENTION_KERNEL, choices=ATTENTION_KERNELS,
+                        help="whose measured attention rate costs meshfold's layouts (default "
+                             f"{MESHFOLD_ATTENTION_KERNEL}: torch's SDPA flash backend, which meshfold runs); "
+                             "the [Megatron] rows keep the preset's fa3")
     parser.add_argument("--cp1", action="store_true",
                         help="only folds with cp=1 (the setting of the paper's Table 1)")
 
@@ -71,12 +75,14 @@ def format_table(rows: list[tuple[str, Estimate]], extra: dict[str, str] | None 
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the planner for ``args`` (from :func:`configure`); 0 on success, 2 on bad input."""
+    """Run the planner for ``args`` (from :func:`configure`); 0 when a layout fits, 1 when none
+    does (as ``meshfold dryrun`` on out-of-memory), 2 on bad input."""
     try:
-        shape, hw = model_shape(args.model), hardware(args.gpu)
+        shape, megatron_hw = model_shape(args.model), hardware(args.gpu)
+        hw = hardware(megatron_hw, attention_kernel=args.attention_kernel)  # the kernel meshfold runs
         where = (lambda lay: lay.spec.cp == 1) if getattr(args, "cp1", False) else None
         results = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where)
-        megatron = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where,
+        megatron = plan(shape, args.gpus, megatron_hw, args.seq, args.gbs, where=where,
                         shardings=MEGATRON_SHARDINGS) if args.compare else []
     except ValueError as err:
         print(f"meshfold plan: error: {err}", file=sys.stderr)
@@ -84,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     feasible = [e for e in results if e.feasible]
     print(f"{shape.name} ({shape.total_params / 1e9:.1f}B params) on {args.gpus} x {hw.name}, seq {args.seq}, "
           f"global batch {args.gbs}: {len(results)} layouts, {len(feasible)} fit in "
-          f"{hw.usable_bytes / GIB:.1f} GiB")
+          f"{hw.usable_bytes / GIB:.1f} GiB; attention costed at {hw.attention_kernel}")
     if feasible:
         print(format_table([(f"#{i + 1}", e) for i, e in enumerate(feasible[:args.top])]))
         best = feasible[0].layout
@@ -107,9 +113,10 @@ def main(args: argparse.Namespace) -> int:
                 v = row.mfu[key]
                 paper[label] = "OOM" if v is None else f"{100 * v:.1f}%"
         print("\nthe paper's strategies (best layout each admits; [Megatron] rows are Megatron-Core's distributed "
-              f"optimizer {MEGATRON_SHARDINGS[0]} and schedules, not meshfold; FSDP rows are meshfold's FSDP2):")
+              f"optimizer {MEGATRON_SHARDINGS[0]} and schedules, not meshfold, their attention costed at "
+              f"{megatron_hw.attention_kernel}; FSDP rows are meshfold's FSDP2):")
         print(format_table(rows, paper or None))
         for label, e in rows:
             if not e.feasible:
                 print(f"  {label}: {e.reason}")
-    return 0
+    return 0 if feasible else 1

@@ -16,7 +16,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--tokenizer", help="a Hugging Face tokenizers tokenizer.json, or a checkpoint folder with one")
     how.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
                      help="train a byte-level BPE tokenizer of VOCAB ids on the files (saved to OUT)")
-    parser.add_argument("--out", required=True, help="folder for the shards, index.json (and tokenizer.json)")
+    parser.add_argument("--out", required=True, help="a new or empty folder for the shards, index.json and "
+                                                     "tokenizer.json")
+    parser.add_argument("--force", action="store_true", help="replace the tokenization OUT holds (only a "
+                                                             "tokenization: a folder of other files is refused)")
     parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="a shard closes after the document that reaches this many ids (default 2^27)")
     parser.add_argument("files", nargs="+", help="text files or folders (hidden and binary files skipped)")
 
@@ -24,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from meshfold.data.tokens import tokenize
 
-    index = tokenize(args.files, args.out, args.tokenizer, args.train_tokenizer, args.shard_tokens)
+    index = tokenize(args.files, args.out, args.tokenizer, args.train_tokenizer, args.shard_tokens, args.force)
     print(f"wrote {index['tokens']:,} tokens (vocab {index['vocab_size']:,}, {index['dtype']}) in "
           f"{len(index['shards'])} shards to {args.out}/; train on them with meshfold train --data {args.out} "
           f"--set model.vocab={index['vocab_size']}")

@@ -23,12 +23,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args):
-    from meshfold.train.config import load_config
+    from meshfold.train.config import load_config, parse_override
 
     overrides = list(args.set)
+    if args.out_dir is not None and not args.out_dir.strip():
+        raise ValueError(f"--out-dir {args.out_dir!r}: give a folder for the run (default runs/default)")
+    given = {f"{section}.{key}": value for section, key, value in map(parse_override, overrides)}
+    for flag, key, value in (("--steps", "train.steps", args.steps), ("--out-dir", "train.out_dir", args.out_dir),
+                             ("--data", "data.paths", args.data)):
+        if value is not None and key in given and given[key] != value:
+            raise ValueError(f"{flag} {value} and --set {key}={given[key]} disagree: give one of them")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
-    if args.out_dir:
+    if args.out_dir is not None:
         overrides.append(f"train.out_dir={json.dumps(args.out_dir)}")
     cfg = load_config(args.config, overrides)
     if args.data:
@@ -172,8 +179,7 @@ def _launch(cfg, spec, out: Path, rank: int) -> int:
         log = _write_failure_log(out, err)
         summary = err.summary if len(err.summary) <= 600 else err.summary[:600] + " ..."
         print(f"meshfold train: rank {err.rank} failed: {summary}", file=sys.stderr)
-        print(f"  tracebacks: {log}" if log else "  (the run folder is not writable: no log kept)",
-              file=sys.stderr)
+        print(log, file=sys.stderr)
         return 1
     except TimeoutError as err:
         print(f"meshfold train: {err}", file=sys.stderr)
@@ -196,8 +202,9 @@ def _launch(cfg, spec, out: Path, rank: int) -> int:
     return 0
 
 
-def _write_failure_log(out: Path, err) -> Path | None:
-    """Every failed rank's traceback, in ``<out>/logs/failure-<time>.log``; None if unwritable."""
+def _write_failure_log(out: Path, err) -> str:
+    """Every failed rank's traceback, in ``<out>/logs/failure-<time>.log``; returns the line that
+    says where, or why no log was kept (a log cut short, e.g. by a full disk, is removed)."""
     import time
 
     path = out / "logs" / f"failure-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -206,9 +213,13 @@ def _write_failure_log(out: Path, err) -> Path | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(parts))
-    except OSError:
-        return None
-    return path
+    except OSError as failed:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return f"  (no log kept: cannot write {path}: {failed.strerror or failed})"
+    return f"  tracebacks: {path}"
 
 
 def _count_params(mcfg) -> int:

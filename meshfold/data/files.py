@@ -7,11 +7,17 @@ hidden files and folders or binary files.
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from pathlib import Path
 
-__all__ = ["corpus_files", "default_corpus_paths"]
+__all__ = ["corpus_files", "default_corpus_paths", "is_token_index"]
+
+# What marks a token folder (:mod:`meshfold.data.tokens`), so that text never reads one as text.
+FORMAT = "meshfold-tokens-1"
+INDEX = "index.json"
+SHARD_GLOB = "shard-[0-9][0-9][0-9][0-9][0-9].bin"
 
 
 def default_corpus_paths(limit_bytes: int = 8_000_000) -> list[Path]:
@@ -48,17 +54,45 @@ def _is_binary(path: Path) -> bool:
         return False  # reading it later names the error
 
 
+def is_token_index(path: Path) -> bool:
+    """Whether ``path`` is a meshfold token index (a text folder may hold an index.json of its own)."""
+    try:
+        return json.loads(path.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _tokens_not_text(folder: Path) -> str | None:
+    """Why ``folder`` is a token folder rather than text, or None: its index (a token folder
+    trains alone, ``--data DIR``), or shards without an index (a tokenization cut short, or an
+    index removed), whose text would otherwise be the tokenizer's JSON."""
+    if is_token_index(folder / INDEX):
+        return (f"--data {folder} is a token folder (it has an {INDEX}): train on it alone, --data {folder}, "
+                f"not beside other paths")
+    if any(folder.glob(SHARD_GLOB)):
+        return (f"--data {folder} holds token shards ({SHARD_GLOB}) but no {INDEX}: a meshfold tokenize "
+                f"that was cut short, or an index removed; rerun meshfold tokenize into it")
+    return None
+
+
 def corpus_files(paths: list[str | Path]) -> list[Path]:
-    """The files ``--data`` names: files as given, folders' files in sorted order without hidden
-    files and folders (``.git/``, ``.venv/``) or binary files."""
+    """The text files ``--data`` names: files as given (a binary one is refused), folders' files
+    in sorted order without hidden files and folders (``.git/``, ``.venv/``) or binary files.
+    A token folder is refused here: it is read as tokens (:mod:`meshfold.data.tokens`), never as text."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
+            problem = _tokens_not_text(p)
+            if problem:
+                raise ValueError(problem)
             for f in sorted(p.rglob("*")):
                 rel = f.relative_to(p).parts
                 if f.is_file() and not any(part.startswith(".") for part in rel) and not _is_binary(f):
                     files.append(f)
         elif p.is_file():
+            if _is_binary(p):
+                raise ValueError(f"--data {p} is a binary file (a NUL byte in its first 8 KiB), not text; "
+                                 f"name text files, or a folder (whose binary files are skipped)")
             files.append(p)
         else:
             raise ValueError(f"--data {p}: no such file or folder")

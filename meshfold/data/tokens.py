@@ -7,7 +7,8 @@ A token folder holds shards of flat token ids and one small JSON index::
                              "shards": [{"file": ..., "tokens": n}, ...]}
     DIR/shard-00000.bin     ids as little-endian uint16 (vocab <= 65536) or uint32, EOS between
     DIR/shard-00001.bin     documents (a document is one input file)
-    DIR/tokenizer.json      the tokenizer, when --train-tokenizer made it
+    DIR/tokenizer.json      the tokenizer that made the ids (trained by --train-tokenizer, or a
+                            copy of --tokenizer's): the folder decodes without anything else
 
 The reader requires ``format``, ``dtype``, ``vocab_size``, ``shards`` and ``tokens``, the total
 over the shards (a check that the shard list is the one written); ``eos_id`` and ``tokenizer``
@@ -29,18 +30,19 @@ Tokenizers are Hugging Face ``tokenizers`` files (``pip install "meshfold[tokeni
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from meshfold.data.files import corpus_files, default_corpus_paths
+from meshfold.data.files import FORMAT, INDEX, SHARD_GLOB, corpus_files, default_corpus_paths, is_token_index
 
-__all__ = ["TokenStream", "is_token_folder", "load_tokenizer", "read_index", "tokenize", "train_tokenizer",
-           "write_shards"]
+__all__ = ["TokenStream", "is_token_folder", "load_tokenizer", "read_index", "tokenize", "tokenizer_file",
+           "train_tokenizer", "write_shards"]
 
-FORMAT = "meshfold-tokens-1"
-INDEX = "index.json"
+TOKENIZER = "tokenizer.json"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
@@ -52,10 +54,16 @@ def _tokenizers():
     return tokenizers
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json that ``path`` names: itself, or the one in a checkpoint folder."""
+    path = Path(path)
+    return path / TOKENIZER if path.is_dir() else path
+
+
 def load_tokenizer(path: str | Path):
     """A ``tokenizers.Tokenizer`` from a tokenizer.json, or a Hugging Face checkpoint folder with one."""
     path = Path(path)
-    file = path / "tokenizer.json" if path.is_dir() else path
+    file = tokenizer_file(path)
     if not file.is_file():
         raise ValueError(f"tokenizer {path}: no tokenizer.json there")
     try:
@@ -73,25 +81,42 @@ def eos_id(tok) -> int:
     raise ValueError(f"the tokenizer has none of the end-of-text tokens {list(EOS_NAMES)}")
 
 
+MAX_VOCAB = 1 << 32  # ids are stored as uint32 at most
+
+
+def check_vocab(vocab: int) -> None:
+    """``--train-tokenizer VOCAB`` is a size a byte-level BPE can have (checked before any file is read)."""
+    if not 257 + 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"--train-tokenizer {vocab}: valid: 258 (256 bytes + EOS + 1 merge) to {MAX_VOCAB:,} "
+                         f"(uint32 ids)")
+
+
 def train_tokenizer(files: list[Path], vocab: int, out: Path):
-    """Train a byte-level BPE tokenizer of ``vocab`` ids on ``files`` (offline); saves and returns it."""
+    """Train a byte-level BPE tokenizer of exactly ``vocab`` ids on ``files`` (offline); saves and
+    returns it. BPE stops when no pair of tokens is left to merge, so a short text cannot make a
+    large vocabulary: that is an error naming the size the text gives, never a smaller tokenizer."""
     tk = _tokenizers()
-    if vocab < 257 + 1:
-        raise ValueError(f"--train-tokenizer {vocab}: a byte-level BPE needs at least 258 ids (256 bytes + EOS + 1)")
+    check_vocab(vocab)
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train([str(f) for f in files], trainer)
+    made = tok.get_vocab_size(with_added_tokens=True)
+    if made < vocab:
+        raise ValueError(f"--train-tokenizer {vocab:,}: byte-level BPE on this text stops at {made:,} ids (no pair "
+                         f"of tokens is left to merge); ask for at most {made:,}, or give more text")
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    tok.save(str(out / TOKENIZER))
     return tok
 
 
 def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_tokens: int = 1 << 27,
                  stream=sys.stdout, extra: dict | None = None) -> dict:
-    """Tokenize ``files`` (one document each) into ``out``'s shards and index; returns the index.
+    """Tokenize ``files`` (one document each) into ``out``'s shards and index, beside a copy of
+    the tokenizer (``tokenizer.json``: what decodes the ids, e.g. for ``meshfold generate``);
+    returns the index.
 
     Shows a progress line per file; the index is written last, so an interrupted run leaves a
     folder ``meshfold train`` refuses (no index) rather than a silently short one."""
@@ -100,6 +125,7 @@ def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_t
     eos = eos_id(tok)
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX).unlink(missing_ok=True)
+    tok.save(str(out / TOKENIZER))
     shards, buf, total = [], [], 0
 
     def flush():
@@ -132,19 +158,66 @@ def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_t
     return index
 
 
+def _check_out(out: Path, force: bool) -> None:
+    """``--out`` is new or empty, or (``--force``) holds a tokenization that may be replaced."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a new or empty folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not force:
+        raise ValueError(f"--out {out} is not empty; give a new or empty folder, or --force to replace the "
+                         f"tokenization it holds")
+    if not (out / INDEX).is_file() and not any(out.glob(SHARD_GLOB)):
+        raise ValueError(f"--out {out} holds files that are not a meshfold tokenization (no {INDEX}, no "
+                         f"shards); --force replaces only a tokenization: give a new or empty folder")
+
+
+def _move_into_place(stage: Path, out: Path) -> None:
+    """``stage`` becomes ``out``; an earlier ``out`` is moved aside first and deleted only after,
+    so the folder holds one whole tokenization at every moment a reader could look."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.rename(stage, out)
+        return
+    old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+    os.rename(out, old)
+    os.rename(stage, out)
+    shutil.rmtree(old)
+
+
 def tokenize(files: list[str], out: str | Path, tokenizer: str | None = None, train_vocab: int | None = None,
-             shard_tokens: int = 1 << 27) -> dict:
-    """Tokenize ``files`` into ``out`` with a given tokenizer or one trained on them; the index."""
+             shard_tokens: int = 1 << 27, force: bool = False) -> dict:
+    """Tokenize ``files`` into ``out`` with a given tokenizer or one trained on them; the index.
+
+    Everything about the request is checked before a file is read; the tokenization is written
+    into a folder beside ``out`` and moved into place whole, so a failure or an interruption
+    leaves ``out`` as it was."""
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens must be >= 1, got {shard_tokens}")
-    out = Path(out)
-    paths = corpus_files(files)
     if train_vocab is not None:
-        tok = train_tokenizer(paths, train_vocab, out)
-        name = str(out / "tokenizer.json")
-    else:
-        tok, name = load_tokenizer(tokenizer), str(tokenizer)
-    return write_shards(tok, paths, out, name, shard_tokens)
+        check_vocab(train_vocab)
+    out = Path(out)
+    _check_out(out, force)
+    paths = corpus_files(files)
+    if not any(f.stat().st_size for f in paths):
+        raise ValueError(f"{' '.join(map(str, files))}: the files are empty (0 bytes); nothing to tokenize")
+    tok = None if train_vocab is not None else load_tokenizer(tokenizer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        if tok is None:
+            tok, name = train_tokenizer(paths, train_vocab, stage), str(out / TOKENIZER)
+        else:
+            name = str(tokenizer)
+        index = write_shards(tok, paths, stage, name, shard_tokens)
+        if index["tokens"] == 0:
+            raise ValueError(f"{' '.join(map(str, files))}: the tokenizer made no tokens of this text")
+        _move_into_place(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return index
 
 
 def sources(files: list[Path]) -> list:
@@ -157,7 +230,7 @@ def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdou
     """``data.tokenizer``: the text ``paths`` tokenized into ``folder`` (reused while the text
     and the tokenizer are the same); returns the folder to train on."""
     files = corpus_files(paths) if paths else default_corpus_paths()
-    file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+    file = tokenizer_file(tokenizer)
     try:
         index = json.loads((folder / INDEX).read_text())
         if index.get("sources") == sources(files) and index.get("tokenizer_file") == sources([file])[0]:

@@ -113,13 +113,19 @@ def check_torch_version(version: str | None = None) -> str:
 def resolve(name: str):
     """The object a dotted torch name refers to (``torch.distributed.fsdp.fully_shard``), importing
     the longest module prefix; AttributeError naming it if this torch lacks it or :func:`hiding`
-    hides it."""
+    hides it, ModuleNotFoundError naming the package if its torch module imports one that is not
+    installed (``torch.utils.tensorboard`` needs ``tensorboard``)."""
     if name in _hidden:
         raise AttributeError(f"{name} is hidden (meshfold.runtime.compat.hiding)")
     parts = name.split(".")
     for k in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:k]))
+        except ModuleNotFoundError as err:
+            if err.name and err.name.split(".")[0] != "torch":  # torch has the module, not its dependency
+                raise ModuleNotFoundError(f"{name} needs the package {err.name!r}, which is not installed",
+                                          name=err.name) from None
+            continue
         except ImportError:
             continue
         for i, attr in enumerate(parts[k:], k):

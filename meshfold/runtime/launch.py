@@ -48,9 +48,9 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
-import queue as queue_mod
 import select
 import signal
 import socket
@@ -246,15 +246,21 @@ def _init_worker(rank: int, world_size: int, port: int, timeout: float, environ:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=td)
 
 
+def _report(results, rank: int, ok: bool, value) -> None:
+    """Send the launcher this rank's result (``ok``) or traceback, stamped with the time it was
+    sent: the launcher reads several ranks' pipes at once and orders their reports by it."""
+    results.send((time.monotonic(), rank, ok, value))
+
+
 def _spawn_entry(rank, world_size, port, timeout, environ, launcher_pid, beats, fn, args, results) -> None:
     try:
         _init_worker(rank, world_size, port, timeout, environ, launcher_pid, beats)
         out = fn(rank, world_size, *args)
-        # by value: the queue's default pickler would share tensors through memory that this
+        # by value: the pipe's default pickler would share tensors through memory that this
         # process frees when it exits, before the parent has read it
-        results.put((rank, True, pickle.dumps(out)))
+        _report(results, rank, True, pickle.dumps(out))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
-        results.put((rank, False, traceback.format_exc()))
+        _report(results, rank, False, traceback.format_exc())
         sys.exit(1)
     finally:
         import torch.distributed as dist
@@ -267,25 +273,29 @@ def _world_entry(rank, world_size, port, timeout, environ, launcher_pid, beats, 
     try:
         _init_worker(rank, world_size, port, timeout, environ, launcher_pid, beats)
     except BaseException:  # noqa: BLE001
-        results.put((rank, False, traceback.format_exc()))
+        _report(results, rank, False, traceback.format_exc())
         return
-    results.put((rank, True, "ready"))
+    _report(results, rank, True, "ready")
     while True:
-        task = tasks.get()
+        task = tasks.recv()
         if task is None:
             break
         fn, args = task
         try:
-            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+            _report(results, rank, True, pickle.dumps(fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001
-            results.put((rank, False, traceback.format_exc()))
+            _report(results, rank, False, traceback.format_exc())
     import torch.distributed as dist
 
     dist.destroy_process_group()
 
 
 class _Procs:
-    """Processes plus the result queue, with prompt failure detection and teardown."""
+    """Processes plus one result pipe per rank, with prompt failure detection and teardown.
+
+    Pipes, not ``multiprocessing`` queues: a queue holds named semaphores, which a launcher that
+    is killed (SIGKILL) cannot unlink, so Python's resource tracker reports them as leaked; a
+    pipe is two file descriptors the kernel closes however the process ends."""
 
     def __init__(self, target, world_size: int, timeout: float, extra_args) -> None:
         self.ctx = _context()
@@ -299,7 +309,6 @@ class _Procs:
                                    wait_for_workers=False, master_listen_fd=listener.fileno(),
                                    timeout=datetime.timedelta(seconds=timeout))
         listener.detach()  # the store's server owns the socket from here on
-        self.results = self.ctx.Queue()
         # each rank's last heartbeat (time.monotonic, one clock for all processes); 0: not yet
         self.beats = self.ctx.Array("d", world_size, lock=False)
         self.stall_after = max(timeout / 2, STALL_FLOOR_S)
@@ -307,34 +316,52 @@ class _Procs:
         self._grace_until = 0.0
         self.keep_if_all_answer = False  # World: a task every rank finished leaves the ranks usable
         self.terminated = False
-        self.procs = []
+        self.procs, self.results = [], []
         for rank in range(world_size):
+            reader, writer = self.ctx.Pipe(duplex=False)
             p = self.ctx.Process(target=target, daemon=True,
                                  args=(rank, world_size, port, timeout, dict(os.environ), os.getpid(),
-                                       self.beats, *extra_args(rank), self.results))
+                                       self.beats, *extra_args(rank), writer))
             p.start()
+            writer.close()  # the rank holds the writing end: its end of file means it is gone
             self.procs.append(p)
+            self.results.append(reader)
+
+    def _receive(self, timeout: float) -> list[tuple[int, bool, Any]]:
+        """The ``(rank, ok, value)`` reports that arrive within ``timeout`` seconds, in the order
+        they were sent."""
+        open_ = [r for r in self.results if not r.closed]
+        if not open_:
+            time.sleep(timeout)
+            return []
+        got = []
+        for reader in multiprocessing.connection.wait(open_, timeout):
+            try:
+                got.append(reader.recv())
+            except (EOFError, OSError):  # the rank ended; its exit code tells how
+                reader.close()
+        return [(rank, ok, value) for _, rank, ok, value in sorted(got, key=lambda report: report[0])]
 
     def collect(self, deadline: float, what: str) -> list[Any]:
         """One result per rank; raises RankError for the root failure, TimeoutError at deadline."""
         out: dict[int, Any] = {}
         while len(out) < self.world_size:
-            try:
-                rank, ok, value = self.results.get(timeout=0.05)
-            except queue_mod.Empty:
-                if any(r not in out and p.exitcode not in (None, 0) for r, p in enumerate(self.procs)):
-                    self._fail(out, None)
-                if self._stalled(out):
-                    self._fail(out, None)
-                if time.monotonic() > deadline:
-                    self.terminate()
-                    missing = sorted(set(range(self.world_size)) - set(out))
-                    raise TimeoutError(f"{what}: ranks {missing} did not finish in time "
-                                       f"(all ranks terminated)") from None
+            reports = self._receive(0.05)
+            failed = [(rank, value) for rank, ok, value in reports if not ok]
+            out.update((rank, pickle.loads(value) if isinstance(value, bytes) else value)
+                       for rank, ok, value in reports if ok)
+            if failed:  # every report read so far: those of one wait can be several ranks'
+                self._fail(out, failed)
+            if reports:
                 continue
-            if not ok:
-                self._fail(out, (rank, value))
-            out[rank] = pickle.loads(value) if isinstance(value, bytes) else value
+            if any(r not in out and p.exitcode not in (None, 0) for r, p in enumerate(self.procs)):
+                self._fail(out, [])
+            if self._stalled(out):
+                self._fail(out, [])
+            if time.monotonic() > deadline:
+                self.terminate()
+                missing = sorted(set(range(self.world_size)) - set(out))
+                raise TimeoutError(f"{what}: ranks {missing} did not finish in time (all ranks terminated)")
         return [out[r] for r in range(self.world_size)]
 
     def _stalled(self, out: dict) -> list[tuple[int, float]]:
@@ -349,7 +376,7 @@ class _Procs:
                 if r not in out and self.beats[r] > 0 and now - self.beats[r] > self.stall_after
                 and self.procs[r].exitcode is None]
 
-    def _fail(self, out: dict, first_error: tuple[int, str] | None) -> None:
+    def _fail(self, out: dict, errors: list[tuple[int, str]]) -> None:
         """Find the root failure, tear everything down (unless ``keep_if_all_answer`` and every
         rank answered) and raise it.
 
@@ -361,17 +388,14 @@ class _Procs:
         stalled = self._stalled(out)
         for r, _ in stalled:  # a stopped process takes no SIGTERM until continued
             self.procs[r].kill()
-        errors = [first_error] if first_error else []
+        errors = list(errors)  # (rank, traceback) reports already read, first first
         answered = set(out) | {r for r, _ in errors}
         settle = time.monotonic() + 1.0
         while time.monotonic() < settle and not (self.keep_if_all_answer and len(answered) == self.world_size):
-            try:
-                rank, ok, value = self.results.get(timeout=0.05)
+            for rank, ok, value in self._receive(0.05):
                 answered.add(rank)
                 if not ok:
                     errors.append((rank, value))
-            except queue_mod.Empty:
-                pass
         if (self.keep_if_all_answer and errors and not stalled and len(answered) == self.world_size
                 and all(p.exitcode is None for p in self.procs)):
             # every rank returned or raised: no collective is left half done, the group is in step
@@ -401,6 +425,8 @@ class _Procs:
             if p.is_alive():
                 p.kill()
                 p.join()
+        for reader in self.results:
+            reader.close()
         self.store = None  # closes the rendezvous server
         self.terminated = True
 
@@ -450,9 +476,13 @@ class World:
     def _start(self) -> _Procs:
         if self._procs is None:
             ctx = _context()
-            self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-            procs = _Procs(_world_entry, self.world_size, self.timeout,
-                           lambda rank: (self._tasks[rank],))
+            for task in self._tasks:  # a failed world's
+                task.close()
+            pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]  # (rank reads, we write)
+            self._tasks = [writer for _, writer in pipes]
+            procs = _Procs(_world_entry, self.world_size, self.timeout, lambda rank: (pipes[rank][0],))
+            for reader, _ in pipes:
+                reader.close()  # each rank holds its own reading end
             procs.collect(time.monotonic() + self.timeout + 60.0, "World start-up")
             procs.keep_if_all_answer = True
             self._procs = procs
@@ -461,8 +491,11 @@ class World:
     def run(self, fn: Callable, *args: Any, timeout: float | None = None) -> list[Any]:
         """Run ``fn(rank, world_size, *args)`` on every rank; raise RankError if any rank raises."""
         procs = self._start()
-        for q in self._tasks:
-            q.put((fn, args))
+        for task in self._tasks:
+            try:
+                task.send((fn, args))
+            except OSError:  # that rank is gone: collect() names it
+                pass
         try:
             return procs.collect(time.monotonic() + (timeout or self.timeout) + 5.0,
                                  f"World.run({getattr(fn, '__name__', fn)})")
@@ -482,8 +515,11 @@ class World:
 
     def close(self) -> None:
         if self._procs is not None:
-            for q in self._tasks:
-                q.put(None)
+            for task in self._tasks:
+                try:
+                    task.send(None)
+                except OSError:  # that rank is gone already
+                    pass
             deadline = time.monotonic() + 10
             for p in self._procs.procs:
                 p.join(timeout=max(0.0, deadline - time.monotonic()))

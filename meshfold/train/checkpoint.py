@@ -4,7 +4,8 @@ Layout of ``<out_dir>/checkpoints/``::
 
     step_000100/            a complete checkpoint (renamed into place only when every rank is done)
         shard-*.safetensors DCP's Hugging Face storage: tensors + JSON sharding metadata
-        trainer.json        step, config, fold, metrics counters (rank 0)
+        trainer.json        step, config, fold, metrics counters (rank 0); written last, it
+                            lists every other file with its size, so a lost shard is seen
         rng_rank0.json ...  each rank's torch RNG state (CPU, and its GPU's under CUDA)
     step_000200.tmp/        a save in progress or interrupted: never read
 
@@ -23,6 +24,7 @@ Why these choices:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -56,21 +58,42 @@ def latest(ckpt_dir: str | os.PathLike) -> Path | None:
 
 
 def verify(path: str | os.PathLike) -> None:
-    """Check a checkpoint folder's files without loading them: trainer.json and every rank's RNG
-    file parse, and every safetensors file is whole (its header parses and the file is as long as
-    the header says). Raises :class:`CheckpointError` naming the first bad file."""
+    """Check a checkpoint folder's files without loading them: every file trainer.json lists is
+    there at its size (each rank's shard and RNG state; a checkpoint written before that list
+    needs an RNG file per rank of its world), trainer.json and the RNG files parse, and every
+    safetensors file is whole (its header parses and the file is as long as the header says).
+    Raises :class:`CheckpointError` naming the first bad file."""
     path = Path(path)
 
     def bad(detail: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {path} could not be read: {detail}")
 
-    for name in ["trainer.json", *sorted(p.name for p in path.glob("rng_rank*.json"))]:
+    def parse(name: str):
         try:
-            json.loads((path / name).read_text())
+            return json.loads((path / name).read_text())
         except OSError as err:
             raise bad(f"{name}: {err.strerror}") from None
         except ValueError as err:
             raise bad(f"{name} is damaged (not valid JSON: {err})") from None
+
+    state = parse("trainer.json")
+    if not isinstance(state, dict):
+        raise bad("trainer.json is damaged (not a JSON object)")
+    listed = state.get("files")
+    if listed is None:  # written before the list: every rank of its world wrote an RNG file
+        listed = {f"rng_rank{r}.json": None for r in range(state.get("world_size", 0))}
+    missing = [name for name in listed if not (path / name).is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise bad(f"{missing[0]} is missing{more}; trainer.json lists {len(listed)} files of every rank")
+    for name, size in listed.items():
+        got = (path / name).stat().st_size
+        if size is not None and got < size:
+            raise bad(f"{name} is truncated ({got:,} of {size:,} bytes)")
+        if size is not None and got != size:
+            raise bad(f"{name} is {got:,} bytes, not the {size:,} trainer.json lists")
+    for name in sorted(p.name for p in path.glob("rng_rank*.json")):
+        parse(name)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise bad("it holds no .safetensors files")
@@ -105,6 +128,24 @@ def newest_intact(ckpt_dir: str | os.PathLike) -> tuple[Path | None, CheckpointE
         except CheckpointError as err:
             first_error = first_error or err
     return None, first_error
+
+
+def _cause(err: BaseException) -> BaseException:
+    """The error under DCP's CheckpointException, whose text is every rank's whole traceback."""
+    if isinstance(err, CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
+def _why(err: OSError, folder: Path) -> str:
+    """The reason of a failed write, with the space left where the disk is full."""
+    reason = err.strerror or str(err)
+    if err.errno == errno.ENOSPC:
+        try:
+            reason += f" ({shutil.disk_usage(folder).free:,} bytes free there)"
+        except OSError:
+            pass
+    return reason
 
 
 def _reshard(model) -> None:
@@ -149,24 +190,31 @@ def save(path_root: str | os.PathLike, step: int, model, optimizer, trainer_stat
     root = Path(path_root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if dist.is_initialized():
-        dist.barrier()
-    with torch.no_grad():
-        dcp.save(_tensors(model, optimizer),
-                 storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-    rng = {"torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's own GPU's stream too
-        rng["cuda"] = torch.cuda.get_rng_state().tolist()
-    with open(tmp / f"rng_rank{rank}.json", "w") as f:
-        json.dump(rng, f)
-    if rank == 0:
-        with open(tmp / "trainer.json", "w") as f:
-            json.dump(trainer_state, f, indent=1)
-    if dist.is_initialized():
-        dist.barrier()  # every rank has written everything
+    try:  # a write that fails (a full disk) names the folder, not only the errno's text
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if dist.is_initialized():
+            dist.barrier()
+        with torch.no_grad():
+            dcp.save(_tensors(model, optimizer),
+                     storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+        rng = {"torch": torch.get_rng_state().tolist()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's own GPU's stream too
+            rng["cuda"] = torch.cuda.get_rng_state().tolist()
+        with open(tmp / f"rng_rank{rank}.json", "w") as f:
+            json.dump(rng, f)
+        if dist.is_initialized():
+            dist.barrier()  # every rank has written its shard and RNG state
+        if rank == 0:  # last, listing every rank's files: verify() then knows a checkpoint is whole
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+            with open(tmp / "trainer.json", "w") as f:
+                json.dump({**trainer_state, "files": files}, f, indent=1)
+    except (OSError, CheckpointException) as err:
+        cause = _cause(err)
+        if not isinstance(cause, OSError):
+            raise
+        raise CheckpointError(f"cannot write checkpoint {tmp}: {_why(cause, tmp)}") from None
     if crash_before_rename and rank == 0:
         os._exit(3)
     if rank == 0:
@@ -203,8 +251,9 @@ def load(path: str | os.PathLike, model, optimizer=None, restore_rng: bool = Tru
             dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(path)),
                      no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised naming the folder
+        cause = _cause(err)
         raise CheckpointError(f"checkpoint {path} could not be read (damaged or truncated file, or "
-                              f"a model that does not match it): {type(err).__name__}: {err}") from err
+                              f"a model that does not match it): {type(cause).__name__}: {cause}") from err
     if restore_rng:
         rank = dist.get_rank() if dist.is_initialized() else 0
         rng = path / f"rng_rank{rank}.json"

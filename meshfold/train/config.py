@@ -194,11 +194,16 @@ class TrainSettings:
                                     "each rank reads only its own slices (default: unset)", optional=True)
     stop_at: int | None = setting(None, int, "end this invocation after this step; the schedule still "
                                   "spans train.steps (default: unset)", low=1, optional=True)
-    skip_nonfinite: bool = setting(False, bool, "skip steps whose loss is not finite instead of stopping")
+    skip_nonfinite: bool = setting(False, bool, "skip steps whose loss is not finite instead of stopping; "
+                                   "each skip is a line on the console, and metrics.jsonl counts them "
+                                   "(skipped_steps)")
     timeout: float = setting(300.0, float, "seconds a collective may wait, and half of it a rank may go "
                              "without a heartbeat, before the job is declared hung", low=0, open_low=True)
     retain_cpu_memory: bool = setting(False, bool, "CPU ranks keep freed memory for reuse "
                                       "(meshfold.runtime.malloc): fewer page faults, the peak heap held until exit")
+    tensor_memory: bool = setting(False, bool, "CPU ranks also record each step's peak of live tensor bytes "
+                                  "(metrics memory.tensor_mib), counted by a dispatch mode over every op, which "
+                                  "slows each step (benchmarks/RESULTS.md)")
     microbatches: int | None = setting(None, int, "micro-batches per step: the pipeline schedule's with "
                                        "fold.pp > 1 (default pp), else gradient accumulation (default 1)",
                                        low=1, optional=True)
@@ -234,8 +239,9 @@ class TrainSettings:
 @dataclass
 class DataSettings:
     paths: list = setting([], list, "text files or folders to train on (--data); empty: the Python "
-                          "standard library's sources. Hidden files and folders and binary files are "
-                          "skipped")
+                          "standard library's sources. In folders, hidden files and folders and binary files "
+                          "are skipped; a binary file named itself is refused. One folder written by meshfold "
+                          "tokenize trains on its tokens")
     val_fraction: float = setting(0.05, float, "the last fraction of the text, held out for validation",
                                   low=0, high=1, open_low=True, open_high=True)
     tokenizer: str | None = setting(None, str, "a Hugging Face tokenizers tokenizer.json, or a checkpoint folder "
@@ -435,6 +441,13 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConf
                 raw = tomllib.load(f)
         except FileNotFoundError:
             raise ValueError(f"--config {path}: no such file") from None
+        except IsADirectoryError:
+            raise ValueError(f"--config {path} is a folder; give a TOML file") from None
+        except OSError as err:
+            raise ValueError(f"--config {path}: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--config {path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                             f"{err.start}); a TOML file is UTF-8") from None
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"--config {path}: not valid TOML: {err}") from None
     for text in overrides:

@@ -185,7 +185,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         _truncate_metrics(out / "metrics.jsonl", start)
     metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
     progress = Progress(t.steps, start) if rank == 0 else None
-    memory, profiler = StepMemory(device), Profiler(t, out, rank, device)
+    memory = StepMemory(device, t.tensor_memory, state=lambda: _state_tensors(model, opt))
+    profiler = Profiler(t, out, rank, device)
     trackers = Trackers(t, out, start) if rank == 0 else None
     if rank == 0 and resumed_from:
         print(f"resumed from {resumed_from} at step {start}", flush=True)
@@ -195,21 +196,22 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     for step in range(start, end):
         n = step + 1  # steps are counted from 1 in logs, checkpoints and settings
         profiler.begin(n)
-        memory.start()
-        t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(n, t)
-        tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed, rows=own_rows)
-        for layer in model.moe_layers():
-            layer.reset_step()  # the step's MoE metrics cover all of its micro-batches
-        faults.before_step(injected, rank, n)
-        loss = _global_loss(model, tokens, targets, spec, rank, backward=True,
-                            microbatches=t.microbatches or 1)  # the same on every rank
-        if faults.loss_is_nan(injected, n):
-            loss = float("nan")  # all ranks stop or skip together
+        with memory.step():  # this rank's peaks over the step, its evaluation excluded
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(n, t)
+            tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed, rows=own_rows)
+            for layer in model.moe_layers():
+                layer.reset_step()  # the step's MoE metrics cover all of its micro-batches
+            faults.before_step(injected, rank, n)
+            loss = _global_loss(model, tokens, targets, spec, rank, backward=True,
+                                microbatches=t.microbatches or 1)  # the same on every rank
+            if faults.loss_is_nan(injected, n):
+                loss = float("nan")  # all ranks stop or skip together
+            if math.isfinite(loss):
+                record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, (peak_hw, peak), t0)
         if math.isfinite(loss):
-            record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, (peak_hw, peak), t0)
-            record["memory"] = memory.gather()  # every rank's peak of the step (a collective)
+            record["memory"] = memory.gather()  # every rank's peaks of the step (a collective)
             if n % t.eval_every == 0 or n == t.steps:
                 record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
             if rank == 0:
@@ -223,6 +225,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             for layer in model.moe_layers():
                 layer.discard_bias_counts()  # this step's routing must not steer the bias
             skipped += 1
+            if rank == 0:
+                progress.note(f"step {n}: loss {loss} is not finite: skipped (train.skip_nonfinite; "
+                              f"{skipped} skipped so far)")
         else:
             raise FloatingPointError(
                 f"non-finite loss {loss} at step {n}; last good checkpoint: "
@@ -242,6 +247,17 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         trackers.close()
     return {"final_loss": history[-1]["loss"] if history else None, "steps": len(history),
             "start": start, "checkpoint": last_good}
+
+
+def _state_tensors(model, opt):
+    """The tensors a step starts with: weights, buffers, gradients and the optimizer's state."""
+    for p in model.parameters():
+        yield p
+        yield p.grad
+    for _, b in model.named_buffers():
+        yield b
+    for state in opt.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def hardware_peak(t, world_size: int) -> float | None:

@@ -21,11 +21,14 @@ def _utilization(r: dict) -> str:
 
 
 def _memory(r: dict) -> str:
-    """The busiest rank's memory peak of the step, and which rank that is."""
+    """The busiest rank's memory peak of the step, and which rank that is (and the same of the
+    tensor peak, where it is recorded)."""
     m = r.get("memory")
     if not m:
         return ""
-    return f"  mem {m['mib'][m['peak_rank']]:,.0f} MiB (rank {m['peak_rank']})"
+    tensors = (f", tensors {m['tensor_mib'][m['tensor_peak_rank']]:,.1f} MiB (rank {m['tensor_peak_rank']})"
+               if "tensor_mib" in m else "")
+    return f"  mem {m['mib'][m['peak_rank']]:,.0f} MiB (rank {m['peak_rank']}){tensors}"
 
 
 class Progress:
@@ -51,6 +54,12 @@ class Progress:
             self.stream.write("\r" + line + "\033[K")  # clear what a longer line left behind
         elif done % self.every == 0 or step == self.total or "val_loss" in r:
             self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """A line of its own (a skipped step): on a terminal it takes the progress line's place,
+        and the next update draws the progress line below it."""
+        self.stream.write(f"\r{text}\033[K\n" if self.tty else text + "\n")
         self.stream.flush()
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """The run folder of ``meshfold train``: one run per folder, and resumes that cannot mix runs.
 
 A run folder (``train.out_dir``) holds one training run: ``checkpoints/``, ``metrics.jsonl``,
-plots, ``logs/`` and ``run.json``, the run's identity. Three rules keep it whole:
+plots, ``logs/``, ``run.json`` (the run's identity, and which tokenizer if any made its ids) and,
+for a run on tokens, ``tokenizer.json``, a copy of that tokenizer. Three rules keep it whole:
 
 * **One run at a time.** The launcher holds an exclusive ``flock`` on ``<out_dir>/.lock`` for
   the run's life. The kernel drops it however the process ends (even SIGKILL), so a lock left
@@ -26,6 +27,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -195,7 +197,34 @@ def prepare(lock: RunLock, cfg, mcfg) -> list[str]:
     if cfg.train.warmup >= steps:
         notes.append(f"train.warmup = {cfg.train.warmup} >= train.steps = {steps}: the run ends inside the "
                      f"warm-up, at lr x {steps}/{cfg.train.warmup}, before any decay")
+    tokenizer, note = _keep_tokenizer(out, cfg)
+    notes += note
     tmp = out / (IDENTITY + ".tmp")
-    tmp.write_text(json.dumps({"identity": now, "steps": steps}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"identity": now, "steps": steps, "tokenizer": tokenizer}, indent=1) + "\n")
     os.replace(tmp, out / IDENTITY)
     return notes
+
+
+def _keep_tokenizer(out: Path, cfg) -> tuple[str | None, list[str]]:
+    """(``run.json``'s ``tokenizer``, notes): a run that trains on tokens keeps a copy of the
+    tokenizer that made them as ``<out>/tokenizer.json`` (what ``meshfold generate`` decodes
+    with, whatever becomes of the data); None for a run on bytes."""
+    from meshfold.data.tokens import INDEX, TOKENIZER, is_token_folder, tokenizer_file
+
+    paths = cfg.data.paths
+    if cfg.data.tokenizer:
+        source = tokenizer_file(cfg.data.tokenizer)
+    elif paths and is_token_folder(paths):
+        source = Path(paths[0]) / TOKENIZER
+        if not source.is_file():  # a folder tokenized before token folders kept their tokenizer
+            named = json.loads((Path(paths[0]) / INDEX).read_text()).get("tokenizer")
+            source = tokenizer_file(named) if named else source
+    else:
+        return None, []
+    if not source.is_file():
+        return TOKENIZER, [f"warning: the tokenizer of {paths[0]} is not found ({source}): meshfold generate on "
+                           f"this run will need --tokenizer FILE"]
+    tmp = out / (TOKENIZER + ".tmp")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, out / TOKENIZER)
+    return TOKENIZER, []

@@ -4,7 +4,10 @@
   CUDA the step's ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` (peaks reset at
   each step's start); on CPU the process's peak resident set during the step (Linux: the
   kernel's ``VmHWM``, reset at each step's start through ``/proc/self/clear_refs``; elsewhere the
-  peak since the process started). The busiest rank's figure is in the progress line.
+  peak since the process started), and with ``train.tensor_memory`` the step's peak of live
+  tensor storage bytes (:class:`meshfold.runtime.live_bytes.LiveBytes`, which counts from the
+  weights, gradients and optimizer state alive at the step's start; off by default, as its
+  dispatch mode slows every op). The busiest rank's figure is in the progress line.
 * **TensorBoard** (``train.tensorboard``): rank 0 writes the scalars of every metrics row into
   ``<out_dir>/tensorboard/`` with ``torch.utils.tensorboard``; a resumed run purges the events
   after the step it resumed from, as metrics.jsonl drops its rows.
@@ -25,10 +28,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import resource
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from meshfold.runtime.live_bytes import LiveBytes
 
 __all__ = ["check_trackers", "StepMemory", "Trackers", "Profiler", "scalars"]
 
@@ -44,21 +50,34 @@ def check_trackers(t) -> None:
 
 
 class StepMemory:
-    """This rank's memory peak over one step: ``start()`` before it, ``gather()`` after it (a
-    collective) returns rank 0's ``memory`` record, the same on every rank."""
+    """This rank's memory peaks over one step: ``with step():`` around it, then ``gather()`` (a
+    collective) returns rank 0's ``memory`` record, the same on every rank. ``state()`` yields
+    the tensors alive before the step (weights, gradients, optimizer state), counted in the CPU's
+    tensor peak from the start."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, tensors: bool = False, state=lambda: ()):
+        self.device, self.state = device, state
         self._clear_refs = Path("/proc/self/clear_refs")
+        self.tensors = LiveBytes() if tensors and device.type == "cpu" else None
 
-    def start(self) -> None:
+    @contextmanager
+    def step(self):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            yield
             return
-        try:
-            self._clear_refs.write_text("5")  # VmHWM := the current resident set
-        except OSError:
-            self._clear_refs = None  # not Linux, or not allowed: the peak since the process started
+        if self._clear_refs is not None:
+            try:
+                self._clear_refs.write_text("5")  # VmHWM := the current resident set
+            except OSError:
+                self._clear_refs = None  # not Linux, or not allowed: the peak since the process started
+        if self.tensors is None:
+            yield
+            return
+        self.tensors.adopt(self.state())
+        self.tensors.reset_peak()
+        with self.tensors:
+            yield
 
     def _mine(self) -> list[float]:
         if self.device.type == "cuda":
@@ -69,18 +88,24 @@ class StepMemory:
             hwm = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
         except (OSError, StopIteration, ValueError):
             hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        return [hwm / 1024, 0.0]
+        return [hwm / 1024, self.tensors.peak / _MIB if self.tensors is not None else 0.0]
 
     def gather(self) -> dict:
         mine = torch.tensor(self._mine(), dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
-        peak = [float(x[0]) for x in every]
+        peak, second = [float(x[0]) for x in every], [float(x[1]) for x in every]
         record = {"kind": "cuda_max_allocated" if self.device.type == "cuda" else "cpu_peak_rss",
-                  "mib": peak, "peak_rank": max(range(len(peak)), key=peak.__getitem__)}
+                  "mib": peak, "peak_rank": _busiest(peak)}
         if self.device.type == "cuda":
-            record["reserved_mib"] = [float(x[1]) for x in every]
+            record["reserved_mib"] = second
+        elif self.tensors is not None:
+            record["tensor_mib"], record["tensor_peak_rank"] = second, _busiest(second)
         return record
+
+
+def _busiest(mib: list[float]) -> int:
+    return max(range(len(mib)), key=mib.__getitem__)
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -90,6 +115,8 @@ def scalars(record: dict) -> dict[str, float]:
     out.update({f"aux/{k}": float(v) for k, v in record.get("aux_losses", {}).items()})
     if "memory" in record:
         out["memory/peak_mib"] = max(record["memory"]["mib"])
+        if "tensor_mib" in record["memory"]:
+            out["memory/tensor_peak_mib"] = max(record["memory"]["tensor_mib"])
     return out
 
 

@@ -18,10 +18,13 @@ def load_trained(run_or_checkpoint: str):
 
     path = Path(run_or_checkpoint)
     if (path / "checkpoints").is_dir():
-        found = checkpoint.latest(path / "checkpoints")
-        if found is None:
+        intact, damaged = checkpoint.newest_intact(path / "checkpoints")
+        if damaged is not None:  # the newest is damaged: name it, and the one that would do
+            use = f"pass {intact} to use the newest intact one" if intact else "no checkpoint is intact"
+            raise ValueError(f"{damaged}; {use}")
+        if intact is None:
             raise ValueError(f"{path}/checkpoints has no complete checkpoint")
-        path = found
+        path = intact
     if not (path / "trainer.json").exists():
         raise ValueError(f"{path} is neither a run folder nor a checkpoint (no trainer.json)")
     checkpoint.verify(path)  # names a damaged trainer.json or shard before torch reads it

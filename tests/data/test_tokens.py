@@ -2,14 +2,15 @@
 resumed runs read the batches an uninterrupted one would, and bad inputs fail before spawning."""
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from meshfold.data.corpus import load_corpus
-from meshfold.data.tokens import tokenize
-from meshfold.data.tokens import TokenStream, load_tokenizer
+from meshfold.data.tokens import TokenStream, load_tokenizer, tokenize
 
 TEXTS = {"a.txt": "def add(a, b):\n    return a + b\n" * 60, "b.md": "# notes\nMoE layers fold. " * 80,
          "c.py": "import torch\nx = torch.ones(3)\n" * 50}
@@ -62,21 +63,62 @@ def test_each_dp_rank_reads_only_its_own_rows_of_the_same_batch(corpus):
     assert val.max() < 300 and n_train == int(len(TokenStream(out)) * 0.9)
 
 
-@pytest.mark.slow
-@pytest.mark.multirank
-def test_training_on_tokens_resumes_exactly(corpus, tmp_path):
-    from tests.train.test_train import SMALL, losses, meshfold
+def _token_run_args(out):
+    from tests.train.test_train import SMALL
 
-    _, out, _ = corpus
-    run = [*SMALL, "--data", str(out), "--set", "fold.world_size=2", "--set", "fold.tp=1", "--set", "fold.ep=2",
-           "--set", "model.vocab=300", "--set", "train.ckpt_every=2", "--set", "train.seq=16"]  # dp2 | ep2
-    assert meshfold("train", "--steps", "4", "--out-dir", str(tmp_path / "a"), *run).returncode == 0
+    return [*SMALL, "--data", str(out), "--set", "fold.world_size=2", "--set", "fold.tp=1", "--set", "fold.ep=2",
+            "--set", "model.vocab=300", "--set", "train.ckpt_every=2", "--set", "train.seq=16"]  # dp2 | ep2
+
+
+@pytest.fixture(scope="module")
+def token_run(corpus, tmp_path_factory):
+    """One 4-step run on the corpus's tokens, shared by the tests that read a run."""
+    from tests.train.test_train import meshfold
+
+    run = tmp_path_factory.mktemp("token-run")
+    proc = meshfold("train", "--steps", "4", "--out-dir", str(run), *_token_run_args(corpus[1]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_training_on_tokens_resumes_exactly(corpus, token_run, tmp_path):
+    from tests.train.test_train import losses, meshfold
+
+    run = _token_run_args(corpus[1])
     assert meshfold("train", "--steps", "4", "--out-dir", str(tmp_path / "b"), *run,
                     "--set", "train.stop_at=2").returncode == 0
     proc = meshfold("train", "--steps", "4", "--out-dir", str(tmp_path / "b"), *run)
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
-    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    la, lb = losses(token_run), losses(tmp_path / "b")
     assert la[1]["loss"] < 6.0 and [la[s]["loss"] for s in (3, 4)] == [lb[s]["loss"] for s in (3, 4)]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_generate_encodes_and_decodes_with_the_tokenizer_the_run_trained_with(corpus, token_run, capsys):
+    """The run keeps its tokenizer; generate says it uses it, and writes exactly what that
+    tokenizer decodes of the prompt's ids and the ids a plain sampling loop draws from the model."""
+    import torch
+
+    from meshfold.cli import main
+    from meshfold.train.trained import load_trained
+
+    _, out, _ = corpus
+    assert (token_run / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+    assert main(["generate", str(token_run), "--prompt", "def add", "--tokens", "12", "--seed", "3"]) == 0
+    printed = capsys.readouterr()
+    assert f"{token_run / 'tokenizer.json'} (the run's tokenizer)" in printed.err
+    tok = load_tokenizer(out / "tokenizer.json")
+    model, _ = load_trained(str(token_run))
+    ids, g = tok.encode("def add").ids, torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(12):  # top-20 at temperature 0.8, generate's defaults
+            top = torch.topk(model(torch.tensor([ids]))[0, -1].float() / 0.8, 20)
+            ids.append(int(top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=g)]))
+    assert printed.out == tok.decode(ids) + "\n"
+    assert max(ids) >= 256  # ids that bytes could not decode
 
 
 def _check(data, *overrides):
@@ -84,7 +126,7 @@ def _check(data, *overrides):
     from meshfold.train.config import load_config
 
     cfg = load_config(None, ["model.vocab=300", "train.seq=16", *overrides])
-    cfg.data.paths = [str(data)]
+    cfg.data.paths = cfg.data.paths or [str(data)]
     preflight.check_data(cfg)
 
 
@@ -122,9 +164,59 @@ def test_tokenize_command_names_bad_inputs(tmp_path):
     assert main(["tokenize", "--tokenizer", str(tmp_path / "none.json"), "--out", str(tmp_path / "o"),
                  str(tmp_path / "t.txt")]) == 2
     assert main(["tokenize", "--train-tokenizer", "100", "--out", str(tmp_path / "o"), str(tmp_path / "t.txt")]) == 2
-    assert main(["tokenize", "--train-tokenizer", "280", "--out", str(tmp_path / "o"), str(tmp_path / "t.txt")]) == 0
+    assert main(["tokenize", "--train-tokenizer", "260", "--out", str(tmp_path / "o"), str(tmp_path / "t.txt")]) == 0
     assert Path(tmp_path / "o" / "index.json").exists()
     assert np.fromfile(tmp_path / "o" / "shard-00000.bin", dtype=np.uint16).size > 0
+
+
+def test_tokenize_refuses_a_vocabulary_it_cannot_make_and_empty_text(tmp_path, capsys):
+    from meshfold.cli import main
+
+    (tmp_path / "t.txt").write_text(TEXTS["a.txt"])
+    (tmp_path / "empty.txt").write_text("")
+    out = ["--out", str(tmp_path / "o")]
+    # out of range: refused before any file is read (this one does not exist)
+    assert main(["tokenize", "--train-tokenizer", "0", *out, str(tmp_path / "missing")]) == 2
+    assert "--train-tokenizer 0: valid: 258 " in capsys.readouterr().err
+    # more ids than BPE finds pairs to merge in the text: refused naming what it gives, not capped
+    assert main(["tokenize", "--train-tokenizer", "100000", *out, str(tmp_path / "t.txt")]) == 2
+    assert re.search(r"--train-tokenizer 100,000: .*stops at \d+ ids", capsys.readouterr().err)
+    assert main(["tokenize", "--train-tokenizer", "260", *out, str(tmp_path / "empty.txt")]) == 2
+    assert "empty.txt: the files are empty (0 bytes)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "t.txt"]  # nothing written
+
+
+def test_tokenize_writes_only_into_a_new_folder_or_replaces_a_tokenization_whole(corpus, tmp_path):
+    root, out, _ = corpus
+    target = tmp_path / "tok"
+    shutil.copytree(out, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    with pytest.raises(ValueError, match="tok is not empty; .* or --force to replace"):
+        tokenize([str(root / "a.txt")], target, tokenizer=str(out / "tokenizer.json"))
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    tokenize([str(root / "a.txt")], target, tokenizer=str(out / "tokenizer.json"), force=True)
+    tok = load_tokenizer(target / "tokenizer.json")  # the folder carries its tokenizer
+    assert TokenStream(target)[0:len(TokenStream(target))].tolist() == tok.encode(TEXTS["a.txt"]).ids
+    assert sorted(p.name for p in target.iterdir()) == ["index.json", "shard-00000.bin", "tokenizer.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["tok"]  # no staging folder left behind
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="src holds files that are not a meshfold tokenization"):
+        tokenize([str(root / "a.txt")], tmp_path / "src", tokenizer=str(out / "tokenizer.json"), force=True)
+    assert (tmp_path / "src" / "keep.txt").read_text() == "mine"
+
+
+def test_a_token_folder_is_never_read_as_text(corpus, tmp_path):
+    """Without its index (a tokenization cut short, an index removed) a token folder's text would
+    be tokenizer.json; beside other paths its index and tokenizer would be."""
+    root, out, _ = corpus
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    (cut / "index.json").unlink()
+    with pytest.raises(ValueError, match="cut holds token shards .* but no index.json"):
+        _check(cut)
+    with pytest.raises(ValueError, match="is a token folder .*train on it alone"):
+        _check(out, f"data.paths={json.dumps([str(out), str(root)])}")
 
 
 @pytest.mark.slow
@@ -143,14 +235,18 @@ def test_data_tokenizer_tokenizes_text_for_the_run_and_reuses_it(corpus, tmp_pat
 
 
 def test_a_folder_written_as_the_format_documents_it_is_read(tmp_path):
-    """meshfold.data.tokens' docstring is the format: a folder written from it by hand, with only the
-    keys it lists, trains (its stream is the shards' ids in order, split as documented)."""
-    a, b = np.arange(40, dtype=np.uint16), np.arange(100, 130, dtype=np.uint16)
-    a.tofile(tmp_path / "shard-00000.bin")
-    b.tofile(tmp_path / "shard-00001.bin")
-    (tmp_path / "index.json").write_text(json.dumps({
-        "format": "meshfold-tokens-1", "dtype": "uint16", "vocab_size": 300, "eos_id": 0, "tokenizer": "by hand",
-        "tokens": 70, "shards": [{"file": "shard-00000.bin", "tokens": 40}, {"file": "shard-00001.bin", "tokens": 30}]}))
+    """docs/data.md's example index.json, with shards of the sizes it states, trains: its stream
+    is the shards' ids in order, split as documented."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    index = json.loads(re.search(r"```json\n(.*?)```", doc, re.S).group(1))
+    assert index["format"] == "meshfold-tokens-1" and index["dtype"] == "uint16"
+    shards = [(np.arange(s["tokens"]) * (k + 1) % index["vocab_size"]).astype(np.uint16)
+              for k, s in enumerate(index["shards"])]
+    for ids, s in zip(shards, index["shards"]):
+        ids.tofile(tmp_path / s["file"])
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    _check(tmp_path)  # what train checks before any rank starts
     corpus = load_corpus([str(tmp_path)], val_fraction=0.2)
-    stream = np.concatenate([a, b])
-    assert np.array_equal(corpus.train[0:56], stream[:56]) and np.array_equal(corpus.val[0:14], stream[56:])
+    stream, n_train = np.concatenate(shards), int(index["tokens"] * 0.8)
+    assert np.array_equal(corpus.train[0:n_train], stream[:n_train])
+    assert np.array_equal(corpus.val[0:len(stream) - n_train], stream[n_train:])

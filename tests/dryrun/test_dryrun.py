@@ -178,6 +178,17 @@ def test_a_model_that_does_not_divide_gives_the_error_of_train(capsys):
     assert mine.startswith("num_experts = 4 is not divisible by ep = 8")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "8", "--fold", "1/2/4/1", "--gbs", "6"], "--gbs 6 is not divisible by dp = 4"),
+    (["--gpus", "8", "--fold", "1/2/4/1", "--gbs", "8", "--seq", "33"], "--seq 33 is not divisible by 2"),
+    (["--gpus", "0", "--fold", "1/1/1/1"], "--gpus must be an integer >= 1, got 0"),
+    (["--gpus", "8", "--fold", "1/1/1/8", "--gbs", "8", "--seq", "128"], "pp of --fold = 8: "),
+], ids=["gbs", "seq", "gpus", "pp"])
+def test_errors_name_dryruns_own_flags(capsys, argv, message):
+    line = _error_line(["dryrun", "--model", "tiny-mixtral", *argv], capsys)
+    assert line.startswith(message) and "train." not in line and "fold." not in line, line
+
+
 def test_a_malformed_fold_names_the_notation(capsys):
     assert "CP/TP/EP/PP" in _dryrun("1/2/x/1", capsys)
 

@@ -126,5 +126,23 @@ def test_describe_lists_both_views():
     assert "[0-7] [8-15]" in text  # the two ep groups
 
 
+@settings(max_examples=40)
+@given(fold_specs(max_world_size=96))
+def test_describes_shortcuts_agree_with_the_enumerated_groups(spec):
+    """``describe`` reads groups and process-group counts from strides (instant for any world
+    size); the plain reference enumerates every rank's group."""
+    seen, shared, unshared = set(), 0, 0
+    for view, dims in VIEWS.items():
+        for d in dims:
+            groups = reference_groups(spec, view, [d])
+            assert [list(g) for g in spec.first_groups(view, d, 5)] == groups[:5]
+            part = tuple(map(tuple, groups))
+            unshared += len(part)
+            if part not in seen:
+                seen.add(part)
+                shared += len(part) if len(part) > 1 else 0
+    assert spec.process_group_count() == (shared, unshared)
+
+
 def test_dims_constants():
     assert ATTN_DIMS == ("pp", "dp", "cp", "tp") and MOE_DIMS == ("pp", "edp", "ep", "etp")

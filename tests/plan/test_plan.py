@@ -252,6 +252,19 @@ def test_cli_prints_best_folds_and_the_baselines(capsys):
     assert out.count("[Megatron]") >= 3 and "FSDP+EP " in out           # comparison rows, labelled
 
 
+def test_cli_costs_meshfold_layouts_at_the_attention_kernel_meshfold_runs(capsys):
+    """meshfold's rows at torch SDPA's FlashAttention-2 rates, the [Megatron] rows at the preset's fa3."""
+    assert cli.main(_args(model="qwen2-57b-a14b", gpus=64, gpu="h100", seq=4096, gbs=256, top=1, cp1=True)) == 0
+    out = capsys.readouterr().out
+    assert "attention costed at fa2" in out
+    cp1 = lambda lay: lay.spec.cp == 1
+    ours = plan("qwen2-57b-a14b", 64, hardware("h100", attention_kernel="fa2"), 4096, 256, where=cp1)[0]
+    theirs = plan("qwen2-57b-a14b", 64, hardware("h100"), 4096, 256, where=cp1)[0]
+    assert ours.time["compute"] > theirs.time["compute"]  # FA-2 is slower than FA-3 at every length
+    first = next(line for line in out.splitlines() if line.startswith("#1"))
+    assert f"{ours.step_time:.2f}" in first.split()
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"model": "gpt-5"}, "unknown model 'gpt-5'; valid choices"),
     ({"gpu": "a100"}, "unknown GPU 'a100'; valid choices: ['h100', 'h200']"),
@@ -261,6 +274,11 @@ def test_cli_rejects_bad_input_naming_the_value(capsys, kw, message):
     base = {"model": "tiny-moe", "gpus": 8, "gpu": "h100"}
     assert cli.main(_args(**{**base, **kw})) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_fails_when_no_layout_fits(capsys):
+    assert cli.main(_args(model="mixtral-8x22b", gpus=1, gpu="h100")) == 1  # 141B parameters on one GPU
+    assert "no layout fits in memory; closest:" in capsys.readouterr().out
 
 
 def test_cli_rejects_non_positive_gpus():

@@ -127,8 +127,8 @@ def test_ranks_never_outlive_the_launcher(tmp_path, reference, sig, to_group):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     err = proc.stderr.read()
-    if sig == signal.SIGKILL:
-        assert proc.returncode == -signal.SIGKILL
+    if sig == signal.SIGKILL:  # and nothing of the launcher's is left for Python to clean up
+        assert proc.returncode == -signal.SIGKILL and "leaked" not in err, err
     else:
         assert proc.returncode == 128 + sig, err
         assert "Traceback" not in err and f"stopped by {sig.name}" in err, err
@@ -260,7 +260,28 @@ def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path, monkeypatc
 def test_a_damaged_checkpoint_names_the_shard_and_the_intact_one(tmp_path, monkeypatch, capsys):
     out = ["--out-dir", str(tmp_path)]
     assert meshfold("train", "--steps", "4", *SMALL2, "--set", "train.ckpt_every=2", *out).returncode == 0
-    shard = sorted((tmp_path / "checkpoints" / "step_000004").glob("*.safetensors"))[-1]
+    step4 = tmp_path / "checkpoints" / "step_000004"
+    shard = sorted(step4.glob("*.safetensors"))[-1]  # the last rank's
+    # a lost shard file: refused before any rank starts, naming it and the intact checkpoint
+    os.replace(shard, tmp_path / shard.name)
+    proc = meshfold("train", "--steps", "6", *SMALL2, "--set", "train.ckpt_every=2", *out)
+    assert proc.returncode == 2 and f"{shard.name} is missing" in proc.stderr, proc.stderr
+    assert "newest intact checkpoint is step_000002" in proc.stderr and len(message_lines(proc.stderr)) == 1
+    for command in (["generate", str(tmp_path), "--tokens", "2"], ["export", str(tmp_path), str(tmp_path / "hf")]):
+        proc = meshfold(*command)
+        assert proc.returncode == 2 and f"{shard.name} is missing" in proc.stderr, proc.stderr
+        assert "step_000002 to use the newest intact one" in proc.stderr and len(message_lines(proc.stderr)) == 1
+    os.replace(tmp_path / shard.name, shard)
+    # a checkpoint from before trainer.json listed its files: each rank's RNG file is still required
+    from meshfold.train.checkpoint import CheckpointError, verify
+
+    state = json.loads((step4 / "trainer.json").read_text())
+    (step4 / "trainer.json").write_text(json.dumps({k: v for k, v in state.items() if k != "files"}))
+    verify(step4)
+    os.replace(step4 / "rng_rank1.json", tmp_path / "rng_rank1.json")
+    with pytest.raises(CheckpointError, match="rng_rank1.json is missing"):
+        verify(step4)
+    os.replace(tmp_path / "rng_rank1.json", step4 / "rng_rank1.json")
     shard.write_bytes(shard.read_bytes()[:-100])
     rc, _, err = meshfold_before_spawning(monkeypatch, capsys, "train", "--steps", "6", *SMALL2,
                                           "--set", "train.ckpt_every=2", *out)
@@ -273,6 +294,34 @@ def test_a_damaged_checkpoint_names_the_shard_and_the_intact_one(tmp_path, monke
     rc, _, err = meshfold_before_spawning(monkeypatch, capsys, "generate", str(tmp_path / "checkpoints" / "step_000002"),
                                           "--tokens", "2")
     assert rc == 2 and "step_000002 could not be read: trainer.json is damaged" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail as a full disk's")
+def test_a_full_disk_names_the_folder_and_keeps_no_empty_log(tmp_path, monkeypatch):
+    """A checkpoint write that fails names its folder; a failure log that cannot be written is
+    removed, and the line says so and why, naming its path."""
+    import errno
+
+    import torch
+
+    from meshfold.runtime.launch import RankError
+    from meshfold.train import checkpoint
+    from meshfold.cli.train import _write_failure_log
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write on a full disk does
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full)
+    with pytest.raises(checkpoint.CheckpointError, match=f"cannot write checkpoint {tmp_path}/step_000003.tmp: "
+                                                         f"No space left on device \\([0-9,]+ bytes free there\\)"):
+        checkpoint.save(tmp_path, 3, torch.nn.Linear(2, 2), None, {"step": 3})
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20250101-000000")
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "failure-20250101-000000.log"
+    log.symlink_to("/dev/full")  # every write to it fails with ENOSPC
+    line = _write_failure_log(tmp_path, RankError(0, "Traceback ...\nOSError: [Errno 28] No space left on device"))
+    assert line == f"  (no log kept: cannot write {log}: No space left on device)"
+    assert not list((tmp_path / "logs").iterdir())
 
 
 @pytest.mark.parametrize("make, message", [

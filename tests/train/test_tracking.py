@@ -31,14 +31,41 @@ def _fake_wandb(log_path):
     return types.SimpleNamespace(init=init)
 
 
+BIG = 64 << 20  # bytes rank 1 allocates, with a view and an in-place op on it, in step 4's update
+
+
 def _train(rank, world_size, cfg, wandb_log):
-    from meshfold.train.loop import train_rank
+    """One rank of the run; rank 1 also allocates a BIG-byte tensor just before step 4's update,
+    and returns the bytes of its weights, gradients and optimizer state at that moment (each
+    storage once, DTensors by their local shards: what the tensor peak holds then besides it)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from meshfold.train import loop
+
+    update = loop._update
+    state = {}
+
+    def update_allocating(model, opt, pruner, t, n, *args):
+        if rank != 1 or n != 4:
+            return update(model, opt, pruner, t, n, *args)
+        big = torch.ones(BIG, dtype=torch.uint8)
+        big.view(2, -1)[0].add_(1)  # no new storage
+        tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+                   *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
+        tensors = [x.to_local() if isinstance(x, DTensor) else x for x in tensors]
+        storages = {x.untyped_storage()._cdata: x.untyped_storage().nbytes() for x in tensors}
+        state["bytes"] = sum(storages.values())
+        del big
+        return update(model, opt, pruner, t, n, *args)
 
     sys.modules["wandb"] = _fake_wandb(wandb_log)
+    loop._update = update_allocating
     try:
-        return train_rank(rank, world_size, cfg)
+        return {**loop.train_rank(rank, world_size, cfg), **state}
     finally:
         del sys.modules["wandb"]
+        loop._update = update
 
 
 def _run(world, out, steps, wandb_log):
@@ -49,14 +76,15 @@ def _run(world, out, steps, wandb_log):
 
     sets = [f"train.steps={steps}", "train.batch=4", "train.seq=16", "train.warmup=2", "train.eval_every=1000",
             "model.layers=2", "fold.world_size=2", "fold.tp=1", "fold.ep=2", "train.ckpt_every=1000",
-            "train.profile_steps=[2, 3]", "train.wandb=true", f"train.tensorboard={str(HAS_TENSORBOARD).lower()}",
+            "train.profile_steps=[2, 3]", "train.wandb=true", "train.tensor_memory=true",
+            f"train.tensorboard={str(HAS_TENSORBOARD).lower()}",
             f"train.out_dir={json.dumps(str(out))}"]
     cfg = load_config(None, sets)
     _, mcfg = cfg.validate()
     with RunLock(out) as lock:
         notes = prepare(lock, cfg, mcfg)
-    world.run(_train, cfg, str(wandb_log), timeout=600)
-    return notes
+    results = world.run(_train, cfg, str(wandb_log), timeout=600)
+    return notes, results
 
 
 @pytest.mark.multirank
@@ -65,7 +93,7 @@ def test_a_run_records_memory_events_logs_and_a_profile_of_its_steps_across_a_lo
     out, wandb_log = tmp_path / "run", tmp_path / "wandb.jsonl"
     world = worlds(2)
     _run(world, out, 3, wandb_log)
-    notes = _run(world, out, 5, wandb_log)  # resumed from step 3's checkpoint, for 2 more steps
+    notes, results = _run(world, out, 5, wandb_log)  # resumed from step 3's checkpoint, for 2 more steps
     assert any("train.steps 3 -> 5: the learning-rate schedule now spans 5 steps" in n for n in notes), notes
 
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -77,12 +105,22 @@ def test_a_run_records_memory_events_logs_and_a_profile_of_its_steps_across_a_lo
         m = r["memory"]
         assert m["kind"] == "cpu_peak_rss" and len(m["mib"]) == 2 and all(x > 50 for x in m["mib"])
         assert m["mib"][m["peak_rank"]] == max(m["mib"])
+        assert len(m["tensor_mib"]) == 2 and m["tensor_mib"][m["tensor_peak_rank"]] == max(m["tensor_mib"])
+    # the tensor peak counts rank 1's BIG tensor once, on top of the state alive beside it, and
+    # stays below the resident set, which holds every tensor
+    big_mib, state_mib = BIG / 2**20, results[1]["bytes"] / 2**20
+    others = max(r["memory"]["tensor_mib"][1] for r in rows if r["step"] != 4)
+    step4 = rows[3]["memory"]
+    assert big_mib + state_mib <= step4["tensor_mib"][1] < big_mib + others, (step4, state_mib, others)
+    assert step4["tensor_peak_rank"] == 1 and step4["tensor_mib"][1] < step4["mib"][1]
+    assert all(state_mib < r["memory"]["tensor_mib"][1] < big_mib for r in rows if r["step"] != 4)
 
     calls = [json.loads(line) for line in open(wandb_log)]
     assert [c["call"] for c in calls] == ["init", "log", "log", "log", "finish", "init", "log", "log", "finish"]
     assert [c["step"] for c in calls if c["call"] == "log"] == [1, 2, 3, 4, 5]
     assert calls[0]["config"]["train.betas"] == [0.9, 0.95]  # the run's identity
-    assert {"loss", "lr", "grad_norm", "memory/peak_mib", "aux/aux"} <= set(calls[1]["values"])
+    assert {"loss", "lr", "grad_norm", "memory/peak_mib", "memory/tensor_peak_mib", "aux/aux"} <= set(
+        calls[1]["values"])
 
     trace = json.loads((out / "profile" / "rank0-steps2-3.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
@@ -117,8 +155,9 @@ def test_the_progress_line_names_the_busiest_ranks_memory():
     stream = io.StringIO()
     Progress(10, stream=stream).update({"step": 10, "loss": 1.0, "tokens_per_s": 5.0, "mfu": None,
                                         "mfu_of_measured_gemm": 0.1,
-                                        "memory": {"kind": "cpu_peak_rss", "mib": [100.0, 312.4], "peak_rank": 1}})
-    assert "mem 312 MiB (rank 1)" in stream.getvalue()
+                                        "memory": {"kind": "cpu_peak_rss", "mib": [100.0, 312.4], "peak_rank": 1,
+                                                   "tensor_mib": [20.25, 8.0], "tensor_peak_rank": 0}})
+    assert "mem 312 MiB (rank 1), tensors 20.2 MiB (rank 0)" in stream.getvalue()
 
 
 def test_profile_steps_outside_the_run_are_refused():
@@ -127,3 +166,17 @@ def test_profile_steps_outside_the_run_are_refused():
     for steps in ("[3, 2]", "[1, 300]"):
         with pytest.raises(ValueError, match=r"train.profile_steps = \[\d+, \d+\] must be \[a, b\] with a <= b"):
             load_config(None, [f"train.profile_steps={steps}"]).validate()
+
+
+def test_a_step_where_clear_refs_cannot_be_written_still_records_the_next_one(tmp_path):
+    import torch
+
+    from meshfold.train.tracking import StepMemory
+
+    memory = StepMemory(torch.device("cpu"), tensors=True)
+    memory._clear_refs = tmp_path / "absent" / "clear_refs"  # as on a system without it
+    for _ in range(2):
+        with memory.step():
+            x = torch.empty(1 << 20, dtype=torch.uint8)
+        assert memory.tensors.peak >= 1 << 20
+        del x

@@ -168,7 +168,7 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
     assert "non-finite loss nan at step 3" in proc.stderr and "step_000002" in proc.stderr
     proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path / "skip"), *SMALL2,
                     "--set", "train.skip_nonfinite=true", faults="nan_at=3")
-    assert proc.returncode == 0
+    assert proc.returncode == 0 and "step 3: loss nan is not finite: skipped" in proc.stdout, proc.stdout
     assert losses(tmp_path / "skip")[6]["skipped_steps"] == 1
 
 
@@ -178,6 +178,7 @@ def test_generate_and_export(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "loss.png").exists()  # train.plots=false
     proc = meshfold("generate", str(tmp_path), "--prompt", "import ", "--tokens", "20")
     assert proc.returncode == 0 and proc.stdout.startswith("import ")
+    assert "byte-level (the run trained on bytes)" in proc.stderr, proc.stderr  # says how it decodes
     assert "Warning" not in proc.stderr, proc.stderr  # e.g. torch's "assuming ... a single process"
     proc = meshfold("export", str(tmp_path), str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr[-2000:]

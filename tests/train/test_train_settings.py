@@ -60,6 +60,8 @@ def test_data_folders_skip_hidden_and_binary_files(tmp_path):
     (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(200))
     (tmp_path / "notes.txt").write_text("notes\n")
     assert corpus_files([tmp_path]) == [tmp_path / "notes.txt", tmp_path / "src" / "a.py"]
+    with pytest.raises(ValueError, match="logo.png is a binary file .*not text"):  # named, not skipped
+        corpus_files([tmp_path / "notes.txt", tmp_path / "logo.png"])
     corpus = load_corpus([tmp_path], val_fraction=0.5)
     assert bytes(corpus.train) + bytes(corpus.val) == b"notes\n\nprint('a')\n"
 
@@ -81,24 +83,27 @@ def test_torchrun_world_size_must_be_the_fold_world_size(monkeypatch):
 
 
 class _Terminal(io.StringIO):
-    """A terminal screen of one line: ``\\r`` returns to column 0 and ``ESC[K`` clears the rest."""
+    """A terminal screen: ``\\r`` returns to column 0, ``ESC[K`` clears the rest of the line,
+    ``\\n`` starts a new one."""
 
     def isatty(self):
         return True
 
     def screen(self) -> str:
-        line, col = [], 0
+        done, line, col = [], [], 0
         for token in re.split(r"(\r|\n|\x1b\[K)", self.getvalue()):
             if token == "\r" or token == "\n":
                 col = 0
-                line = [] if token == "\n" else line
+                if token == "\n":
+                    done.append("".join(line))
+                    line = []
             elif token == "\x1b[K":
                 del line[col:]
             else:
                 for ch in token:
                     line[col:col + 1] = [ch]
                     col += 1
-        return "".join(line)
+        return "\n".join(done + ["".join(line)])
 
 
 def test_progress_line_on_a_terminal_leaves_no_remnants():
@@ -112,6 +117,21 @@ def test_progress_line_on_a_terminal_leaves_no_remnants():
     screen = term.screen()
     assert screen.startswith("[") and "step 6/10" in screen
     assert screen.count("ETA") == 1 and "val" not in screen and screen.endswith("s"), screen
+
+
+def test_a_skipped_step_is_said_on_a_line_of_its_own_and_the_progress_line_goes_on():
+    from meshfold.train.progress import Progress
+
+    row = {"loss": 1.0, "tokens_per_s": 1.0, "mfu": None, "mfu_of_measured_gemm": 0.5}
+    term, log = _Terminal(), io.StringIO()
+    for stream in (term, log):
+        p = Progress(10, stream=stream)
+        p.update({"step": 2, **row})
+        p.note("step 3: loss nan is not finite: skipped")
+        p.update({"step": 4, **row})
+    lines = term.screen().splitlines()
+    assert lines[0] == "step 3: loss nan is not finite: skipped" and "step 4/10" in lines[1] and len(lines) == 2
+    assert "\nstep 3: loss nan is not finite: skipped\n" in log.getvalue()
 
 
 def test_version_is_the_package_version():
@@ -192,3 +212,26 @@ def test_a_run_recorded_before_master_dtype_resumes_only_if_its_weights_were_fp3
                 prepare(lock, now, mcfg)
         else:
             assert prepare(lock, now, mcfg) == []
+
+
+def test_a_config_that_is_not_utf8_or_is_a_folder_is_named_as_the_config(tmp_path):
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes("[train]\n# d\xe9j\xe0 vu\nsteps = 3\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(f"--config {bad}: not UTF-8 text (byte 0xe9 at offset 11)")):
+        load_config(str(bad))
+    with pytest.raises(ValueError, match=re.escape(f"--config {tmp_path} is a folder")):
+        load_config(str(tmp_path))
+
+
+def test_generate_writes_each_character_as_soon_as_it_is_sampled():
+    from meshfold.train.generate import ByteCodec, stream_text
+
+    drawn = []
+
+    def samples():  # "é" is two bytes: written once both are drawn
+        for i in [ord("a"), 0xC3, 0xA9, ord("\n"), ord("b")]:
+            drawn.append(i)
+            yield i
+
+    pieces = [(piece, len(drawn)) for piece in stream_text(ByteCodec("test"), list(b"x"), samples())]
+    assert pieces == [("x", 0), ("a", 1), ("\u00e9", 3), ("\n", 4), ("b", 5)]
