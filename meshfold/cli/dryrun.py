@@ -109,6 +109,9 @@ def main(args: argparse.Namespace) -> int:
         bad = [r for r in args.ranks if not 0 <= r < spec.world_size]
         if bad:
             raise ValueError(f"--ranks {bad}: out of range [0, {spec.world_size})")
+    from meshfold.runtime import launch
+
+    launch.preload("meshfold.dryrun")  # for the other ranks' processes: this command's code cannot change
     t0 = time.perf_counter()
     reports = dry_run(cfg, routing, args.ranks, last_here=True)  # the command exits after it
     wall = time.perf_counter() - t0

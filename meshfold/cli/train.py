@@ -106,9 +106,11 @@ def _main(args: argparse.Namespace, local: bool) -> int:
             preflight.check_writable(out)
             preflight.check_resume(out, cfg.train.resume)
             notes = prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
-            _print_header(cfg, spec, mcfg, out, warnings + notes)
             done = _steps_done(out) if cfg.train.resume and local else 0
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+            if local and done < end:
+                _start_rank_server()
+            _print_header(cfg, spec, mcfg, out, warnings + notes)
             if done >= end:  # no rank needs to start to learn that
                 print(_nothing_to_train(done, cfg, _latest_checkpoint(out)))
                 return 0
@@ -122,6 +124,15 @@ def _main(args: argparse.Namespace, local: bool) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _start_rank_server() -> None:
+    """Start the process the ranks fork from now, with torch and the training code imported in it
+    (seconds of CPU), while this process prints the header and imports the same code itself."""
+    from meshfold.runtime import launch
+
+    launch.preload("meshfold.train.loop", "meshfold.data")  # this command's code cannot change under it
+    launch.start_server()
 
 
 def _nothing_to_train(done: int, cfg, last) -> str:
@@ -179,14 +190,15 @@ def _launch(cfg, spec, out: Path, rank: int) -> int:
               f"{_latest_checkpoint(out) or 'none yet'}; rerun the same command to resume", file=sys.stderr)
         return code
     if rank == 0:
-        plots = write_plots(out)
+        plots = write_plots(out) if cfg.train.plots else None
         r = results[0]
         if r["final_loss"] is not None:
             print(f"done: final loss {r['final_loss']:.4f}; metrics {out / 'metrics.jsonl'}; "
                   f"checkpoint {r['checkpoint']}")
         else:  # under torchrun, where the ranks decide
             print(_nothing_to_train(r["start"], cfg, r["checkpoint"]))
-        print(f"plots: {', '.join(map(str, plots))}" if isinstance(plots, list) else f"note: {plots}")
+        if plots is not None:
+            print(f"plots: {', '.join(map(str, plots))}" if isinstance(plots, list) else f"note: {plots}")
     return 0
 
 

@@ -8,6 +8,7 @@ hidden files and folders or binary files.
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -22,9 +23,14 @@ SHARD_GLOB = "shard-[0-9][0-9][0-9][0-9][0-9].bin"
 def default_corpus_paths(limit_bytes: int = 8_000_000) -> list[Path]:
     """The standard library's ``*.py`` files (sorted), up to about ``limit_bytes``."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests"}
+    found = []
+    for folder, dirs, files in os.walk(root):  # not into the skipped folders: site-packages is most
+        dirs[:] = [d for d in dirs if d not in skip]  # of the tree, and every rank lists it
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
     out, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
+    for path in sorted(found):
+        if skip.intersection(path.parts):
             continue
         try:
             size = path.stat().st_size

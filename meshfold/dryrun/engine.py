@@ -319,23 +319,35 @@ def dry_run(cfg, routing=None, ranks=None, last_here: bool = False) -> list[Rank
     """:func:`dry_run_rank` for each rank of ``ranks`` (default :func:`representative_ranks`),
     each in a fresh process: DTensor caches dispatch plans by mesh equality (in C++ too), so a
     second fold of the same spec in one process would run on the first one's destroyed groups.
-    ``last_here``: the last rank runs in this process instead, for a caller that has made no
-    fold and exits afterwards (``meshfold dryrun``): a fresh process costs a second torch
-    import, seconds of CPU and, on shared cores, often tens of seconds of waiting."""
+    The processes fork from :mod:`meshfold.runtime.launch`'s server, which has imported torch once, and
+    run side by side, one per core. ``last_here``: the last rank runs in this process instead
+    (meanwhile), for a caller that has made no fold and exits afterwards (``meshfold dryrun``)."""
     import concurrent.futures
-    import multiprocessing
+    import os
+
+    from meshfold.runtime import launch
 
     cfg.validate()  # the settings' one-line errors, before any process starts
     chosen = representative_ranks(cfg.fold_spec()) if ranks is None else list(ranks)
-    ctx = multiprocessing.get_context("spawn")
-    out = []
-    for i, r in enumerate(chosen):
-        if last_here and i == len(chosen) - 1:
-            out.append(dry_run_rank(cfg, r, routing))
-            continue
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-            out.append(pool.submit(dry_run_rank, cfg, r, routing).result())
-    return out
+    elsewhere = chosen[:-1] if last_here else chosen
+    if not elsewhere:
+        return [dry_run_rank(cfg, r, routing) for r in chosen]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with concurrent.futures.ProcessPoolExecutor(min(len(elsewhere), cores), mp_context=launch.process_context(),
+                                                max_tasks_per_child=1) as pool:
+        futures = [pool.submit(_dry_run_rank_with_env, dict(os.environ), cfg, r, routing) for r in elsewhere]
+        here = [dry_run_rank(cfg, chosen[-1], routing)] if last_here else []
+        return [f.result() for f in futures] + here
+
+
+def _dry_run_rank_with_env(environ: dict, *args) -> RankReport:
+    """:func:`dry_run_rank` in a process forked from a server started earlier: with the caller's
+    environment of now, as a spawned process would have."""
+    import os
+
+    os.environ.clear()
+    os.environ.update(environ)
+    return dry_run_rank(*args)
 
 
 def record_block_counts():

@@ -16,8 +16,9 @@ Both bind every socket to loopback: the rendezvous store listens on ``127.0.0.1`
 ourselves and hand to ``TCPStore``) and gloo is pinned to the ``lo`` interface.
 
 If a rank raises, the caller gets :class:`RankError` naming the rank, with its traceback, promptly:
-the remaining ranks are terminated rather than left blocked in a collective. Collectives time out
-after ``timeout`` seconds, so a rank stuck in a collective fails instead of hanging forever.
+the remaining ranks are terminated rather than left blocked in a collective (a ``World`` whose
+ranks all finished the task keeps them). Collectives time out after ``timeout`` seconds, so a rank
+stuck in a collective fails instead of hanging forever.
 
 Two guards keep ranks from outliving or silently stalling their launcher:
 
@@ -59,15 +60,16 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["RankError", "World", "spawn", "under_torchrun"]
+__all__ = ["RankError", "World", "preload", "process_context", "spawn", "start_server", "under_torchrun"]
 
 DEFAULT_TIMEOUT_S = 120.0
 # imported once by the forkserver (a failed import is skipped): the slow third-party imports every
-# rank needs (~2 s of the ~2.2 s of meshfold.train.loop's). Not meshfold's own modules: a rank
-# forked from a server that preloaded them would run the code as it was when the server started,
-# not as edited since (a notebook's later spawn after changing a model file).
+# rank needs, torch._dynamo included (building a model, even on the meta device, imports it). Not
+# meshfold's own modules unless asked (preload): a rank forked from a server that preloaded them
+# would run the code as it was when the server started, not as edited since (a notebook's later
+# spawn after changing a model file).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
-           "torch.distributed.fsdp"]
+           "torch.distributed.fsdp", "torch._dynamo"]
 
 
 HEARTBEAT_S = 1.0  # how often each rank beats; a rank is stalled after max(timeout / 2, 10 s) without
@@ -144,6 +146,12 @@ def _run_under_torchrun(fn: Callable, world_size: int, args: tuple, timeout: flo
             dist.destroy_process_group()
 
 
+def process_context():
+    """The multiprocessing context ranks start from (see :func:`_context`), for other fresh
+    processes that should start as cheaply: forked from a server that imported torch once."""
+    return _context()
+
+
 def _context():
     """The start method for rank processes: ``forkserver`` on Linux, else ``spawn``. Both start
     ranks without the parent's threads and state; a forkserver imports torch once
@@ -155,6 +163,34 @@ def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (first use), ignored after
     return ctx
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` too, once, instead of every rank importing them.
+
+    For a process whose code does not change while it runs (``meshfold train``, a test session):
+    a rank forked from the server runs a preloaded module as it was when the server started. It
+    takes effect when the server starts (this process's first ``spawn``, ``World`` or
+    :func:`start_server`); after that, ranks import the modules themselves, as without it.
+    The server skips a module it cannot import, so a name that does not resolve is refused here.
+    """
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"preload: no module named {missing}; give importable module names such as "
+                         f"'meshfold.train.loop'")
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
+
+def start_server() -> None:
+    """Start the forkserver now, so that its imports (:data:`PRELOAD`, seconds of CPU) run while
+    this process does its own work before its first ``spawn``; otherwise they start at the first
+    spawn. Does nothing where ranks are spawned (not Linux) or the server already runs."""
+    if _context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -278,6 +314,8 @@ class _Procs:
         self.stall_after = max(timeout / 2, STALL_FLOOR_S)
         self._polled = time.monotonic()  # the launcher's own last look, to see it was paused
         self._grace_until = 0.0
+        self.keep_if_all_answer = False  # World: a task every rank finished leaves the ranks usable
+        self.terminated = False
         self.procs, self.results = [], []
         for rank in range(world_size):
             reader, writer = self.ctx.Pipe(duplex=False)
@@ -339,7 +377,8 @@ class _Procs:
                 and self.procs[r].exitcode is None]
 
     def _fail(self, out: dict, errors: list[tuple[int, str]]) -> None:
-        """Find the root failure, tear everything down and raise it.
+        """Find the root failure, tear everything down (unless ``keep_if_all_answer`` and every
+        rank answered) and raise it.
 
         When one rank crashes (killed, os._exit, segfault) or stalls (stopped), its peers soon
         raise errors of their own from the broken collective; those are symptoms. So wait a
@@ -350,9 +389,17 @@ class _Procs:
         for r, _ in stalled:  # a stopped process takes no SIGTERM until continued
             self.procs[r].kill()
         errors = list(errors)  # (rank, traceback) reports already read, first first
+        answered = set(out) | {r for r, _ in errors}
         settle = time.monotonic() + 1.0
-        while time.monotonic() < settle:
-            errors += [(rank, value) for rank, ok, value in self._receive(0.05) if not ok]
+        while time.monotonic() < settle and not (self.keep_if_all_answer and len(answered) == self.world_size):
+            for rank, ok, value in self._receive(0.05):
+                answered.add(rank)
+                if not ok:
+                    errors.append((rank, value))
+        if (self.keep_if_all_answer and errors and not stalled and len(answered) == self.world_size
+                and all(p.exitcode is None for p in self.procs)):
+            # every rank returned or raised: no collective is left half done, the group is in step
+            raise RankError(*errors[0], errors[1:]) from None
         reported = {r for r, _ in errors}
         crashed = [r for r, p in enumerate(self.procs)
                    if r not in out and r not in reported and p.exitcode not in (None, 0)]
@@ -381,6 +428,7 @@ class _Procs:
         for reader in self.results:
             reader.close()
         self.store = None  # closes the rendezvous server
+        self.terminated = True
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
@@ -409,9 +457,12 @@ class World:
     """A pool of ``world_size`` ranks with a live gloo process group, reused across many runs.
 
     ``world.run(fn, *args)`` runs ``fn(rank, world_size, *args)`` on every rank and returns the
-    list of results. After a failure (a rank raised or timed out) the processes are torn down, the
-    error is raised, and the next ``run`` starts a fresh world: a half-finished collective would
-    leave the old process group out of step.
+    list of results. When some ranks raise and every rank finishes the task (returns or raises:
+    no collective is left half done), the error is raised and the ranks stay up, so a property
+    test that shrinks a failing example does not restart the world for each try. After any other
+    failure (a rank crashed, stalled, timed out, or raised while its peers stayed inside a
+    collective) the processes are torn down, the error is raised, and the next ``run`` starts a
+    fresh world: a half-finished collective would leave the old process group out of step.
     """
 
     def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT_S):
@@ -433,6 +484,7 @@ class World:
             for reader, _ in pipes:
                 reader.close()  # each rank holds its own reading end
             procs.collect(time.monotonic() + self.timeout + 60.0, "World start-up")
+            procs.keep_if_all_answer = True
             self._procs = procs
         return self._procs
 
@@ -447,9 +499,19 @@ class World:
         try:
             return procs.collect(time.monotonic() + (timeout or self.timeout) + 5.0,
                                  f"World.run({getattr(fn, '__name__', fn)})")
-        except BaseException:
-            self._procs = None  # torn down by collect(); restart lazily
+        except RankError:
+            if procs.terminated:
+                self._procs = None  # restart lazily
             raise
+        except BaseException:  # a time-out (already torn down), or Ctrl-C while the ranks work
+            procs.terminate()
+            self._procs = None
+            raise
+
+    @property
+    def running(self) -> bool:
+        """Whether the ranks are up: started, and not torn down since by a failure or ``close``."""
+        return self._procs is not None
 
     def close(self) -> None:
         if self._procs is not None:

@@ -184,6 +184,8 @@ class TrainSettings:
     eval_batches: int = setting(4, int, "validation batches per evaluation", low=1)
     ckpt_every: int = setting(100, int, "steps between checkpoints (and at the last step)", low=1)
     out_dir: str = setting("runs/default", str, "run folder: checkpoints, metrics, plots, logs")
+    plots: bool = setting(True, bool, "draw loss.png and expert_load.png into the run folder at the end "
+                          "(needs matplotlib)")
     resume: bool = setting(True, bool, "continue from the run folder's newest checkpoint; false starts "
                            "the folder over, moving the earlier run aside")
     init_from: str | None = setting(None, str, "a Hugging Face MoE checkpoint folder (config.json + safetensors, "

@@ -69,6 +69,7 @@ def test_readme_main_command_is_the_default_training_run():
     assert proc.returncode == 0 and "--config" in proc.stdout
 
 
+@pytest.mark.slow
 def test_readme_python_examples_run(tmp_path):
     """Every README and docs/ example that is a whole script (has a __main__ guard) runs as written."""
     pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))

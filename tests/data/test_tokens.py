@@ -219,6 +219,7 @@ def test_a_token_folder_is_never_read_as_text(corpus, tmp_path):
         _check(out, f"data.paths={json.dumps([str(out), str(root)])}")
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_data_tokenizer_tokenizes_text_for_the_run_and_reuses_it(corpus, tmp_path):
     from tests.train.test_train import SMALL2, losses, meshfold

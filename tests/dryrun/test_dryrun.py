@@ -87,6 +87,7 @@ def test_dry_run_reports_the_real_step_on_4_ranks(worlds, data):
     _check_same_step(worlds, data, 4)
 
 
+@pytest.mark.slow
 @settings(max_examples=3, phases=NO_SHRINK)
 @given(data=st.data())
 def test_dry_run_reports_the_real_step_on_8_ranks(worlds, data):
@@ -193,12 +194,14 @@ def test_a_malformed_fold_names_the_notation(capsys):
 
 
 # ---- routing models -----------------------------------------------------------------------------
+@settings(max_examples=25)
 @given(pairs=st.integers(0, 500), experts=st.integers(1, 64), source=st.integers(0, 63))
 def test_balanced_counts_sum_to_the_pairs_and_differ_by_at_most_one(pairs, experts, source):
     counts = Balanced().counts(pairs, experts, source)
     assert sum(counts) == pairs and max(counts) - min(counts) <= 1
 
 
+@settings(max_examples=25)
 @given(pairs=st.integers(0, 500), experts=st.integers(1, 64), s=st.floats(0.1, 3.0))
 def test_zipf_counts_sum_to_the_pairs_and_fall_with_the_expert(pairs, experts, s):
     counts = Zipf(s).counts(pairs, experts, 0)
@@ -206,6 +209,7 @@ def test_zipf_counts_sum_to_the_pairs_and_fall_with_the_expert(pairs, experts, s
     assert all(a >= b for a, b in zip(counts, counts[1:]))
 
 
+@settings(max_examples=25)
 @given(pairs=st.integers(0, 500), n_ep=st.sampled_from([1, 2, 4, 8]), n_etp=st.sampled_from([1, 2]),
        per_rank=st.sampled_from([1, 2, 4]))
 def test_balanced_blocks_give_experts_rows_within_one_of_each_other(pairs, n_ep, n_etp, per_rank):
@@ -229,6 +233,7 @@ def test_routing_names_parse_and_bad_ones_say_what_is_valid():
 
 
 # ---- naming groups by folded dims ---------------------------------------------------------------
+@settings(max_examples=25)
 @given(spec=fold_specs(max_world_size=64), prefer=st.sampled_from(["attn", "moe"]), data=st.data())
 def test_each_dim_names_its_own_group_unless_an_earlier_dim_spans_the_same_ranks(spec, prefer, data):
     rank = data.draw(st.integers(0, spec.world_size - 1))

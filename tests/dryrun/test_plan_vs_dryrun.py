@@ -27,6 +27,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)
 def test_planner_within_ten_percent_of_the_dry_run(case):
@@ -53,6 +54,7 @@ PIPELINES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", PIPELINES, ids=lambda c: c.label)
 def test_planner_within_ten_percent_of_the_dry_run_on_both_stages_of_a_pipeline(case):

@@ -219,6 +219,7 @@ def test_upcycled_checkpoint_loads_folded_and_equals_the_dense_model(worlds, den
 # ----------------------------------------------------------------------------- training from it
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["mistral", "deepseek_v3"])
 def test_training_from_an_upcycled_checkpoint_starts_at_the_dense_loss_and_lowers_it(dense, tmp_path, kind):

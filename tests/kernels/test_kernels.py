@@ -6,7 +6,7 @@ Shapes: x [M, K] expert-major, w [E, K, N], offsets [E] int32 cumulative end row
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfold.kernels import cpu_grouped, dense_tile_mask, expand_tile_mask, grouped_mm, grouped_mm_reference
@@ -45,6 +45,7 @@ def assert_matches_reference(x, w, offsets, mask, *, atol=0.0, rtol=0.0, backend
         torch.testing.assert_close(g_, w_, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
 
+@settings(max_examples=25)
 @given(counts=st.integers(1, 5).flatmap(lambda E: split_sizes(E, max_total=40)),
        K=st.sampled_from([3, 4, 8, 12]), N=st.sampled_from([2, 4, 8, 16]), tail=st.integers(0, 3),
        dtype=st.sampled_from([torch.float32, torch.float64]), masked=st.booleans())

@@ -21,6 +21,7 @@ def reference_groups(spec, view, dims):
     return sorted(sorted(g.tolist()) for g in flat)
 
 
+@settings(max_examples=25)
 @given(fold_specs())
 def test_groups_of_each_dim_partition_the_world(spec):
     for view, dims in VIEWS.items():
@@ -31,6 +32,7 @@ def test_groups_of_each_dim_partition_the_world(spec):
             assert all(len(g) == getattr(spec, d) for g in groups)
 
 
+@settings(max_examples=25)
 @given(fold_specs(), views, st.data())
 def test_groups_match_megatron_order_reference(spec, view, data):
     dims = data.draw(st.lists(st.sampled_from(VIEWS[view]), min_size=1, max_size=4, unique=True))
@@ -38,6 +40,7 @@ def test_groups_match_megatron_order_reference(spec, view, data):
     assert spec.groups(view, dims) == reference_groups(spec, view, dims)
 
 
+@settings(max_examples=25)
 @given(fold_specs(), views, st.data())
 def test_tuple_groups_are_products_of_single_dim_groups(spec, view, data):
     a, b = data.draw(st.lists(st.sampled_from(VIEWS[view]), min_size=2, max_size=2, unique=True))
@@ -46,6 +49,7 @@ def test_tuple_groups_are_products_of_single_dim_groups(spec, view, data):
     assert spec.group_of(rank, view, (a, b)) == product
 
 
+@settings(max_examples=25)
 @given(fold_specs(), st.data())
 def test_coords_round_trip(spec, data):
     rank = data.draw(st.integers(0, spec.world_size - 1))
@@ -58,12 +62,14 @@ def test_coords_round_trip(spec, data):
     assert rank == ((m["pp"] * spec.edp + m["edp"]) * spec.ep + m["ep"]) * spec.etp + m["etp"]
 
 
+@settings(max_examples=25)
 @given(fold_specs())
 def test_pp_groups_identical_in_both_views(spec):
     assert spec.groups("attn", "pp") == spec.groups("moe", "pp")
     assert spec.groups("attn", ("dp", "cp", "tp")) == spec.groups("moe", ("edp", "ep", "etp"))
 
 
+@settings(max_examples=25)
 @given(fold_specs())
 def test_derived_sizes_fill_the_world(spec):
     assert spec.pp * spec.dp * spec.cp * spec.tp == spec.world_size

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfold.models import MoEConfig, MoELayer
@@ -161,6 +161,7 @@ def cfg_for(E, kw, **extra):
                      group_topk=kw["group_topk"], router_dtype=f64, **extra)
 
 
+@settings(max_examples=25)
 @given(routing_cases())
 def test_topk_routing_matches_the_per_token_reference(case):
     """Every score function / pre-softmax / renormalise / scaling / group-limited / bias
@@ -266,6 +267,7 @@ def test_switch_aux_loss_of_a_perfectly_balanced_router_is_one():
     torch.testing.assert_close(lay.last_losses["aux"], torch.tensor(1.0, dtype=f64), rtol=1e-13, atol=0)
 
 
+@settings(max_examples=25)
 @given(st.integers(1, 4), st.integers(1, 12), st.sampled_from([(4, 1), (8, 2), (8, 3), (16, 4)]),
        st.integers(0, 2**16))
 def test_switch_and_seq_aux_and_z_losses_match_megatron_definitions(B, S, Ek, seed):

@@ -134,6 +134,7 @@ def large_cases(draw):
             draw(st.sampled_from([0.0, 0.01])))
 
 
+@pytest.mark.slow
 @settings(max_examples=3)
 @given(large_cases())
 def test_drawn_large_folds_equal_single_device(case):

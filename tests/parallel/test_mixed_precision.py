@@ -188,6 +188,7 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in open(run / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_bf16_compute_with_fp32_master_tracks_the_fp32_run(runs):
     fp32, mixed, bf16 = (_losses(runs[k]) for k in ("fp32", "mixed", "bf16"))
     assert len(fp32) == len(mixed) == len(bf16) == STEPS and fp32[-1] < fp32[0] - 0.5  # it learns

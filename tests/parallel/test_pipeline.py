@@ -92,6 +92,7 @@ def cases(draw, world_size):
             draw(st.sampled_from(["fsdp", "allreduce"])), draw(st.sampled_from([0.0, 0.01])))
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_pipeline_loss_and_grads_equal_single_device(worlds, world_size):

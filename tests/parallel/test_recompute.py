@@ -195,6 +195,7 @@ def _run_folded(rank, world_size, case):
 FSDP_FOLDS = {4: FoldSpec(4, cp=2, ep=2), 8: FoldSpec(8, tp=2, cp=2, ep=2)}
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_folded_recompute_is_bitwise_no_recompute(worlds, world_size):
@@ -248,6 +249,7 @@ def _run_pipeline(rank, world_size, spec, compute_dtype=None):
 PIPELINE_FOLDS = [FoldSpec(4, pp=2, tp=2, ep=2), FoldSpec(8, pp=2, cp=2, etp=2)]
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("spec", PIPELINE_FOLDS, ids=str)
 def test_pipeline_recompute_is_bitwise_no_recompute(worlds, spec):

@@ -169,6 +169,7 @@ def _construction_peak(rank, world_size, spec, whole_first):
     return grown, shard
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_construction_peak_memory_stays_within_the_ranks_own_shards(worlds):
     n_params = sum(p.numel() for p in MoETransformer(BIG, device="meta").parameters())

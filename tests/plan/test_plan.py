@@ -31,13 +31,19 @@ def _cp1(layout: Layout) -> bool:
 
 @pytest.fixture(scope="module")
 def table1():
-    """Best estimate per strategy for each Table 1 model: {model: {strategy: Estimate}}."""
+    """Best estimate per strategy for each Table 1 model: {model: {strategy: Estimate}}.
+
+    Each search keeps only layouts some of its strategies accept (``where``): the best of a
+    strategy is the same as in the full search, in a ninth of the time."""
+    ours = [k for k in STRATEGIES if k not in MEGATRON_STRATEGIES]
     out = {}
     for name, row in PAPER_TABLE1.items():
-        ours = plan(name, row.gpus, H100, SEQ, GBS, where=_cp1)
-        megatron = plan(name, row.gpus, H100, SEQ, GBS, where=_cp1, shardings=MEGATRON_SHARDINGS)
-        out[name] = {key: next(e for e in (megatron if key in MEGATRON_STRATEGIES else ours) if keep(e.layout))
-                     for key, keep in STRATEGIES.items()}
+        found = {}
+        for keys, shardings in ((ours, SHARDINGS), (MEGATRON_STRATEGIES, MEGATRON_SHARDINGS)):
+            est = plan(name, row.gpus, H100, SEQ, GBS, shardings=shardings,
+                       where=lambda lay: _cp1(lay) and any(STRATEGIES[k](lay) for k in keys))
+            found.update({k: next(e for e in est if STRATEGIES[k](e.layout)) for k in keys})
+        out[name] = {k: found[k] for k in STRATEGIES}
     return out
 
 
@@ -143,6 +149,7 @@ def layouts(draw):
     return model, dataclasses.replace(lay, recompute=draw(st.sampled_from(modes))), seq, gbs
 
 
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(requests(), st.sampled_from(["h100", "h200"]))
 def test_every_plan_is_a_valid_foldspec(req, gpu):
@@ -155,6 +162,7 @@ def test_every_plan_is_a_valid_foldspec(req, gpu):
         assert check_layout(model, e.layout, seq, gbs) == ""
 
 
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(requests(), st.floats(0.25, 32.0))
 def test_recomputation_is_tried_only_where_the_layout_without_it_does_not_fit(req, memory_gib):
@@ -170,6 +178,7 @@ def test_recomputation_is_tried_only_where_the_layout_without_it_does_not_fit(re
             assert not by_layout[dataclasses.replace(e.layout, recompute="selective")].feasible
 
 
+@settings(max_examples=25)
 @given(layouts(), st.floats(1.0, 4.0))
 def test_more_memory_never_makes_a_feasible_fold_infeasible(case, factor):
     model, lay, seq, gbs = case
@@ -179,6 +188,7 @@ def test_more_memory_never_makes_a_feasible_fold_infeasible(case, factor):
     assert big.feasible or not small.feasible
 
 
+@settings(max_examples=25)
 @given(layouts(), st.floats(0.05, 1.0), st.floats(0.05, 1.0))
 def test_time_never_decreases_when_bandwidth_falls(case, nvlink_scale, net_scale):
     model, lay, seq, gbs = case
@@ -191,6 +201,7 @@ def test_time_never_decreases_when_bandwidth_falls(case, nvlink_scale, net_scale
         assert slow.time[term] >= fast.time[term] * (1 - 1e-12) - 1e-15, term
 
 
+@settings(max_examples=25)
 @given(layouts())
 def test_time_terms_sum_to_step_time_and_give_the_mfu(case):
     model, lay, seq, gbs = case
@@ -230,6 +241,7 @@ def _args(**kw):
     return parser.parse_args(argv)
 
 
+@pytest.mark.slow
 def test_cli_prints_best_folds_and_the_baselines(capsys):
     assert cli.main(_args(model="qwen2-57b-a14b", gpus=64, gpu="h100", seq=4096, gbs=256, top=3,
                           compare=True, cp1=True)) == 0
@@ -307,6 +319,7 @@ def test_mfu_with_the_causal_count_falls_from_4k_to_128k_at_fixed_gpus_and_token
     assert long.time["cp"] / long.step_time > max(0.01, short.time["cp"] / short.step_time)
 
 
+@settings(max_examples=25)
 @given(st.sampled_from(["h100", "h200"]), st.floats(4096, 131072), st.floats(64, 256))
 def test_causal_attention_runs_below_gemm_efficiency_at_long_context(gpu, seq, head_dim):
     hw = hardware(gpu)
@@ -316,6 +329,7 @@ def test_causal_attention_runs_below_gemm_efficiency_at_long_context(gpu, seq, h
     assert fwd_bwd < hw.grouped_gemm_efficiency < hw.gemm_efficiency
 
 
+@settings(max_examples=25)
 @given(st.sampled_from(["fa3", "fa2"]), st.floats(256, 262144), st.floats(1.01, 4), st.floats(32, 512),
        st.booleans(), st.booleans())
 def test_attention_throughput_never_falls_with_sequence_and_the_mask_never_helps(kernel, seq, grow, d, causal,
@@ -349,6 +363,7 @@ def test_grouped_gemm_rate_is_transformer_engine_22s_measured_rate():
     assert H100.grouped_gemm_time(128000, 7168, 7168, 16) == pytest.approx(0.2987, rel=0.01)
 
 
+@settings(max_examples=25)
 @given(st.floats(16, 65536), st.sampled_from([256, 768, 2048, 7168]), st.sampled_from([512, 2048, 7168]),
        st.sampled_from([2, 4, 8]))
 def test_splitting_experts_finer_never_makes_their_gemms_faster(rows, n, k, g):
@@ -380,6 +395,7 @@ def test_exposed_dp_time_shrinks_relative_to_compute_as_global_batch_grows(name)
     assert mfus[1] > mfus[0]
 
 
+@settings(max_examples=25)
 @given(st.sampled_from(["h100", "h200"]), st.booleans(), st.floats(1e3, 1e10), st.floats(1.01, 16))
 def test_collective_bandwidth_grows_with_message_size_toward_the_link_rate(gpu, intra, nbytes, grow):
     hw = hardware(gpu)
@@ -426,6 +442,7 @@ def test_deepseek_config_reads_its_dense_layers():
     assert [shape.is_moe_layer(i) for i in range(4)] == [False, True, False, True]  # HF: (i + 1) % 2 == 0
 
 
+@settings(max_examples=25)
 @given(st.integers(1, 64), st.integers(1, 8), st.integers(1, 4))
 def test_stage_layers_are_the_pipelines_chunks(layers, pp, vpp):
     from meshfold.parallel.pipeline import chunk_layers
@@ -528,6 +545,7 @@ def _held_state_bytes(rank, world_size, spec, data_parallel):
     return sum(map(nbytes, params)), sum(nbytes(p.grad) for p in params), sum(map(nbytes, state))
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("data_parallel", ["fsdp", "allreduce"])
 def test_params_grads_and_optimizer_terms_are_what_a_step_holds(worlds, data_parallel):
@@ -561,6 +579,7 @@ def _local_param_numel(rank, world_size, spec, name, data_parallel):
     return spec.coords(rank)["attn"]["pp"], numel, nbytes
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("spec, data_parallel", [
     (FoldSpec(4, tp=2, ep=2), "fsdp"), (FoldSpec(4, tp=2, ep=4), "allreduce"),

@@ -105,6 +105,7 @@ def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq,
     return spec.coords(rank)["attn"]["pp"], dict(seen), names
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("spec, data_parallel, recompute, microbatches", [
     (FoldSpec(4, tp=2, ep=2), "fsdp", "none", 2),           # tp + FSDP2 over dp and edp, accumulation

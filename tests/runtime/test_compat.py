@@ -177,6 +177,7 @@ def _fallback_run(rank, world_size, case):
     return gathered, out[:3].clone()
 
 
+@pytest.mark.slow
 def test_fallbacks_compute_what_one_device_computes(worlds):
     """FSDP2 without dp_mesh_dims (norms' gradients partial over tp, dense weights over dp x cp
     flattened, experts over edp) gives the single-device gradients in fp64, and the older

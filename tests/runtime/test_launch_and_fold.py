@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 
+from meshfold.runtime import launch
+from meshfold.runtime import launch
 from meshfold.runtime.launch import RankError, World, spawn
 from meshfold.mesh import VIEWS, fold
 from meshfold.testing.strategies import fold_specs
@@ -160,6 +162,27 @@ def test_world_survives_a_failure_by_restarting():
         assert world.run(_sum_of_ranks) == [1, 1]
 
 
+def _pid(rank, world_size):
+    return os.getpid()
+
+
+def _raise_after_a_collective(rank, world_size):
+    dist.barrier()
+    raise ValueError(f"deliberate failure on rank {rank}")
+
+
+def test_a_failure_every_rank_finishes_keeps_the_world_up(worlds):
+    """When every rank returns or raises, no collective is left half done: the ranks stay up, so a
+    property test shrinking a failing example does not start a world per try."""
+    world = worlds(2)
+    pids = world.run(_pid)
+    with pytest.raises(RankError) as err:
+        world.run(_raise_after_a_collective)
+    assert {err.value.rank, *(r for r, _ in err.value.others)} == {0, 1}
+    assert "deliberate failure on rank" in err.value.summary
+    assert world.run(_pid) == pids and world.run(_sum_of_ranks) == [1, 1]
+
+
 def _listening_addresses(rank, world_size):
     """Hex local addresses of the TCP sockets this process listens on (Linux /proc)."""
     inodes = set()
@@ -214,3 +237,20 @@ def test_spawn_runs_unchanged_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text() == "[1, 1]"
+
+
+def _imported(rank, world_size, names):
+    import sys
+
+    return [name for name in names if name in sys.modules]
+
+
+def test_ranks_fork_with_the_sessions_preloaded_modules_and_preload_refuses_unknown_names():
+    """tests/conftest.py preloads meshfold's modules into the server ranks fork from, so a new rank
+    starts with them imported (this module imports none of them); a name that does not import is
+    refused, not skipped by the server."""
+    from tests.conftest import PRELOAD_MODULES
+
+    assert spawn(_imported, 1, PRELOAD_MODULES) == [list(PRELOAD_MODULES)]
+    with pytest.raises(ValueError, match=r"no module named \['meshfold.no_such_module'\]"):
+        launch.preload("meshfold.no_such_module")
