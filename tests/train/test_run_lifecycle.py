@@ -32,7 +32,14 @@ def start(out_dir, *extra, faults="step_sleep=0.15"):
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_FAULTS=faults)
     return subprocess.Popen([sys.executable, "-m", "meshfold", "train", *RUN, "--out-dir", str(out_dir),
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=ROOT, start_new_session=True)
+                            cwd=ROOT, start_new_session=True, preexec_fn=_as_started_from_a_terminal)
+
+
+def _as_started_from_a_terminal():
+    """Ctrl-C's default disposition, whatever this test process inherited: a shell starts a
+    background job (``cmd &``, as CI scripts do) with SIGINT ignored, and Python keeps an ignored
+    SIGINT ignored, so the launcher would never see the test's Ctrl-C and would train to the end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def live_in_group(pgid: int, states: str | None = None) -> list[int]:
