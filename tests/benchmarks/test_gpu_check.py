@@ -4,6 +4,7 @@ fail at once, with a JSON summary saying why, rather than skip its way to a pass
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_without_cuda_the_gpu_check_fails_in_seconds_saying_why(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    # the script runs `python`: this test's interpreter, even when its venv is not activated
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "PATH": path}
     start = time.perf_counter()
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
