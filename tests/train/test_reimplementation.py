@@ -22,7 +22,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="needs transformers, a test extra: pip install -e '.[test]'")
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
 STEPS = 6
