@@ -10,7 +10,9 @@ Two entry points:
 
 Ranks start from a forkserver that has imported torch once (on Linux; ``spawn`` elsewhere), so
 W ranks do not each pay that import; each rank takes the caller's
-environment as it is at start, as a spawned process would.
+environment, and its standard output and error, as they are at start, as a spawned process would
+(not the server's, which may have started long before under other ones: a test session's
+capture, a notebook's cell).
 
 Both bind every socket to loopback: the rendezvous store listens on ``127.0.0.1`` (a socket we bind
 ourselves and hand to ``TCPStore``) and gloo is pinned to the ``lo`` interface.
@@ -225,8 +227,40 @@ def _guard(launcher_pid: int, beats, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: nothing of ours may run on
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+class _CallerStdio:
+    """The launcher's file descriptors 1 and 2, handed to a rank with the process's arguments
+    (the forkserver passes them over its socket), which the rank makes its own 1 and 2."""
+
+    def __init__(self, fds=None):
+        self.fds = fds  # in the rank: what multiprocessing rebuilt of reduction.DupFd
+
+    def __reduce__(self):  # runs in the launcher while multiprocessing starts the rank
+        from multiprocessing import reduction
+
+        return (_CallerStdio, (tuple(reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)),))
+
+    def adopt(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, wrapper in zip((1, 2), self.fds or ()):
+            if wrapper is None:  # the launcher has none: the rank keeps what the server gave it
+                continue
+            fd = wrapper.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def _init_worker(rank: int, world_size: int, port: int, timeout: float, environ: dict[str, str],
-                 launcher_pid: int, beats) -> None:
+                 launcher_pid: int, beats, stdio: _CallerStdio) -> None:
+    stdio.adopt()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for the job
     threading.Thread(target=_guard, args=(launcher_pid, beats, rank), daemon=True,
                      name="meshfold-guard").start()
@@ -252,9 +286,9 @@ def _report(results, rank: int, ok: bool, value) -> None:
     results.send((time.monotonic(), rank, ok, value))
 
 
-def _spawn_entry(rank, world_size, port, timeout, environ, launcher_pid, beats, fn, args, results) -> None:
+def _spawn_entry(rank, world_size, port, timeout, environ, launcher_pid, beats, stdio, fn, args, results) -> None:
     try:
-        _init_worker(rank, world_size, port, timeout, environ, launcher_pid, beats)
+        _init_worker(rank, world_size, port, timeout, environ, launcher_pid, beats, stdio)
         out = fn(rank, world_size, *args)
         # by value: the pipe's default pickler would share tensors through memory that this
         # process frees when it exits, before the parent has read it
@@ -269,9 +303,9 @@ def _spawn_entry(rank, world_size, port, timeout, environ, launcher_pid, beats, 
             dist.destroy_process_group()
 
 
-def _world_entry(rank, world_size, port, timeout, environ, launcher_pid, beats, tasks, results) -> None:
+def _world_entry(rank, world_size, port, timeout, environ, launcher_pid, beats, stdio, tasks, results) -> None:
     try:
-        _init_worker(rank, world_size, port, timeout, environ, launcher_pid, beats)
+        _init_worker(rank, world_size, port, timeout, environ, launcher_pid, beats, stdio)
     except BaseException:  # noqa: BLE001
         _report(results, rank, False, traceback.format_exc())
         return
@@ -321,7 +355,7 @@ class _Procs:
             reader, writer = self.ctx.Pipe(duplex=False)
             p = self.ctx.Process(target=target, daemon=True,
                                  args=(rank, world_size, port, timeout, dict(os.environ), os.getpid(),
-                                       self.beats, *extra_args(rank), writer))
+                                       self.beats, _CallerStdio(), *extra_args(rank), writer))
             p.start()
             writer.close()  # the rank holds the writing end: its end of file means it is gone
             self.procs.append(p)

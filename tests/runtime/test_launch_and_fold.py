@@ -1,9 +1,11 @@
 """The local launcher (spawn, World) and the DeviceMeshes built by fold() on real gloo ranks."""
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -11,7 +13,6 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 
-from meshfold.runtime import launch
 from meshfold.runtime import launch
 from meshfold.runtime.launch import RankError, World, spawn
 from meshfold.mesh import VIEWS, fold
@@ -120,18 +121,44 @@ def test_spawn_returns_each_ranks_result():
 
 
 def _env(rank, world_size, names):
+    print(f"rank {rank} to stdout", flush=True)
+    print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
     return {n: os.environ.get(n) for n in names}
 
 
-def test_ranks_see_the_callers_environment_as_it_is_at_each_start(monkeypatch):
+@contextlib.contextmanager
+def _fds_to_files():
+    """This process's file descriptors 1 and 2 point to two new files while inside (as a test
+    capture or a notebook cell does): yields them, rewound, afterwards readable."""
+    files = [tempfile.TemporaryFile(mode="w+") for _ in (1, 2)]
+    saved = [os.dup(fd) for fd in (1, 2)]
+    sys.stdout.flush(), sys.stderr.flush()
+    try:
+        for fd, f in zip((1, 2), files):
+            os.dup2(f.fileno(), fd)
+        yield files
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+
+
+def test_ranks_see_the_callers_environment_and_output_as_they_are_at_each_start(monkeypatch):
     """Ranks fork from a long-lived forkserver (launch._context); they must still see the
-    caller's environment of the moment, not the server's, as spawned processes would."""
+    caller's environment of the moment, and write to its stdout and stderr of the moment (not
+    the server's, which started under other ones), as spawned processes would."""
     monkeypatch.setenv("MESHFOLD_TEST_UNSET_LATER", "stale")  # in the server's, if this starts it
     spawn(_sum_of_ranks, 2)  # the server is running from here on
     monkeypatch.setenv("MESHFOLD_TEST_SET_LATER", "yes")
     monkeypatch.delenv("MESHFOLD_TEST_UNSET_LATER")
     names = ("MESHFOLD_TEST_SET_LATER", "MESHFOLD_TEST_UNSET_LATER")
-    assert spawn(_env, 2, names) == [{names[0]: "yes", names[1]: None}] * 2
+    with _fds_to_files() as files:
+        assert spawn(_env, 2, names) == [{names[0]: "yes", names[1]: None}] * 2
+    out, err = (f.seek(0) or f.read() for f in files)
+    for rank in (0, 1):  # (two ranks' writes may interleave within a line)
+        assert out.count(f"rank {rank} to stdout") == 1 and "stderr" not in out, out
+        assert err.count(f"rank {rank} to stderr") == 1 and "stdout" not in err, err
     with World(2, timeout=30) as world:
         assert world.run(_env, names) == [{names[0]: "yes", names[1]: None}] * 2
 
