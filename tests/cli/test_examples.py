@@ -27,6 +27,7 @@ def test_custom_router_block_matches_one_device_on_drawn_folds():
     assert "all folds match one device (3 folds)" in out
 
 
+@pytest.mark.slow
 def test_hf_checkpoint_loaded_folded_gives_transformers_logits():
     out = run_example("hf_checkpoint_folded.py", "--tp", "2", "--cp", "2", "--ep", "4")
     assert "vs transformers on one process" in out and "(match," in out

@@ -224,7 +224,7 @@ def folded_cases(draw, world_size):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [4, 8])
+@pytest.mark.parametrize("world_size", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_folded_loss_and_grads_equal_single_device(worlds, world_size):
     world = worlds(world_size)
 
@@ -338,6 +338,7 @@ def test_check_fold_names_the_size_that_does_not_divide(fold, message):
 # ----------------------------------------------------------------------------- training, export, plan
 
 
+@pytest.mark.slow
 def test_train_tiny_deepseek_v3_then_export_for_transformers(tmp_path):
     """``meshfold train --set model.name=tiny-deepseek-v3`` learns and moves the correction bias
     (aux-loss-free balancing); ``meshfold export`` writes what transformers runs identically."""

@@ -86,7 +86,7 @@ def _run(rank, world_size, case):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [4, 8])
+@pytest.mark.parametrize("world_size", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_microbatches_give_the_whole_batch_loss_and_gradients(worlds, world_size):
     world = worlds(world_size)
 

@@ -210,6 +210,7 @@ def _dtypes(path: Path) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow  # the module's trained runs (the fixture): about 40 s
 def test_checkpoint_holds_fp32_masters_and_export_writes_the_compute_dtype(runs, tmp_path):
     from meshfold.cli.export import configure_export, main_export
     import argparse
