@@ -113,13 +113,15 @@ def train_tokenizer(files: list[Path], vocab: int, out: Path):
 
 
 def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_tokens: int = 1 << 27,
-                 stream=sys.stdout, extra: dict | None = None) -> dict:
+                 stream=None, extra: dict | None = None) -> dict:
     """Tokenize ``files`` (one document each) into ``out``'s shards and index, beside a copy of
     the tokenizer (``tokenizer.json``: what decodes the ids, e.g. for ``meshfold generate``);
     returns the index.
 
-    Shows a progress line per file; the index is written last, so an interrupted run leaves a
-    folder ``meshfold train`` refuses (no index) rather than a silently short one."""
+    Shows a progress line per file on ``stream`` (None: ``sys.stdout`` when called); the index
+    is written last, so an interrupted run leaves a folder ``meshfold train`` refuses (no
+    index) rather than a silently short one."""
+    stream = sys.stdout if stream is None else stream
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     eos = eos_id(tok)
@@ -226,9 +228,11 @@ def sources(files: list[Path]) -> list:
     return [[str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files]
 
 
-def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=sys.stdout) -> Path:
+def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=None) -> Path:
     """``data.tokenizer``: the text ``paths`` tokenized into ``folder`` (reused while the text
-    and the tokenizer are the same); returns the folder to train on."""
+    and the tokenizer are the same); returns the folder to train on. Says which on ``stream``
+    (None: ``sys.stdout`` when called, so a caller's redirection holds)."""
+    stream = sys.stdout if stream is None else stream
     files = corpus_files(paths) if paths else default_corpus_paths()
     file = tokenizer_file(tokenizer)
     try:

@@ -73,7 +73,7 @@ def _token_run_args(out):
 @pytest.fixture(scope="module")
 def token_run(corpus, tmp_path_factory):
     """One 4-step run on the corpus's tokens, shared by the tests that read a run."""
-    from tests.train.test_train import meshfold
+    from tests.run_here import meshfold_here as meshfold
 
     run = tmp_path_factory.mktemp("token-run")
     proc = meshfold("train", "--steps", "4", "--out-dir", str(run), *_token_run_args(corpus[1]))
@@ -84,7 +84,8 @@ def token_run(corpus, tmp_path_factory):
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_training_on_tokens_resumes_exactly(corpus, token_run, tmp_path):
-    from tests.train.test_train import losses, meshfold
+    from tests.run_here import meshfold_here as meshfold
+    from tests.train.test_train import losses
 
     run = _token_run_args(corpus[1])
     assert meshfold("train", "--steps", "4", "--out-dir", str(tmp_path / "b"), *run,
@@ -222,7 +223,8 @@ def test_a_token_folder_is_never_read_as_text(corpus, tmp_path):
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_data_tokenizer_tokenizes_text_for_the_run_and_reuses_it(corpus, tmp_path):
-    from tests.train.test_train import SMALL2, losses, meshfold
+    from tests.run_here import meshfold_here as meshfold
+    from tests.train.test_train import SMALL2, losses
 
     root, out, _ = corpus
     run = [*SMALL2, "--data", str(root), "--set", f"data.tokenizer={json.dumps(str(out / 'tokenizer.json'))}",

@@ -23,7 +23,7 @@ import transformers
 from meshfold.mesh import FoldSpec
 from meshfold.interop.hf import from_pretrained
 from meshfold.interop.upcycle import upcycle
-from tests.train.test_train import meshfold
+from tests.run_here import meshfold_here as meshfold
 from tests.models.test_transformer import randomize  # unit-scale weights
 
 # transformers builds the Qwen2-MoE target's empty shared expert (zero elements, by design)

@@ -344,7 +344,8 @@ def test_train_tiny_deepseek_v3_then_export_for_transformers(tmp_path):
     (aux-loss-free balancing); ``meshfold export`` writes what transformers runs identically."""
     from safetensors import safe_open
 
-    from tests.train.test_train import losses, meshfold
+    from tests.run_here import meshfold_here as meshfold
+    from tests.train.test_train import losses
     from meshfold.train.trained import load_trained
 
     run = tmp_path / "run"

@@ -1,11 +1,9 @@
 """The local launcher (spawn, World) and the DeviceMeshes built by fold() on real gloo ranks."""
 
-import contextlib
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -17,6 +15,7 @@ from meshfold.runtime import launch
 from meshfold.runtime.launch import RankError, World, spawn
 from meshfold.mesh import VIEWS, fold
 from meshfold.testing.strategies import fold_specs
+from tests.run_here import fds_to_files
 
 pytestmark = pytest.mark.multirank
 
@@ -126,24 +125,6 @@ def _env(rank, world_size, names):
     return {n: os.environ.get(n) for n in names}
 
 
-@contextlib.contextmanager
-def _fds_to_files():
-    """This process's file descriptors 1 and 2 point to two new files while inside (as a test
-    capture or a notebook cell does): yields them, rewound, afterwards readable."""
-    files = [tempfile.TemporaryFile(mode="w+") for _ in (1, 2)]
-    saved = [os.dup(fd) for fd in (1, 2)]
-    sys.stdout.flush(), sys.stderr.flush()
-    try:
-        for fd, f in zip((1, 2), files):
-            os.dup2(f.fileno(), fd)
-        yield files
-    finally:
-        sys.stdout.flush(), sys.stderr.flush()
-        for fd, old in zip((1, 2), saved):
-            os.dup2(old, fd)
-            os.close(old)
-
-
 def test_ranks_see_the_callers_environment_and_output_as_they_are_at_each_start(monkeypatch):
     """Ranks fork from a long-lived forkserver (launch._context); they must still see the
     caller's environment of the moment, and write to its stdout and stderr of the moment (not
@@ -153,7 +134,7 @@ def test_ranks_see_the_callers_environment_and_output_as_they_are_at_each_start(
     monkeypatch.setenv("MESHFOLD_TEST_SET_LATER", "yes")
     monkeypatch.delenv("MESHFOLD_TEST_UNSET_LATER")
     names = ("MESHFOLD_TEST_SET_LATER", "MESHFOLD_TEST_UNSET_LATER")
-    with _fds_to_files() as files:
+    with fds_to_files() as files:
         assert spawn(_env, 2, names) == [{names[0]: "yes", names[1]: None}] * 2
     out, err = (f.seek(0) or f.read() for f in files)
     for rank in (0, 1):  # (two ranks' writes may interleave within a line)

@@ -4,7 +4,9 @@ resumes that cannot mix runs, and failures that name what failed.
 Each test runs the real command in its own session (process group), with real signals and real
 files, bounded in time, and checks that no process of the job is left behind. After every fault
 the newest complete checkpoint is intact and a rerun continues from it bit-exactly: the loss of
-every later step equals an uninterrupted run's (the ``reference`` run below).
+every later step equals an uninterrupted run's (the ``reference`` run below). The jobs that are
+signalled, stopped or killed are subprocesses; reruns and runs whose subject is their files and
+messages go through ``meshfold_here`` (tests/run_here.py), the same command in this process.
 """
 
 import json
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_train import ROOT, SMALL2, losses, meshfold, meshfold_before_spawning
+from tests.run_here import meshfold_here
+from tests.train.test_train import ROOT, SMALL2, losses, meshfold_before_spawning
 
 pytestmark = pytest.mark.multirank
 
@@ -90,7 +93,7 @@ def assert_resumes_like_reference(out_dir, reference):
     ckpts = sorted(p.name for p in (Path(out_dir) / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
     assert ckpts, "no complete checkpoint was kept"
     newest = int(ckpts[-1][5:])
-    proc = meshfold("train", *RUN, "--out-dir", str(out_dir))
+    proc = meshfold_here("train", *RUN, "--out-dir", str(out_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     if newest < STEPS:
         assert f"resumed from {Path(out_dir) / 'checkpoints' / ckpts[-1]} at step {newest}" in proc.stdout
@@ -103,7 +106,7 @@ def assert_resumes_like_reference(out_dir, reference):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    proc = meshfold("train", *RUN, "--out-dir", str(out))
+    proc = meshfold_here("train", *RUN, "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -232,9 +235,9 @@ def test_resume_false_starts_the_folder_over_and_never_mixes_runs(tmp_path, monk
     """train.resume=false moves the earlier run aside whole; the folder then holds only the new
     run's checkpoints and metrics, and a plain rerun resumes the new run."""
     common = [*SMALL2, "--set", "train.ckpt_every=2", "--out-dir", str(tmp_path / "run")]
-    proc = meshfold("train", "--steps", "6", *common, "--set", "train.resume=false")  # a new folder
+    proc = meshfold_here("train", "--steps", "6", *common, "--set", "train.resume=false")  # a new folder
     assert proc.returncode == 0 and "moved" not in proc.stdout, proc.stdout  # nothing to move aside
-    proc = meshfold("train", "--steps", "4", *common, "--set", "train.resume=false", "--set", "train.lr=0.001")
+    proc = meshfold_here("train", "--steps", "4", *common, "--set", "train.resume=false", "--set", "train.lr=0.001")
     assert proc.returncode == 0 and "moved the earlier run" in proc.stdout, proc.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
@@ -249,13 +252,13 @@ def test_resume_false_starts_the_folder_over_and_never_mixes_runs(tmp_path, monk
 @pytest.mark.slow
 def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path, monkeypatch, capsys):
     out = ["--out-dir", str(tmp_path)]
-    assert meshfold("train", "--steps", "2", *SMALL2, *out).returncode == 0
+    assert meshfold_here("train", "--steps", "2", *SMALL2, *out).returncode == 0
     rc, _, err = meshfold_before_spawning(monkeypatch, capsys, "train", "--steps", "2", *SMALL2, *out,
                                           "--set", "model.layers=3", "--set", "train.seed=1")
     assert rc == 2 and "model.layers 2 -> 3" in err and "train.seed 0 -> 1" in err
     assert "--out-dir" in err and len(message_lines(err)) == 1, err
     # a changed fold is a resharded resume, and a changed train.steps is said, not silent
-    proc = meshfold("train", "--steps", "3", *SMALL2, *out, "--set", "fold.ep=1", "--set", "fold.etp=2")
+    proc = meshfold_here("train", "--steps", "3", *SMALL2, *out, "--set", "fold.ep=1", "--set", "fold.etp=2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "train.steps 2 -> 3: the learning-rate schedule now spans 3 steps" in proc.stdout
     assert json.loads((tmp_path / "checkpoints" / "step_000003" / "trainer.json").read_text())["train_steps"] == 3
@@ -266,16 +269,16 @@ def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path, monkeypatc
 @pytest.mark.slow
 def test_a_damaged_checkpoint_names_the_shard_and_the_intact_one(tmp_path, monkeypatch, capsys):
     out = ["--out-dir", str(tmp_path)]
-    assert meshfold("train", "--steps", "4", *SMALL2, "--set", "train.ckpt_every=2", *out).returncode == 0
+    assert meshfold_here("train", "--steps", "4", *SMALL2, "--set", "train.ckpt_every=2", *out).returncode == 0
     step4 = tmp_path / "checkpoints" / "step_000004"
     shard = sorted(step4.glob("*.safetensors"))[-1]  # the last rank's
     # a lost shard file: refused before any rank starts, naming it and the intact checkpoint
     os.replace(shard, tmp_path / shard.name)
-    proc = meshfold("train", "--steps", "6", *SMALL2, "--set", "train.ckpt_every=2", *out)
+    proc = meshfold_here("train", "--steps", "6", *SMALL2, "--set", "train.ckpt_every=2", *out)
     assert proc.returncode == 2 and f"{shard.name} is missing" in proc.stderr, proc.stderr
     assert "newest intact checkpoint is step_000002" in proc.stderr and len(message_lines(proc.stderr)) == 1
     for command in (["generate", str(tmp_path), "--tokens", "2"], ["export", str(tmp_path), str(tmp_path / "hf")]):
-        proc = meshfold(*command)
+        proc = meshfold_here(*command)
         assert proc.returncode == 2 and f"{shard.name} is missing" in proc.stderr, proc.stderr
         assert "step_000002 to use the newest intact one" in proc.stderr and len(message_lines(proc.stderr)) == 1
     os.replace(tmp_path / shard.name, shard)

@@ -1,5 +1,8 @@
 """``meshfold train`` end to end: the default run learns, settings are checked before spawning,
-checkpoints resume exactly (also on another fold), and failures end the job promptly."""
+checkpoints resume exactly (also on another fold), and failures end the job promptly.
+
+The README's command and torchrun run as subprocesses, as a user runs them; the other runs go
+through ``meshfold_here`` (tests/run_here.py: the same command in this process, seconds cheaper)."""
 
 import json
 import os
@@ -9,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.run_here import meshfold_here
 
 pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,10 +42,11 @@ def meshfold_before_spawning(monkeypatch, capsys, *args):
     from meshfold.runtime import launch
 
     started = []
-    monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append("ranks"))
-    monkeypatch.setattr(launch, "start_server", lambda: started.append("forkserver"))
     capsys.readouterr()
-    rc = cli.main(list(args))
+    with monkeypatch.context() as patched:  # undone on return: a later run in the test starts ranks
+        patched.setattr(launch, "spawn", lambda *a, **k: started.append("ranks"))
+        patched.setattr(launch, "start_server", lambda: started.append("forkserver"))
+        rc = cli.main(list(args))
     assert not started, f"meshfold {' '.join(args)} started {started}"
     out, err = capsys.readouterr()
     return rc, out, err
@@ -91,10 +97,10 @@ def test_bad_settings_fail_before_spawning(tmp_path, monkeypatch, capsys, overri
 def test_resume_equals_uninterrupted(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     common = [*SMALL, "--set", "train.ckpt_every=4"]
-    assert meshfold("train", "--steps", "8", "--out-dir", str(a), *common).returncode == 0
+    assert meshfold_here("train", "--steps", "8", "--out-dir", str(a), *common).returncode == 0
     # interrupted after step 4 (the learning-rate schedule still spans 8 steps)
-    assert meshfold("train", "--steps", "8", "--out-dir", str(b), *common, "--set", "train.stop_at=4").returncode == 0
-    proc = meshfold("train", "--steps", "8", "--out-dir", str(b), *common)
+    assert meshfold_here("train", "--steps", "8", "--out-dir", str(b), *common, "--set", "train.stop_at=4").returncode == 0
+    proc = meshfold_here("train", "--steps", "8", "--out-dir", str(b), *common)
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
     la, lb = losses(a), losses(b)
     assert [la[s]["loss"] for s in range(5, 9)] == [lb[s]["loss"] for s in range(5, 9)]  # bit-exact
@@ -104,11 +110,11 @@ def test_resume_equals_uninterrupted(tmp_path):
 def test_resharded_resume_continues_with_the_same_loss(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     fp64 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "train.ckpt_every=3"]
-    assert meshfold("train", "--steps", "4", "--out-dir", str(a), *fp64).returncode == 0
+    assert meshfold_here("train", "--steps", "4", "--out-dir", str(a), *fp64).returncode == 0
     Path(b / "checkpoints").mkdir(parents=True)
     os.replace(a / "checkpoints" / "step_000003", b / "checkpoints" / "step_000003")
     # 4 ranks tp2 x dp2 | ep4  ->  2 ranks tp2 | ep1 x etp2
-    proc = meshfold("train", "--steps", "4", "--out-dir", str(b), *fp64, "--set", "fold.world_size=2",
+    proc = meshfold_here("train", "--steps", "4", "--out-dir", str(b), *fp64, "--set", "fold.world_size=2",
                     "--set", "fold.tp=2", "--set", "fold.ep=1", "--set", "fold.etp=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert abs(losses(a)[4]["loss"] - losses(b)[4]["loss"]) < 1e-9 * losses(a)[4]["loss"]
@@ -122,7 +128,7 @@ def test_allreduce_data_parallel_trains_the_same_losses_as_fsdp(tmp_path):
     runs = {}
     for mode in ("fsdp", "allreduce"):
         out = tmp_path / mode
-        proc = meshfold("train", "--steps", "3", "--out-dir", str(out), *fp64, "--set", f"train.data_parallel={mode}")
+        proc = meshfold_here("train", "--steps", "3", "--out-dir", str(out), *fp64, "--set", f"train.data_parallel={mode}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[mode] = [losses(out)[s]["loss"] for s in (1, 2, 3)]
     assert runs["fsdp"] == pytest.approx(runs["allreduce"], rel=1e-9, abs=0)
@@ -134,7 +140,7 @@ def test_pipeline_run_checkpoint_resumes_without_pp_with_the_same_loss(tmp_path)
     a, b = tmp_path / "a", tmp_path / "b"
     fp64 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "train.ckpt_every=3", "--set", "model.layers=4"]
     # 4 ranks pp2 x dp2 | pp2 x ep2, interleaved 1F1B with 2 chunks per rank
-    proc = meshfold("train", "--steps", "4", "--out-dir", str(a), *fp64, "--set", "fold.pp=2", "--set", "fold.tp=1",
+    proc = meshfold_here("train", "--steps", "4", "--out-dir", str(a), *fp64, "--set", "fold.pp=2", "--set", "fold.tp=1",
                     "--set", "fold.ep=2", "--set", "train.schedule=\"interleaved-1f1b\"", "--set", "train.virtual=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pp2 x dp2 x cp1 x tp1" in proc.stdout
@@ -142,19 +148,19 @@ def test_pipeline_run_checkpoint_resumes_without_pp_with_the_same_loss(tmp_path)
     assert len(rows[4]["tokens_per_expert"]) == 4  # every stage's MoE layers are in the metrics
     Path(b / "checkpoints").mkdir(parents=True)
     os.replace(a / "checkpoints" / "step_000003", b / "checkpoints" / "step_000003")
-    proc = meshfold("train", "--steps", "4", "--out-dir", str(b), *fp64)  # the default fold, pp = 1
+    proc = meshfold_here("train", "--steps", "4", "--out-dir", str(b), *fp64)  # the default fold, pp = 1
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
     assert abs(rows[4]["loss"] - losses(b)[4]["loss"]) < 1e-9 * rows[4]["loss"]
 
 
 @pytest.mark.slow
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
-    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2,
+    proc = meshfold_here("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2,
                     "--set", "train.ckpt_every=3", faults="crash_in_save_at=6")
     assert proc.returncode == 1 and "rank 0 failed" in proc.stderr
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert ckpts == ["step_000003", "step_000006.tmp"]
-    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2, "--set", "train.ckpt_every=3")
+    proc = meshfold_here("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2, "--set", "train.ckpt_every=3")
     assert proc.returncode == 0 and "step_000003 at step 3" in proc.stdout, proc.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4, 5, 6]  # steps 4-6 logged once, by the run that kept them
@@ -162,11 +168,11 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
-    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2,
+    proc = meshfold_here("train", "--steps", "6", "--out-dir", str(tmp_path), *SMALL2,
                     "--set", "train.ckpt_every=2", faults="nan_at=3")
     assert proc.returncode == 1
     assert "non-finite loss nan at step 3" in proc.stderr and "step_000002" in proc.stderr
-    proc = meshfold("train", "--steps", "6", "--out-dir", str(tmp_path / "skip"), *SMALL2,
+    proc = meshfold_here("train", "--steps", "6", "--out-dir", str(tmp_path / "skip"), *SMALL2,
                     "--set", "train.skip_nonfinite=true", faults="nan_at=3")
     assert proc.returncode == 0 and "step 3: loss nan is not finite: skipped" in proc.stdout, proc.stdout
     assert losses(tmp_path / "skip")[6]["skipped_steps"] == 1
@@ -174,13 +180,13 @@ def test_nonfinite_loss_stops_naming_step_and_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_generate_and_export(tmp_path, monkeypatch, capsys):
-    assert meshfold("train", "--steps", "3", "--out-dir", str(tmp_path), *SMALL2).returncode == 0
+    assert meshfold_here("train", "--steps", "3", "--out-dir", str(tmp_path), *SMALL2).returncode == 0
     assert not (tmp_path / "loss.png").exists()  # train.plots=false
     proc = meshfold("generate", str(tmp_path), "--prompt", "import ", "--tokens", "20")
     assert proc.returncode == 0 and proc.stdout.startswith("import ")
     assert "byte-level (the run trained on bytes)" in proc.stderr, proc.stderr  # says how it decodes
     assert "Warning" not in proc.stderr, proc.stderr  # e.g. torch's "assuming ... a single process"
-    proc = meshfold("export", str(tmp_path), str(tmp_path / "hf"))
+    proc = meshfold_here("export", str(tmp_path), str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     # a folder that is not empty, or the run being read, is refused (with one line)
     for target in (tmp_path / "hf", tmp_path, tmp_path / "checkpoints" / "step_000003"):
@@ -226,7 +232,7 @@ SPARSE_FOLDS = {"etp2": ["fold.ep=2", "fold.etp=2"], "edp2-experts": ["fold.ep=2
 @pytest.mark.parametrize("fold", SPARSE_FOLDS)
 def test_tile_sparse_training_reaches_each_stage_and_keeps_pruned_weights_zero(tmp_path, fold):
     sets = [a for s in SPARSE_FOLDS[fold] for a in ("--set", s)]
-    proc = meshfold("train", "--steps", "9", "--out-dir", str(tmp_path), *SMALL,
+    proc = meshfold_here("train", "--steps", "9", "--out-dir", str(tmp_path), *SMALL,
                     "--set", "sparsity.tile=[16, 16]", "--set", "sparsity.schedule=[0.25, 0.5]",
                     "--set", "sparsity.start_step=3", "--set", "sparsity.steps_per_stage=3", *sets)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -258,7 +264,7 @@ def test_config_file_and_own_data(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('[fold]\nworld_size = 2\ntp = 1\nep = 2\n\n[train]\nsteps = 50\nbatch = 4\n'
                       'seq = 32\neval_every = 3\n\n[model]\nlayers = 1\n\n[moe]\ncapacity_factor = 1.0\n')
-    proc = meshfold("train", "--config", str(config), "--steps", "6", "--out-dir", str(tmp_path / "run"),
+    proc = meshfold_here("train", "--config", str(config), "--steps", "6", "--out-dir", str(tmp_path / "run"),
                     "--data", str(text))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on 2 ranks" in proc.stdout and "corpus" in proc.stdout
