@@ -278,6 +278,10 @@ def _init_worker(rank: int, world_size: int, port: int, timeout: float, environ:
     td = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=td)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=td)
+    # Gloo's full mesh is connected pair by pair: a rank may return from init while a peer is
+    # still finishing its side, and a rank whose function makes no collective could then exit
+    # and tear that peer's connection ("Connection closed by peer"). One barrier: all connected.
+    dist.barrier()
 
 
 def _report(results, rank: int, ok: bool, value) -> None:
