@@ -150,6 +150,7 @@ def interpreter_report():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # one interpreted child runs every case: ~20-30 s
 @pytest.mark.parametrize("name", list(CASES))
 def test_interpreted_kernel(name, interpreter_report):
     assert interpreter_report[name] == "ok", interpreter_report[name]

@@ -102,7 +102,7 @@ def _batch(spec, sequences=1, chunks=1):
 @pytest.mark.parametrize("spec", [
     FoldSpec(16, tp=2, cp=2, dp=4, ep=8, edp=2),  # a 16-rank fold of both views
     FoldSpec(32, tp=2, cp=2, dp=8, ep=16, edp=2),  # the 32-rank fold without its pp2
-    FoldSpec(64, tp=2, cp=4, dp=8, ep=16, edp=4),
+    pytest.param(FoldSpec(64, tp=2, cp=4, dp=8, ep=16, edp=4), marks=pytest.mark.slow),
 ], ids=str)
 def test_named_large_folds_equal_single_device(spec):
     _check(spec, *_batch(spec, chunks=2), seed=7)

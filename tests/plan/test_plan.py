@@ -252,6 +252,7 @@ def test_cli_prints_best_folds_and_the_baselines(capsys):
     assert out.count("[Megatron]") >= 3 and "FSDP+EP " in out           # comparison rows, labelled
 
 
+@pytest.mark.slow
 def test_cli_costs_meshfold_layouts_at_the_attention_kernel_meshfold_runs(capsys):
     """meshfold's rows at torch SDPA's FlashAttention-2 rates, the [Megatron] rows at the preset's fa3."""
     assert cli.main(_args(model="qwen2-57b-a14b", gpus=64, gpu="h100", seq=4096, gbs=256, top=1, cp1=True)) == 0
