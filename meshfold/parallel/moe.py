@@ -198,7 +198,17 @@ def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = No
     """``param`` as a DTensor parameter laid out as ``placements`` on ``mesh``: sliced from the
     full tensor every rank holds, or, given ``local`` (this rank's shard, e.g. read from a
     checkpoint), assembled from the shards without any rank holding the whole (``param`` may then
-    be on the meta device)."""
+    be on the meta device).
+
+    When to use it: whenever code of your own lays a parameter out on a fold's mesh (a module
+    the layout functions do not place, a hand-written layout), instead of ``distribute_tensor``
+    or ``DTensor.from_local``. The parameter is guaranteed to live on the very ``mesh`` object
+    passed in: DTensor caches its ops by mesh *equality*, so once several folds have been built in
+    one process (tests, a notebook, a sweep) a DTensor made the plain way may carry an equal mesh
+    of an earlier fold, and FSDP2, which groups parameters by mesh identity, then fails in
+    ``fully_shard`` with "Expected param's DTensor mesh to be the same mesh passed to
+    fully_shard". Pass a pipeline stage's mesh (``folded.stage("attn")`` / ``"moe"``), the
+    object ``fully_shard`` will be given."""
     if local is None:
         sl = local_slices(param.shape, mesh, placements)
         local = _shard(param.detach(), [s.start for s in sl], [s.stop for s in sl])

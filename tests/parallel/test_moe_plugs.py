@@ -168,3 +168,30 @@ def test_every_router_parameter_keeps_the_router_dtype_under_bf16_compute(worlds
         assert set(out["grads"].values()) == {torch.float32}  # gradients in the master dtype
         assert out["unknown"].startswith("keep_dtype names ['router.weight'], which are not parameters of the layer")
 
+
+def _place_on_the_second_of_two_equal_folds(rank, world_size):
+    """Two folds of one spec in one process, DTensor's op cache warmed on the first: whether
+    ``place`` puts a parameter on the second fold's mesh object, and whether FSDP2 then shards
+    it over that mesh."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from meshfold.mesh import fold
+    from meshfold.parallel import place
+    from meshfold.runtime.compat import fully_shard_over
+
+    spec, placements = FoldSpec(world_size), (R, R, R)
+    first, second = fold(spec), fold(spec)
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    nn.Parameter(distribute_tensor(w, first.stage("attn"), placements))  # caches the op for an equal mesh
+    module = nn.Module()
+    module.w = place(w, second.stage("attn"), placements)
+    on_second = module.w.device_mesh is second.stage("attn")
+    fully_shard_over(module, second.stage("attn"), ("dp", "cp"))
+    sharded = tuple(module.w.to_local().shape)
+    first.destroy()
+    second.destroy()
+    return on_second, sharded
+
+
+def test_place_keeps_a_parameter_on_the_mesh_it_is_given_for_fsdp(worlds):
+    assert worlds(2).run(_place_on_the_second_of_two_equal_folds) == [(True, (2, 4))] * 2
