@@ -299,3 +299,11 @@ def _run_pipeline(rank, world_size, spec, microbatches):
 @pytest.mark.multirank
 def test_custom_model_pipeline_equals_one_device(worlds):
     assert all(worlds(4).run(_run_pipeline, FoldSpec(4, pp=2, tp=2, ep=2), 2))
+
+
+def test_single_device_names_keep_a_users_own_names():
+    """Only the parametrization's ``parametrizations.<attr>.original`` is undone: a module of the
+    user's called ``inner`` or ``original`` keeps its name in checkpoints."""
+    assert single_device_name("blocks.0.mixer.parametrizations.to_q.original") == "blocks.0.mixer.to_q"
+    assert single_device_name("parametrizations.w.original") == "w"
+    assert single_device_name("enc.inner.original.w") == "enc.inner.original.w"
