@@ -39,7 +39,9 @@ class _KVGather:
 
 
 class RingContext:
-    """Context-parallel attention core for Attention (its ``context`` hook): ring attention over
+    """Context-parallel attention core (an attention module's ``context`` hook, set by a plan's
+    ``context`` rule ``"ring"``): ``hook(q [B, h, S, d], k [B, g, S, d], v, positions) -> o [B, h,
+    S, d]``, this rank's causal attention over every cp rank's keys. Ring attention over
     ``cp`` (:func:`~meshfold.parallel.ring_attention.ring_attention`) when the queries are in the
     load-balanced layout of :func:`local_positions`, else the generic path (K/V all-gathered,
     masked by position, one mask per forward from the shared ``masks``).
