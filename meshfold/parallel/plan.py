@@ -1,0 +1,285 @@
+"""A layout plan: how any ``nn.Module`` is laid onto a fold, as data.
+
+A :class:`Plan` maps module and parameter *paths* of the single-device model (the dotted names of
+``named_modules()`` / ``named_parameters()`` before any layout) to what
+:func:`meshfold.parallel.transformer.parallelize` does with them: placements over the attention
+mesh, sequence-parallel entry and exit around tp-sharded modules, the context-parallel hook of
+attention modules, MoE layers with their layout table over the MoE mesh, FSDP2 groups,
+activation recomputation, and parameters that keep their dtype under mixed precision; for
+:class:`~meshfold.parallel.pipeline.Pipeline`, the block list and the modules before and after it.
+
+Patterns are globs over dotted paths, matched segment by segment: ``*`` (and ``?``, ``[...]``)
+match within one segment, ``**`` matches any number of segments (none included). So
+``layers.*.attn.wq`` names the ``wq`` of every block, ``layers.*`` the blocks themselves (not
+their submodules), ``**.norm.weight`` every ``norm.weight`` at any depth.
+
+Nothing is silent: a parameter no ``params`` entry matches is an error naming it (unless the plan
+gives a ``default``), and so is any pattern that matches nothing in the model
+(:func:`check_plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Placement
+
+__all__ = ["Plan", "SequenceParallel", "Resolved", "CONTEXT_HOOKS", "matches", "first_match", "matching", "check_plan", "resolve", "restrict",
+           "moe_layers", "owner"]
+
+CONTEXT_HOOKS = ("ring", "latent")  # Plan.context values: GQA-style ring, MLA's latent ring
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Tensor parallelism with sequence parallelism around one module, e.g. an attention or a
+    dense MLP whose weights the plan shards over ``tp``: before its forward the tp group's
+    tokens are all-gathered (``x`` [B, S, H] along S), after it the output [B, S*tp, H] is
+    reduce-scattered back to each rank's S tokens (summing the tp ranks' partial products).
+
+    ``positions``: the module is called ``forward(x, positions, *tables)``; the positions [S] or
+    [B, S] are all-gathered with the tokens, and per-token ``tables`` computed for the local
+    tokens (e.g. RoPE's cos / sin) are passed as None, so the module computes them for the
+    gathered ones. False: ``forward(x)``."""
+
+    positions: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model is laid out (see the module docstring for the pattern syntax).
+
+    * ``params``: parameter pattern -> placements over the attention mesh ``(dp, cp, tp)``
+      (``Replicate()`` / ``Shard(d)`` each); the first matching entry wins. Parameters of MoE
+      layers (``moe``) take their layer's table instead.
+    * ``default``: placements of parameters no entry matches; None: such a parameter is an error.
+    * ``tp``: module pattern -> :class:`SequenceParallel` (applied when ``tp > 1``).
+    * ``context``: attention module pattern -> ``"ring"`` | ``"latent"``, the hook set as the
+      module's ``context`` attribute when ``cp > 1``
+      (:class:`~meshfold.parallel.context.RingContext`,
+      :class:`~meshfold.parallel.mla.LatentContext`).
+    * ``moe``: MoE layer pattern -> its layout table (``{name within the layer: (view,
+      placements)}``, like :data:`~meshfold.parallel.layouts.MOE_LAYOUT`), applied with
+      :func:`~meshfold.parallel.moe.parallelize_moe`.
+    * ``fsdp``: module patterns; each match is an FSDP2 group (the root always is one), on the
+      mesh its parameters live on: attention weights sharded over ``dp x cp``, expert weights
+      over ``edp``.
+    * ``tp_summed``: module patterns of modules replicated over ``tp`` whose gradients are sums
+      of the tp ranks' shares (norms, latent projections): under mixed precision with ``tp > 1``
+      each is an FSDP2 group of its own, all-gathered in the master dtype, so the tp sum runs in
+      the master dtype too.
+    * ``recompute``: module patterns of the blocks activation checkpointing wraps.
+    * ``keep_dtype``: parameter pattern -> the dtype the module sees it in under mixed
+      precision (None: the parameter's own), e.g. a router kept in fp32 under bf16 compute.
+    * ``blocks`` / ``before`` / ``after``: for :class:`~meshfold.parallel.pipeline.Pipeline`,
+      the path of the block list (an ``nn.ModuleList`` or ``nn.ModuleDict``) and the paths of
+      the modules run before the blocks (first stage) and after them (last stage), in order
+      (paths, not patterns).
+    * ``check``: optional ``check(spec)`` raising ``ValueError`` naming a model size that does
+      not divide over a :class:`~meshfold.mesh.FoldSpec` (heads over tp, ...).
+    """
+
+    params: Mapping[str, tuple] = field(default_factory=dict)
+    default: tuple | None = None
+    tp: Mapping[str, SequenceParallel] = field(default_factory=dict)
+    context: Mapping[str, str] = field(default_factory=dict)
+    moe: Mapping[str, Mapping] = field(default_factory=dict)
+    fsdp: tuple[str, ...] = ()
+    tp_summed: tuple[str, ...] = ()
+    recompute: tuple[str, ...] = ()
+    keep_dtype: Mapping[str, torch.dtype | None] = field(default_factory=dict)
+    blocks: str | None = None
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    check: Callable | None = None
+
+    def __post_init__(self):
+        for name in ("fsdp", "tp_summed", "recompute", "before", "after"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, Iterable):
+                raise TypeError(f"Plan.{name} = {value!r}; valid: a tuple of patterns")
+            object.__setattr__(self, name, tuple(value))
+        for pattern, placements in list(self.params.items()) + ([("default", self.default)] if self.default else []):
+            _check_placements(f"Plan.params[{pattern!r}]" if pattern != "default" else "Plan.default", placements)
+        for pattern, sp in self.tp.items():
+            if not isinstance(sp, SequenceParallel):
+                raise TypeError(f"Plan.tp[{pattern!r}] = {sp!r}; valid: a SequenceParallel(...)")
+        for pattern, hook in self.context.items():
+            if hook not in CONTEXT_HOOKS:
+                raise ValueError(f"Plan.context[{pattern!r}] = {hook!r}; valid: {list(CONTEXT_HOOKS)}")
+        for pattern, dtype in self.keep_dtype.items():
+            if dtype is not None and not isinstance(dtype, torch.dtype):
+                raise TypeError(f"Plan.keep_dtype[{pattern!r}] = {dtype!r}; valid: a torch.dtype or None")
+
+
+def _check_placements(what: str, placements) -> None:
+    if not (isinstance(placements, tuple) and len(placements) == 3 and all(isinstance(p, Placement) for p in placements)):
+        raise ValueError(f"{what} = {placements!r}; valid: three placements over attn (dp, cp, tp), "
+                         f"e.g. (Replicate(), Replicate(), Shard(1))")
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether dotted path ``name`` matches ``pattern`` (segment-wise globs, ``**`` any segments)."""
+    return _match(pattern.split("."), name.split(".") if name else [])
+
+
+def _match(pat: list[str], parts: list[str]) -> bool:
+    if not pat:
+        return not parts
+    if pat[0] == "**":
+        return any(_match(pat[1:], parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and _match(pat[1:], parts[1:])
+
+
+def first_match(patterns: Iterable[str], name: str) -> str | None:
+    """The first of ``patterns`` that ``name`` matches, else None."""
+    return next((p for p in patterns if matches(p, name)), None)
+
+
+def matching(patterns: Iterable[str], names: Iterable[str]) -> dict[str, list[str]]:
+    """``{pattern: [the names it matches, in order]}``."""
+    names = list(names)
+    return {p: [n for n in names if matches(p, n)] for p in patterns}
+
+
+def owner(name: str) -> tuple[str, str]:
+    """``("a.b", "w")`` for parameter ``"a.b.w"`` (the module path, "" for the root)."""
+    module, _, attr = name.rpartition(".")
+    return module, attr
+
+
+def moe_layers(model: nn.Module, plan: Plan) -> dict[str, str]:
+    """``{MoE layer path: its pattern in plan.moe}`` (the first that matches)."""
+    return {n: p for n, _ in model.named_modules() if (p := first_match(plan.moe, n)) is not None}
+
+
+def _under(name: str, prefixes: Iterable[str]) -> str | None:
+    return next((p for p in prefixes if name.startswith(p + ".")), None)
+
+
+def check_plan(model: nn.Module, plan: Plan) -> None:
+    """Raise ``ValueError`` for anything of ``plan`` that does not fit ``model``: a pattern that
+    matches nothing (for a piece of a model, check the whole and :func:`restrict` the plan), a
+    parameter no entry places and no ``default`` covers, an MoE
+    layer inside another, a ``context`` module without a ``context`` attribute, a ``blocks``
+    path that is not a module list."""
+    modules = dict(model.named_modules())
+    params = [n for n, _ in model.named_parameters()]
+    layers = moe_layers(model, plan)
+    dense = [n for n in params if _under(n, layers) is None]
+    where = "the model's modules"
+    module_rules = [("tp", list(plan.tp)), ("context", list(plan.context)), ("moe", list(plan.moe)),
+                    ("fsdp", plan.fsdp), ("tp_summed", plan.tp_summed), ("recompute", plan.recompute)]
+    for field_name, patterns in module_rules:
+        for pattern, found in matching(patterns, modules).items():
+            if not found:
+                raise ValueError(f"Plan.{field_name} pattern {pattern!r} matches none of {where} "
+                                 f"({_sample(modules)})")
+    for pattern, found in matching(plan.params, dense).items():
+        if not found:
+            raise ValueError(f"Plan.params pattern {pattern!r} matches no parameter outside the MoE "
+                             f"layers ({_sample(dense)})")
+    for pattern, found in matching(plan.keep_dtype, params).items():
+        if not found:
+            raise ValueError(f"Plan.keep_dtype pattern {pattern!r} matches no parameter ({_sample(params)})")
+    for field_name in ("before", "after"):
+        for path in getattr(plan, field_name):
+            if path not in modules:
+                raise ValueError(f"Plan.{field_name} names {path!r}, which is no module of the model "
+                                 f"({_sample(modules)}); valid: module paths (not patterns)")
+    if plan.blocks is not None and not isinstance(modules.get(plan.blocks), (nn.ModuleList, nn.ModuleDict)):
+        found = type(modules[plan.blocks]).__name__ if plan.blocks in modules else "no such module"
+        raise ValueError(f"Plan.blocks = {plan.blocks!r} is {found}; valid: the path of an nn.ModuleList or "
+                         f"nn.ModuleDict of the model")
+    if plan.default is None:
+        for n in dense:
+            if first_match(plan.params, n) is None:
+                raise ValueError(f"parameter {n!r} matches no Plan.params entry and the plan has no default; "
+                                 f"add an entry (e.g. {n!r}: (Replicate(), Replicate(), Replicate())) or "
+                                 f"Plan(default=...)")
+    for layer in layers:
+        if (outer := _under(layer, layers)) is not None:
+            raise ValueError(f"MoE layer {layer!r} lies inside MoE layer {outer!r}; Plan.moe patterns must "
+                             f"name disjoint modules")
+    for pattern in plan.context:
+        for n in matching([pattern], modules)[pattern]:
+            if not hasattr(modules[n], "context"):
+                raise ValueError(f"Plan.context[{pattern!r}] matches {n!r} ({type(modules[n]).__name__}), which "
+                                 f"has no 'context' hook attribute; valid: attention modules that call "
+                                 f"self.context(...) when it is set")
+
+
+def _sample(names, n: int = 8) -> str:
+    names = [x or "<root>" for x in names]
+    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
+
+
+@dataclass
+class Resolved:
+    """A plan resolved against one model: concrete single-device paths for every rule."""
+
+    placements: dict[str, tuple]  # parameter outside the MoE layers -> placements over attn
+    moe: dict[str, dict]  # MoE layer path -> its layout table
+    tp: dict[str, SequenceParallel]
+    context: dict[str, str]
+    fsdp: list[str]
+    tp_summed: list[str]
+    recompute: list[str]
+    keep: dict[str, torch.dtype | None]  # every kept parameter (MoE layers' too) -> its dtype
+
+    def layer_of(self, name: str) -> str | None:
+        """The MoE layer parameter ``name`` belongs to, else None."""
+        return _under(name, self.moe)
+
+
+def resolve(model: nn.Module, plan: Plan) -> Resolved:
+    """``plan`` applied to ``model``'s paths (after :func:`check_plan`, which raises for what
+    does not fit). Module rules name modules, in ``named_modules()`` order."""
+    check_plan(model, plan)
+    modules = [n for n, _ in model.named_modules()]
+    layers = moe_layers(model, plan)
+
+    def select(patterns):
+        return [n for n in modules if first_match(patterns, n) is not None]
+
+    placements = {}
+    for n, _ in model.named_parameters():
+        if _under(n, layers) is None:
+            pattern = first_match(plan.params, n)
+            placements[n] = plan.default if pattern is None else plan.params[pattern]
+    return Resolved(
+        placements=placements,
+        moe={n: dict(plan.moe[p]) for n, p in layers.items()},
+        tp={n: plan.tp[first_match(plan.tp, n)] for n in select(plan.tp)},
+        context={n: plan.context[first_match(plan.context, n)] for n in select(plan.context)},
+        fsdp=select(plan.fsdp), tp_summed=select(plan.tp_summed), recompute=select(plan.recompute),
+        keep={n: plan.keep_dtype[p] for n, _ in model.named_parameters()
+              if (p := first_match(plan.keep_dtype, n)) is not None})
+
+
+def restrict(plan: Plan, part: nn.Module) -> Plan:
+    """``plan`` without the entries that match nothing in ``part``, a piece of the model ``plan``
+    was checked against (:func:`check_plan`), e.g. one pipeline chunk, whose parameters and modules
+    keep the whole model's names."""
+    modules = [n for n, _ in part.named_modules()]
+    params = [n for n, _ in part.named_parameters()]
+
+    def keep(patterns, names):
+        return [p for p in patterns if any(matches(p, n) for n in names)]
+
+    def keep_map(table, names):
+        return {p: table[p] for p in keep(table, names)}
+
+    layers = {n for n in modules if first_match(plan.moe, n) is not None}
+    dense = [n for n in params if _under(n, layers) is None]
+    return dataclasses.replace(
+        plan, params=keep_map(plan.params, dense), tp=keep_map(plan.tp, modules),
+        context=keep_map(plan.context, modules), moe=keep_map(plan.moe, modules),
+        fsdp=tuple(keep(plan.fsdp, modules)), tp_summed=tuple(keep(plan.tp_summed, modules)),
+        recompute=tuple(keep(plan.recompute, modules)), keep_dtype=keep_map(plan.keep_dtype, params),
+        before=tuple(p for p in plan.before if p in modules), after=tuple(p for p in plan.after if p in modules))
