@@ -17,8 +17,9 @@ from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
 from meshfold.parallel.layouts import MLA_LAYOUT, MOE_LAYOUT, TRANSFORMER_LAYOUT
 from meshfold.parallel.moe import FoldedComm, parallelize_moe
 from meshfold.parallel.pipeline import Pipeline
+from meshfold.parallel.plan import Plan, SequenceParallel
 from meshfold.parallel.transformer import check_fold, full_state_dict, parallelize, single_device_name
 
-__all__ = ["MLA_LAYOUT", "MOE_LAYOUT", "TRANSFORMER_LAYOUT", "FoldedComm", "Pipeline", "batch_rows", "check_fold",
+__all__ = ["MLA_LAYOUT", "MOE_LAYOUT", "TRANSFORMER_LAYOUT", "FoldedComm", "Pipeline", "Plan", "SequenceParallel", "batch_rows", "check_fold",
            "full_state_dict", "grad_norm", "local_positions", "parallelize", "parallelize_moe", "reduce_gradients",
            "shard_batch", "single_device_name"]
