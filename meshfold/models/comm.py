@@ -42,7 +42,8 @@ class MoEComm(Protocol):
 
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """This rank's view of parameter ``name`` (named within the layer, e.g.
-        ``"experts.w_down"``), in the dtype the layer computes in."""
+        ``"experts.w_down"``), in the dtype the layer computes in; every parameter of the layer's
+        router in its own dtype (:class:`~meshfold.models.interfaces.LocalView`)."""
 
     def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
         """This rank's slice of tile mask buffer ``name`` (``"experts.mask_gate_up"``)."""

@@ -23,7 +23,10 @@ __all__ = ["Experts", "SharedExpert", "shared_expert_ffn"]
 
 
 class Experts(nn.Module):
-    """E routed experts' weights. Computation is :func:`expert_ffn` on the local shards."""
+    """E routed experts' weights. Computation is :func:`expert_ffn` on the local shards.
+
+    MoELayer's default experts; ones of the user's own follow the same
+    :class:`~meshfold.models.interfaces.MoEExperts` contract (call signature, shapes, etp sums)."""
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, kind: str = "swiglu",
                  dtype: torch.dtype | None = None):

@@ -10,6 +10,14 @@ the same layout. The only difference is the ``comm`` object the layer asks for w
 the ranks (:class:`~meshfold.models.comm.MoEComm`: :class:`~meshfold.models.comm.LocalComm` here,
 :class:`~meshfold.parallel.moe.FoldedComm` once laid out).
 
+Plug points: ``MoELayer(cfg, router=..., experts=...)`` takes a router and experts of the user's
+own instead of meshfold's :class:`~meshfold.models.router.Router` and
+:class:`~meshfold.models.experts.Experts`; what they must do is written in
+:mod:`meshfold.models.interfaces` (:class:`~meshfold.models.interfaces.MoERouter`,
+:class:`~meshfold.models.interfaces.MoEExperts`: fixed top-k, and why expert-choice routing does not
+fit). A router may take inputs besides the tokens (token ids for hash routing): keyword arguments
+of :meth:`MoELayer.forward` reach it, each tensor flattened to [T, ...] like ``x``.
+
 The pieces, one file each: :mod:`.router` (top-k routing), :mod:`.dispatcher` (dropping,
 permute / unpermute), :mod:`.experts`, :mod:`.token_stats` (the counts and their reductions over
 the attention dims) and :mod:`.balancing` (the losses, attached as each rank's share, so a DP
@@ -43,6 +51,39 @@ from meshfold.models.token_stats import routing_metrics, token_stats
 __all__ = ["MoELayer", "add_step_entries"]
 
 
+def _per_token(name: str, value, token_shape: torch.Size):
+    """A router input flattened like the tokens: a tensor [*token_shape, ...] -> [T, ...];
+    anything else unchanged."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    n = len(token_shape)
+    if tuple(value.shape[:n]) != tuple(token_shape):
+        raise ValueError(f"router input {name!r} has shape {tuple(value.shape)}; a tensor router input "
+                         f"is per token: its leading dims must be x's token dims {tuple(token_shape)}")
+    return value.reshape(-1, *value.shape[n:])
+
+
+def _check_routing(probs_TK, experts_TK, logits_TE, T: int, cfg: MoEConfig) -> None:
+    """The router's outputs are what the dispatch takes (:class:`~meshfold.models.interfaces.
+    MoERouter`): k = cfg.topk pairs per token, int64 experts, floating weights; logits [T, E]
+    unless no balancing loss needs them. Shapes and dtypes only: no host read."""
+    want = (T, cfg.topk)
+    if tuple(experts_TK.shape) != want or experts_TK.dtype != torch.int64:
+        raise ValueError(f"the router returned experts_TK {tuple(experts_TK.shape)} {experts_TK.dtype}; "
+                         f"the dispatch takes fixed top-k: [T, k] = {list(want)} torch.int64")
+    if tuple(probs_TK.shape) != want or not probs_TK.is_floating_point():
+        raise ValueError(f"the router returned probs_TK {tuple(probs_TK.shape)} {probs_TK.dtype}; "
+                         f"valid: [T, k] = {list(want)}, floating")
+    if logits_TE is None:
+        if cfg.any_aux_loss or cfg.z_loss_coeff:
+            raise ValueError("the router returned no logits_TE (None), but the config has a balancing "
+                             "loss (aux / seq_aux / global_aux / z coefficient > 0) computed from them; "
+                             "return [T, E] scores or set those coefficients to 0")
+    elif tuple(logits_TE.shape) != (T, cfg.num_experts):
+        raise ValueError(f"the router returned logits_TE {tuple(logits_TE.shape)}; valid: [T, E] = "
+                         f"{[T, cfg.num_experts]} or None")
+
+
 def add_step_entries(total: tuple | None, entry: tuple) -> tuple:
     """``total + entry`` of two (loss shares {name: tensor}, routed [E], kept [E]) tuples, as a
     new tuple (``total`` None: ``entry``)."""
@@ -53,19 +94,34 @@ def add_step_entries(total: tuple | None, entry: tuple) -> tuple:
 
 
 class MoELayer(nn.Module):
-    """One MoE block: ``forward(x [B, S, H] or [T, H]) -> same shape``.
+    """One MoE block: ``forward(x [B, S, H] or [T, H], **route_inputs) -> same shape as x``.
+
+    ``router`` / ``experts``: modules of the user's own (:class:`~meshfold.models.interfaces.
+    MoERouter`, :class:`~meshfold.models.interfaces.MoEExperts`), used as given (``dtype`` only
+    applies to what the layer builds itself); None builds meshfold's ``Router(cfg)`` /
+    ``Experts(...)`` from ``cfg``. ``cfg`` still describes the routing the layer does around
+    them: ``num_experts``, ``topk``, dropping, the balancing losses, shared experts.
 
     :func:`meshfold.parallel.moe.parallelize_moe` lays it out on a folded mesh (its parameters
-    become DTensors as ``meshfold.parallel.layouts.MOE_LAYOUT`` says and ``comm`` a
-    :class:`~meshfold.parallel.moe.FoldedComm`); every rank must build the layer with identical
-    initial weights (e.g. the same ``torch.manual_seed``).
+    become DTensors as ``meshfold.parallel.layouts.MOE_LAYOUT`` says, or the layout table given for
+    parameters of the user's own, and ``comm`` a :class:`~meshfold.parallel.moe.FoldedComm`); every
+    rank must build the layer with identical initial weights (e.g. the same ``torch.manual_seed``).
     """
 
-    def __init__(self, cfg: MoEConfig, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: MoEConfig, dtype: torch.dtype | None = None, *,
+                 router: nn.Module | None = None, experts: nn.Module | None = None):
         super().__init__()
+        for what, module in (("router", router), ("experts", experts)):
+            if module is not None and not isinstance(module, nn.Module):
+                raise TypeError(f"MoELayer({what}=...) takes an nn.Module (its parameters become the "
+                                f"layer's), got {type(module).__name__}")
+        if experts is not None and cfg.expert_sparsity is not None:
+            raise ValueError("MoEConfig.expert_sparsity adds tile masks to meshfold's Experts; with "
+                             "experts=... of your own, set expert_sparsity=None")
         self.cfg = cfg
-        self.router = Router(cfg)
-        self.experts = Experts(cfg.num_experts, cfg.hidden, cfg.ffn, cfg.expert_kind, dtype)
+        self.router = Router(cfg) if router is None else router
+        self.experts = (Experts(cfg.num_experts, cfg.hidden, cfg.ffn, cfg.expert_kind, dtype)
+                        if experts is None else experts)
         self.shared = SharedExpert(cfg.hidden, cfg.shared_ffn, cfg.shared_kind, dtype) if cfg.shared_ffn else None
         if cfg.expert_sparsity is not None:
             self.experts.add_tile_masks(cfg.expert_sparsity)
@@ -80,13 +136,19 @@ class MoELayer(nn.Module):
         self._step_entry: tuple | None = None
         self._step: tuple | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **route_inputs) -> torch.Tensor:
+        """``route_inputs``: keyword arguments for the router (e.g. ``token_ids`` [B, S]); each
+        tensor's leading dims must be x's token dims, and it reaches the router flattened to
+        [T, ...]; other values pass unchanged. On a fold, pass this rank's slice, laid out like
+        its tokens."""
         cfg, comm = self.cfg, self.comm
         shape = x.shape
         B, S = (shape[0], shape[1]) if x.dim() == 3 else (1, shape[0])
         x_TH = x.reshape(-1, shape[-1])
         T = x_TH.shape[0]
-        probs_TK, experts_TK, logits_TE = self.router(x_TH, comm.local)
+        extra = {name: _per_token(name, value, shape[:-1]) for name, value in route_inputs.items()}
+        probs_TK, experts_TK, logits_TE = self.router(x_TH, comm.local, **extra)
+        _check_routing(probs_TK, experts_TK, logits_TE, T, cfg)
 
         keep_TK, pad_to = drop_pairs(experts_TK, probs_TK, cfg, comm)
         stats = token_stats(experts_TK, keep_TK, B, S, cfg.num_experts, bool(cfg.seq_aux_loss_coeff), comm)
@@ -165,6 +227,9 @@ class MoELayer(nn.Module):
         since the last update (already summed over dp x cp x tp), then reset them."""
         if self._bias_counts is None:
             raise RuntimeError("update_expert_bias: no forward since the last update")
+        if not hasattr(self.router, "update_expert_bias"):
+            raise TypeError(f"update_expert_bias: the router ({type(self.router).__name__}) has no "
+                            f"update_expert_bias(counts_E) method")
         self.router.update_expert_bias(self._bias_counts)
         self._bias_counts = None
 

@@ -77,7 +77,9 @@ def topk_routing(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.T
 class Router(nn.Module):
     """Linear gate (in ``router_dtype``, fp32 by default, whatever the model dtype) + top-k.
 
-    ``forward(x_TH) -> (probs_TK, experts_TK, logits_TE)``; probs in ``router_dtype``.
+    ``forward(x_TH, local=None) -> (probs_TK, experts_TK, logits_TE)``; probs in ``router_dtype``.
+    MoELayer's default router; one of the user's own follows the same
+    :class:`~meshfold.models.interfaces.MoERouter` contract.
     The aux-loss-free ``expert_bias`` (buffer, [E]) only affects which experts are chosen.
     """
 

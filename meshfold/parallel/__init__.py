@@ -3,7 +3,9 @@
 (:mod:`.transformer`), context parallelism and its ring (:mod:`.context`, :mod:`.mla`,
 :mod:`.ring_attention`), data parallelism (:mod:`.data_parallel`), the pipeline
 (:mod:`.pipeline`), activation recomputation (:mod:`.recompute`), batch sharding
-(:mod:`.batch`) and shard-by-shard initialization (:mod:`.materialize`).
+(:mod:`.batch`) and shard-by-shard initialization (:mod:`.materialize`). :func:`place` lays out
+one parameter of the user's own on a fold's mesh (use it rather than ``distribute_tensor`` when
+several folds exist in one process: its docstring says why).
 
     model = parallelize(MoETransformer(cfg, device="meta"), fold(spec))   # or Pipeline(...) with pp > 1
     tokens, positions = shard_batch(global_tokens, spec, rank)
@@ -15,11 +17,11 @@ runtime, never interop, data, plan, train, dryrun, testing or cli (``tests/test_
 from meshfold.parallel.batch import batch_rows, local_positions, shard_batch
 from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
 from meshfold.parallel.layouts import MLA_LAYOUT, MOE_LAYOUT, TRANSFORMER_LAYOUT
-from meshfold.parallel.moe import FoldedComm, parallelize_moe
+from meshfold.parallel.moe import FoldedComm, parallelize_moe, place
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.parallel.plan import Plan, SequenceParallel
 from meshfold.parallel.transformer import check_fold, full_state_dict, parallelize, single_device_name
 
-__all__ = ["MLA_LAYOUT", "MOE_LAYOUT", "TRANSFORMER_LAYOUT", "FoldedComm", "Pipeline", "Plan", "SequenceParallel", "batch_rows", "check_fold",
-           "full_state_dict", "grad_norm", "local_positions", "parallelize", "parallelize_moe", "reduce_gradients",
-           "shard_batch", "single_device_name"]
+__all__ = ["MLA_LAYOUT", "MOE_LAYOUT", "TRANSFORMER_LAYOUT", "FoldedComm", "Pipeline", "Plan", "SequenceParallel", "batch_rows",
+           "check_fold", "full_state_dict", "grad_norm", "local_positions", "parallelize", "parallelize_moe", "place",
+           "reduce_gradients", "shard_batch", "single_device_name"]

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -77,8 +78,11 @@ MOE = ("edp", "ep", "etp")
 class FoldedComm:
     """The folded mesh: ``attn`` = (dp, cp, tp) and ``moe`` = (edp, ep, etp) of this pp stage."""
 
-    def __init__(self, folded, compute_dtype: torch.dtype | None = None):
+    def __init__(self, folded, compute_dtype: torch.dtype | None = None,
+                 keep_dtype: Mapping[str, torch.dtype | None] | None = None):
         self.compute_dtype = compute_dtype  # None: the parameters' own
+        # parameter name (within the layer) -> the dtype it is used in instead (None: its own)
+        self.keep_dtype = dict(keep_dtype or {})
         self.attn = folded.stage("attn")
         self.moe = folded.stage("moe")
         spec = folded.spec
@@ -89,10 +93,14 @@ class FoldedComm:
 
     # ---- parameters ----
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of parameter ``name``, in the compute dtype (the router: in its
-        ``router_dtype``); the cast's backward returns the gradient in the parameter's dtype."""
+        """This rank's shard of parameter ``name``, in the compute dtype, or as ``keep_dtype``
+        says for ``name`` (every parameter of the layer's router keeps its own dtype: see
+        :func:`parallelize_moe`); the cast's backward returns the gradient in the parameter's dtype."""
         v = local_view(p)
-        return v if self.compute_dtype is None or name == "router.weight" else v.to(self.compute_dtype)
+        if self.compute_dtype is None:
+            return v
+        dtype = self.keep_dtype[name] if name in self.keep_dtype else self.compute_dtype
+        return v if dtype is None else v.to(dtype)
 
     def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a tile mask: experts over ep, ffn tiles over etp (dim 3 of the
@@ -190,7 +198,17 @@ def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = No
     """``param`` as a DTensor parameter laid out as ``placements`` on ``mesh``: sliced from the
     full tensor every rank holds, or, given ``local`` (this rank's shard, e.g. read from a
     checkpoint), assembled from the shards without any rank holding the whole (``param`` may then
-    be on the meta device)."""
+    be on the meta device).
+
+    When to use it: whenever code of your own lays a parameter out on a fold's mesh (a module
+    the layout functions do not place, a hand-written layout), instead of ``distribute_tensor``
+    or ``DTensor.from_local``. The parameter is guaranteed to live on the very ``mesh`` object
+    passed in: DTensor caches its ops by mesh *equality*, so once several folds have been built in
+    one process (tests, a notebook, a sweep) a DTensor made the plain way may carry an equal mesh
+    of an earlier fold, and FSDP2, which groups parameters by mesh identity, then fails in
+    ``fully_shard`` with "Expected param's DTensor mesh to be the same mesh passed to
+    fully_shard". Pass a pipeline stage's mesh (``folded.stage("attn")`` / ``"moe"``), the
+    object ``fully_shard`` will be given."""
     if local is None:
         sl = local_slices(param.shape, mesh, placements)
         local = _shard(param.detach(), [s.start for s in sl], [s.stop for s in sl])
@@ -245,15 +263,27 @@ def check_moe_fold(cfg, ep: int, etp: int, tp: int) -> None:
 
 
 def parallelize_moe(layer, folded, local_state: dict | None = None, *, layout: dict | None = None,
-                    compute_dtype: torch.dtype | None = None) -> None:
+                    compute_dtype: torch.dtype | None = None,
+                    keep_dtype: Mapping[str, torch.dtype | None] | None = None) -> None:
     """Apply ``layout`` (default :data:`MOE_LAYOUT`): turn ``layer``'s parameters into DTensors
     on the folded mesh (from the full weights every rank holds, e.g. after seeding identically, or
     from this rank's shards in ``local_state``, keyed by parameter name within the layer) and give
     the layer a :class:`FoldedComm`. A layer with parameters of its own passes a layout that
     extends MOE_LAYOUT (``{**MOE_LAYOUT, name: (view, placements)}``) rather than editing the
-    library table. ``compute_dtype``: the dtype the layer computes in (None: its parameters'),
-    the router excepted. Raises if the layer's sizes do not divide over the mesh."""
-    comm = FoldedComm(folded, compute_dtype)
+    library table. ``compute_dtype``: the dtype the layer computes in (None: its parameters').
+    ``keep_dtype``: parameter name within the layer -> the dtype the layer sees it in instead
+    under ``compute_dtype`` (None: its own); by default every parameter of the ``layer.router``
+    module keeps its own dtype (a router of the user's own with several parameters too: routing
+    runs in the router's precision, e.g. fp32 under bf16); a mapping given replaces that default.
+    Raises if the layer's sizes do not divide over the mesh or ``keep_dtype`` names no parameter
+    of the layer."""
+    if keep_dtype is None:
+        keep_dtype = {f"router.{name}": None for name, _ in layer.router.named_parameters()}
+    names = [name for name, _ in layer.named_parameters()]
+    unknown = [name for name in keep_dtype if name not in names]
+    if unknown:
+        raise ValueError(f"keep_dtype names {unknown}, which are not parameters of the layer ({names})")
+    comm = FoldedComm(folded, compute_dtype, keep_dtype)
     check_moe_fold(layer.cfg, comm.ep, comm.etp, comm.tp)
     for name, param in list(layer.named_parameters()):
         mesh, placements = moe_param_layout(name, comm, layout)

@@ -28,7 +28,8 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshfold.placements.collectives import all_gather_replicated, on_dim, sum_partial
+from meshfold.placements.collectives import (all_agree, all_gather_replicated, debug_checks_enabled, gather_equal,
+                                             on_dim, sum_partial)
 from meshfold.runtime import spmd
 
 __all__ = ["RaggedShard", "RaggedTensor", "chunk_sizes", "explicit_shards"]
@@ -85,12 +86,57 @@ def explicit_shards(placements: Sequence, shape: Sequence[int], mesh) -> list:
     return out
 
 
+def _replica_mismatch(local: torch.Tensor, mesh, dim: str) -> str | None:
+    """How the ranks along mesh dim ``dim`` disagree on ``local`` (None: they all hold the same).
+    Every rank of the group sees every rank's data, so the whole group reaches the same answer."""
+    ndims = gather_equal(torch.tensor([local.dim()], device=local.device), mesh, dim).flatten().tolist()
+    if len(set(ndims)) > 1:
+        return f"local tensors of {ndims} dims by position"
+    shape = torch.tensor([*local.shape, 0], dtype=torch.int64, device=local.device)  # never empty
+    shapes = [tuple(s[:-1]) for s in gather_equal(shape, mesh, dim).tolist()]
+    if len(set(shapes)) > 1:
+        return f"local shapes {shapes} by position"
+    if local.numel() == 0:  # the same empty shape everywhere: nothing to compare
+        return None
+    parts = gather_equal(local.detach(), mesh, dim)
+    for j in range(1, parts.shape[0]):
+        a, b = parts[0], parts[j]
+        same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
+        if not bool(same.all()):
+            worst = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
+            return f"position {j} holds other values than position 0 (max |difference| {worst:.3g})"
+    return None
+
+
+def _check_replicated(local: torch.Tensor, mesh, placements) -> None:
+    """Raise on every rank of ``mesh`` if the ranks along some ``Replicate()`` mesh dim hold
+    different local tensors (the debug check of :class:`RaggedTensor`)."""
+    names = mesh.mesh_dim_names
+    for i, p in enumerate(placements):
+        if not isinstance(p, Replicate) or mesh.size(i) == 1:
+            continue
+        problem = _replica_mismatch(local, mesh, names[i])
+        if not all_agree(problem is None, mesh, local.device):
+            raise ValueError(f"RaggedTensor placements {placements}: mesh dim {names[i]!r} is Replicate() but "
+                             f"its ranks hold different data ({problem or 'seen by other ranks of the mesh'}); "
+                             f"declare Partial() if they hold summands of the whole, RaggedShard(d, sizes) if "
+                             f"they hold different rows")
+
+
 class RaggedTensor:
     """A local tensor plus the mesh and placements that say which piece of the whole it is.
 
     ``placements[i]`` is ``Replicate()``, ``Partial()`` (this rank holds a summand) or
     ``RaggedShard(d, sizes)`` for mesh dim ``i``. A ``RaggedShard`` on mesh dim ``i`` must give
     this rank's local size: ``local.shape[d] == sizes[mesh.get_local_rank(i)]`` (checked).
+
+    ``Replicate()`` on mesh dim ``i`` promises that every rank along it holds the same local
+    tensor; :meth:`full_tensor` takes one rank's word for it. With debug checks on
+    (``MESHFOLD_DEBUG_SPLITS=1`` or :func:`~meshfold.placements.set_debug_checks`) the
+    constructor verifies the promise, so construction is then a collective of the mesh's ranks
+    (an all-gather of the data over each replicated dim of size > 1, and one flag all-reduce):
+    ranks that differ (in shape or in any value; NaNs equal NaNs) make every rank of the mesh
+    raise ``ValueError`` naming the dim. Skipped for meta tensors and simulated ranks.
     """
 
     def __init__(self, local: torch.Tensor, mesh, placements: Sequence):
@@ -124,6 +170,8 @@ class RaggedTensor:
         self.local = local
         self.mesh = mesh
         self.placements = placements
+        if debug_checks_enabled() and not local.is_meta and spmd.simulated_ranks() is None:
+            _check_replicated(local, mesh, placements)
 
     def __repr__(self) -> str:
         return (f"RaggedTensor(local_shape={tuple(self.local.shape)}, dtype={self.local.dtype}, "

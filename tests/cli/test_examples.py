@@ -24,7 +24,7 @@ def run_example(name: str, *args: str) -> str:
 
 def test_custom_router_block_matches_one_device_on_drawn_folds():
     out = run_example("custom_router_block.py", "--examples", "3")
-    assert "all folds match one device (3 folds)" in out
+    assert "all folds match one device (3 folds, fp64 and bf16 compute)" in out
 
 
 def test_hf_checkpoint_loaded_folded_gives_transformers_logits():

@@ -146,3 +146,45 @@ def test_describes_shortcuts_agree_with_the_enumerated_groups(spec):
 
 def test_dims_constants():
     assert ATTN_DIMS == ("pp", "dp", "cp", "tp") and MOE_DIMS == ("pp", "edp", "ep", "etp")
+
+
+# ---- fold_specs under a model's constraints ------------------------------------------------------
+FIT = dict(heads=4, kv_heads=2, experts=4, expert_ffn=6, seq_len=12, batch=3)
+
+
+def _fits(spec, heads, kv_heads, experts, expert_ffn, seq_len, batch, max_tp=None):
+    """What a fold must satisfy to take the model and the batch (stated independently of the
+    strategy): tp divides the heads, ep the experts, etp the expert ffn, dp the batch, and every
+    rank holds whole load-balanced chunks of a sequence."""
+    split = 2 * spec.cp * spec.tp if spec.cp > 1 else spec.tp
+    return ((max_tp is None or spec.tp <= max_tp) and heads % spec.tp == 0 and kv_heads % spec.tp == 0
+            and experts % spec.ep == 0 and expert_ffn % spec.etp == 0 and seq_len % split == 0
+            and batch % spec.dp == 0)
+
+
+@settings(max_examples=40)
+@given(fold_specs(world_sizes=[6, 12], tp=[1, 2], **FIT))
+def test_fold_specs_draw_only_folds_that_fit_the_constraints(spec):
+    assert _fits(spec, max_tp=2, **FIT)
+
+
+@pytest.mark.parametrize("W", [6, 12])
+def test_fold_specs_can_draw_every_fold_that_fits(W):
+    """The strategy's choices (pp, then (tp, cp) and (etp, ep)) enumerate exactly the fitting
+    folds, so none is discarded and none is unreachable."""
+    from meshfold.testing.strategies import _Limits
+
+    limits = _Limits(tp_divides=(FIT["heads"], FIT["kv_heads"]), ep_divides=(FIT["experts"],),
+                     etp_divides=(FIT["expert_ffn"],), seq_len=FIT["seq_len"], batch=FIT["batch"])
+    reachable = {FoldSpec(W, tp=tp, cp=cp, pp=p, etp=etp, ep=ep)
+                 for p, attn, moe in limits.stages(W) for tp, cp in attn for etp, ep in moe}
+    assert reachable == {s for s in valid_folds(W) if _fits(s, **FIT)}
+
+
+def test_fold_specs_refuse_constraints_no_fold_meets():
+    with pytest.raises(ValueError, match="fold_specs: no fold of \\[3\\] ranks fits"):
+        fold_specs(world_sizes=[3], pp=[1], heads=4, batch=2, seq_len=4)  # tp, dp or cp = 3: none fits
+    with pytest.raises(ValueError, match=r"fold_specs\(tp=\[0, 2\]\): give the allowed sizes"):
+        fold_specs(tp=[0, 2])
+    with pytest.raises(ValueError, match=r"fold_specs\(heads=2.5\): a model or batch size is a positive integer"):
+        fold_specs(heads=2.5)

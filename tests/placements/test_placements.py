@@ -144,6 +144,39 @@ def test_ragged_tensor_full_tensor_sums_partial_and_gathers_ragged(worlds):
     assert worlds(4).run(_full_of_partial) == [(True, True)] * 4
 
 
+def _replicated_that_differs(rank, world_size):
+    """RaggedShard over ep, Replicate over etp, debug checks on: (whether rows that do agree over
+    etp give the whole tensor, the errors raised when the etp ranks of ep rank 0 hold different
+    rows)."""
+    from meshfold.mesh import FoldSpec
+
+    fm = cached_fold(FoldSpec(world_size, ep=2, etp=world_size // 2))
+    mesh = fm.moe["ep", "etp"]
+    i, q = mesh.get_local_rank("ep"), mesh.get_local_rank("etp")
+    sizes = [3, 1]
+    rows = _data(7, i, (sizes[i], 2))
+    placements = [RaggedShard(0, sizes), Replicate()]
+    errors = []
+    set_debug_checks(True)
+    try:
+        full = RaggedTensor(rows, mesh, placements).full_tensor()
+        try:
+            RaggedTensor(rows + q * (i == 0), mesh, placements)  # only ep rank 0's etp ranks differ
+        except ValueError as err:
+            errors.append(str(err))
+    finally:
+        set_debug_checks(False)
+    return torch.equal(full, torch.cat([_data(7, e, (n, 2)) for e, n in enumerate(sizes)])), errors
+
+
+def test_replicate_over_ranks_that_hold_different_data_is_an_error_naming_the_dim(worlds):
+    """With debug checks on, every rank raises (those whose group agrees too: nobody is left in a
+    collective), naming the mesh dim that is not replicated."""
+    for full_is_right, errors in worlds(4).run(_replicated_that_differs):
+        assert full_is_right
+        assert len(errors) == 1 and "mesh dim 'etp' is Replicate() but its ranks hold different data" in errors[0]
+
+
 def _exchange(rank, world_size, send):
     from meshfold.mesh import FoldSpec
 

@@ -9,13 +9,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 
 from meshfold.runtime import launch
 from meshfold.runtime import launch
 from meshfold.runtime.launch import RankError, World, spawn
-from meshfold.mesh import VIEWS, fold
+from meshfold.mesh import VIEWS, FoldSpec, fold
 from meshfold.testing.strategies import fold_specs
+from meshfold.testing.worlds import cached_fold
 
 pytestmark = pytest.mark.multirank
 
@@ -181,6 +182,34 @@ def test_a_failure_every_rank_finishes_keeps_the_world_up(worlds):
     assert {err.value.rank, *(r for r, _ in err.value.others)} == {0, 1}
     assert "deliberate failure on rank" in err.value.summary
     assert world.run(_pid) == pids and world.run(_sum_of_ranks) == [1, 1]
+
+
+def _fold_and_pid(rank, world_size, spec):
+    fm = cached_fold(spec)
+    return os.getpid(), fm.attn.size(fm.attn.mesh_dim_names.index("tp"))
+
+
+def test_a_failing_example_shrinks_on_the_same_ranks(worlds):
+    """The way meshfold.testing.strategies.fold_specs says to write a multi-rank property (ranks
+    return, the test process asserts): hypothesis shrinks a failing fold to the smallest one on
+    the same processes, every step a fold the constraints allow."""
+    world = worlds(4)
+    pids = world.run(_pid)
+    tried = []
+
+    @settings(max_examples=10, phases=[Phase.generate, Phase.shrink], derandomize=True, database=None)
+    @given(fold_specs(world_sizes=[4], pp=[1], heads=2, experts=2))
+    def check(spec):
+        tried.append(spec)
+        results = world.run(_fold_and_pid, spec)
+        assert [pid for pid, _ in results] == pids
+        assert results[0][1] == 1, f"tp = {spec.tp}"  # a deliberate failure for every tp > 1
+
+    with pytest.raises(AssertionError, match="tp = 2"):
+        check()
+    assert all(s.tp <= 2 and s.ep <= 2 for s in tried)  # heads and experts = 2 bound both, also when shrinking
+    assert tried[-1] == FoldSpec(4, tp=2)  # shrunk to the simplest failing fold
+    assert world.run(_pid) == pids
 
 
 def _listening_addresses(rank, world_size):
