@@ -4,7 +4,7 @@ rank) is the baseline, measured in the same run.
 
 One step = forward + backward of the attention core on this rank's queries (q [B, h, S/cp, d],
 k / v [B, g, S/cp, d], the load-balanced chunk layout of ``shard_batch``), through the hook
-``parallelize`` installs (``_ContextAttention``, method "ring" or "gather"). Reported per rank
+``parallelize`` installs (``RingContext``, method "ring" or "gather"). Reported per rank
 (max over ranks): tracked peak memory (``torch.distributed._tools.mem_tracker.MemTracker``, every
 tensor the step allocates, inputs included; allocations inside a fused kernel are not seen), the
 largest single tensor, and the median step time over ``--reps`` timed steps after one warm-up.
@@ -33,7 +33,7 @@ def _bench(rank, world_size, seqs, heads, kv_heads, head_dim, reps):
 
     from meshfold.mesh import FoldSpec
     from meshfold.models.attention import CausalMaskCache, attend
-    from meshfold.parallel.context import _ContextAttention
+    from meshfold.parallel.context import RingContext
     from meshfold.parallel.batch import local_positions
     from meshfold.testing.worlds import cached_fold
 
@@ -60,7 +60,7 @@ def _bench(rank, world_size, seqs, heads, kv_heads, head_dim, reps):
         methods = ["ring", "gather"] if cp > 1 else ["is_causal"]
         for method in methods:
             if cp > 1:
-                hook = _ContextAttention(mesh, cp, CausalMaskCache(), method)
+                hook = RingContext(mesh, cp, CausalMaskCache(), method)
                 fn = lambda a, b, c: hook(a, b, c, pos)  # noqa: E731
             else:
                 fn = attend

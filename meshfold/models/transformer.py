@@ -98,13 +98,7 @@ class TransformerConfig:
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer: ``forward(x [B, S, H], positions, rope) -> [B, S, H]``.
-
-    ``checkpoint`` (None: plain) is the activation-recomputation hook, set from outside
-    (:func:`meshfold.parallel.recompute.apply_recompute`): ``checkpoint(fn, *args)`` runs the
-    block's computation ``fn``, keeping what its policy says for backward."""
-
-    checkpoint = None
+    """One pre-norm decoder layer: ``forward(x [B, S, H], positions, rope) -> [B, S, H]``."""
 
     def __init__(self, cfg: TransformerConfig, layer: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -118,11 +112,6 @@ class Block(nn.Module):
         self.mlp = MoELayer(cfg.moe, dtype=dtype) if cfg.is_moe_layer(layer) else MLP(cfg.hidden, cfg.ffn, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, rope=None) -> torch.Tensor:
-        if self.checkpoint is not None:
-            return self.checkpoint(self._forward, x, positions, rope)
-        return self._forward(x, positions, rope)
-
-    def _forward(self, x, positions, rope):
         x = x + self.attn(self.attn_norm(x), positions, rope)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -152,10 +141,9 @@ def run_blocks(blocks, x: torch.Tensor, positions: torch.Tensor | None, cfg: Tra
 
 
 def run_layers(m: nn.Module, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    """The model's computation on a run of its layers, shared by the whole model and a pipeline
-    chunk (:class:`~meshfold.parallel.pipeline.ModelChunk`), which hold the same attributes:
-    ``embed`` (tokens [B, S] -> [B, S, H]; None: x is hidden already), ``layers``, and ``norm`` +
-    ``head`` (None: return hidden [B, S, H]; a None ``head`` with a norm ties it to ``embed``)."""
+    """The model's computation on a run of its layers, from ``m``'s attributes: ``embed``
+    (tokens [B, S] -> [B, S, H]; None: x is hidden already), ``layers``, and ``norm`` + ``head``
+    (None: return hidden [B, S, H]; a None ``head`` with a norm ties it to ``embed``)."""
     if m.embed is not None:
         x = m.embed(x)  # [B, S, H]
     blocks = m.layers.values() if isinstance(m.layers, nn.ModuleDict) else m.layers

@@ -1,5 +1,5 @@
-"""How a single-device model is laid onto a fold: the layouts declared as data
-(:mod:`.layouts`), the MoE layer's collectives (:mod:`.moe`), tensor and sequence parallelism
+"""How a single-device model is laid onto a fold: its layout plan (:mod:`.plan`), meshfold's
+layouts declared as data (:mod:`.layouts`), the MoE layer's collectives (:mod:`.moe`), tensor and sequence parallelism
 (:mod:`.transformer`), context parallelism and its ring (:mod:`.context`, :mod:`.mla`,
 :mod:`.ring_attention`), data parallelism (:mod:`.data_parallel`), the pipeline
 (:mod:`.pipeline`), activation recomputation (:mod:`.recompute`), batch sharding
@@ -20,8 +20,10 @@ from meshfold.parallel.layouts import MLA_LAYOUT, MOE_LAYOUT, TRANSFORMER_LAYOUT
 from meshfold.parallel.moe import FoldedComm, parallelize_moe, place
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.parallel.plan import Plan, SequenceParallel
-from meshfold.parallel.transformer import check_fold, full_state_dict, parallelize, single_device_name
+from meshfold.parallel.transformer import (GlobalLogits, GlobalMeanLoss, check_fold, full_state_dict, param_layouts,
+                                          parallelize, single_device_name, transformer_plan)
 
-__all__ = ["MLA_LAYOUT", "MOE_LAYOUT", "TRANSFORMER_LAYOUT", "FoldedComm", "Pipeline", "Plan", "SequenceParallel", "batch_rows",
-           "check_fold", "full_state_dict", "grad_norm", "local_positions", "parallelize", "parallelize_moe", "place",
-           "reduce_gradients", "shard_batch", "single_device_name"]
+__all__ = ["MLA_LAYOUT", "MOE_LAYOUT", "TRANSFORMER_LAYOUT", "FoldedComm", "GlobalLogits", "GlobalMeanLoss", "Pipeline",
+           "Plan", "SequenceParallel", "batch_rows", "check_fold", "full_state_dict", "grad_norm", "local_positions",
+           "param_layouts", "parallelize", "parallelize_moe", "place", "reduce_gradients", "shard_batch",
+           "single_device_name", "transformer_plan"]

@@ -14,7 +14,7 @@ from meshfold.models.attention import CausalMaskCache, attend
 from meshfold.parallel import ring_attention as ring
 from meshfold.placements import all_gather_v
 
-__all__ = ["_KVGather", "_ContextAttention", "gather_positions"]
+__all__ = ["RingContext", "gather_positions"]
 
 
 def gather_positions(pos, sizes, mesh, dim):
@@ -38,8 +38,10 @@ class _KVGather:
         return gather(k), gather(v), gather_positions(k_pos, sizes, self.mesh, "cp")
 
 
-class _ContextAttention:
-    """Context-parallel attention core for Attention (its ``context`` hook): ring attention over
+class RingContext:
+    """Context-parallel attention core (an attention module's ``context`` hook, set by a plan's
+    ``context`` rule ``"ring"``): ``hook(q [B, h, S, d], k [B, g, S, d], v, positions) -> o [B, h,
+    S, d]``, this rank's causal attention over every cp rank's keys. Ring attention over
     ``cp`` (:func:`~meshfold.parallel.ring_attention.ring_attention`) when the queries are in the
     load-balanced layout of :func:`local_positions`, else the generic path (K/V all-gathered,
     masked by position, one mask per forward from the shared ``masks``).

@@ -13,8 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshfold.runtime.compat import fully_shard_over
-from meshfold.models.moe import MoELayer
-from meshfold.parallel.layouts import OWN_GROUP_OVER_TP, single_device_name
+from meshfold.parallel.layouts import single_device_name
 from meshfold.placements import sum_in_place
 
 __all__ = ["REDUCE_BUCKET_BYTES", "reduce_dtype", "expert_shard_placement", "fully_shard_folded", "reduce_gradients", "grad_norm"]
@@ -43,10 +42,13 @@ def expert_shard_placement(param, edp: int):
     return Shard(0)
 
 
-def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | None = None) -> None:
-    """FSDP2 over the folded mesh's data-parallel dims, bottom-up: each MoE layer's experts are
-    one group on the moe mesh (sharded over ``edp``), each block one group on the attention mesh
-    (sharded over ``dp x cp``), the root holds embeddings, final norm and head.
+def fully_shard_folded(model: nn.Module, folded, resolved, compute_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 over the folded mesh's data-parallel dims, as a plan says (``resolved``, a
+    :class:`~meshfold.parallel.plan.Resolved` plan): every module of its ``fsdp`` rules is a group,
+    bottom-up (a group holds the parameters under it that no deeper group holds), the root the
+    rest. A group lives on the mesh its parameters do: attention weights are sharded over
+    ``dp x cp``, expert weights (the MoE mesh) over ``edp`` (:func:`expert_shard_placement`); a
+    group holding both is an error naming one of each.
 
     Parameters are already DTensors on the whole stage mesh with ``Replicate`` on the data dims,
     which is FSDP2's SPMD mode (``dp_mesh_dims``; :func:`meshfold.runtime.compat.fully_shard_over` has the
@@ -54,52 +56,72 @@ def fully_shard_folded(model: nn.Module, folded, compute_dtype: torch.dtype | No
     group's forward and backward, and reduce-scatters the gradients, turning our ``Partial``
     gradient placements into sums (non-data dims such as ``tp`` for norms are all-reduced
     first). The loss is already a global mean split into per-rank shares, so gradients are summed,
-    not averaged: divide factor 1.
+    not averaged: divide factor 1, plain sum reduction.
 
     Mixed precision is FSDP2's ``MixedPrecisionPolicy``: parameters all-gathered and computed in
     ``compute_dtype``, gradients reduce-scattered (and, with gradient sync off, accumulated) in
-    :func:`reduce_dtype` of the master dtype, then kept in the master dtype. A router whose
-    ``router_dtype`` differs from the compute or the master dtype is a group of its own with a
-    policy of its dtype (FSDP2 groups hold one dtype, and the block's policy would cast it).
+    :func:`reduce_dtype` of the master dtype, then kept in the master dtype. The module of a
+    ``keep_dtype`` parameter whose dtype differs from the compute or the master dtype (a router
+    under bf16) is a group of its own with a policy of that dtype (FSDP2 groups hold one dtype, and
+    the enclosing group's policy would cast it); its other parameters must be kept too.
+    Weights replicated over tp get tp sums of gradients (norms, embeddings, head, a shared
+    expert's gate, MLA's latent down projections and norms). FSDP2 adds those shares in its
+    param_dtype before the reduce-scatter, so under mixed precision with tp > 1 the plan's
+    ``tp_summed`` modules are groups of their own and they and the root are all-gathered in the
+    master dtype instead, cast for compute by the parametrization
+    (:class:`~meshfold.parallel.transformer.LocalShard`), whose backward hands FSDP2 master-dtype
+    gradients: the tp sum runs in fp32 too.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 
     attn, moe = folded.stage("attn"), folded.stage("moe")
 
-    def dense(module, **kwargs):  # a group of attention-mesh weights, sharded over dp x cp
-        fully_shard_over(module, attn, ("dp", "cp"), **kwargs)
-
     def policy(master: torch.dtype, compute: torch.dtype | None) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=compute or master, reduce_dtype=reduce_dtype(master))
 
-    master = next(p.dtype for n, p in model.named_parameters() if ".router." not in n)
+    params = {single_device_name(n): p for n, p in model.named_parameters()}
+    kept = resolved.keep
+    master = next((p.dtype for n, p in params.items() if n not in kept), next(iter(params.values())).dtype)
     mp = policy(master, compute_dtype)
-    # Weights replicated over tp get tp sums of gradients (norms, embeddings, head, the shared
-    # expert's gate, MLA's latent down projections and norms). FSDP2 adds those shares in its
-    # param_dtype before the reduce-scatter, so under mixed precision with tp > 1 they are
-    # all-gathered in the master dtype instead (their own groups, and the root) and cast for
-    # compute by the parametrization (_Local), whose backward hands FSDP2 master-dtype
-    # gradients: the tp sum runs in fp32 too.
     tp_summed = folded.spec.tp > 1 and compute_dtype not in (None, master)
     wide = MixedPrecisionPolicy(param_dtype=master, reduce_dtype=reduce_dtype(master),
                                 cast_forward_inputs=False) if tp_summed else mp
-    for block in model.layers.children():
-        if isinstance(block.mlp, MoELayer):
-            fully_shard_over(block.mlp.experts, moe, ("edp",), mp_policy=mp,
+    groups = dict.fromkeys(resolved.fsdp, mp) | (dict.fromkeys(resolved.tp_summed, wide) if tp_summed else {})
+    for name, dtype in kept.items():
+        dtype = dtype or params[name].dtype
+        if dtype != master or dtype != (compute_dtype or master):  # e.g. an fp32 router under bf16
+            path = name.rpartition(".")[0]
+            others = [n for n in params if n.startswith(path + ".") and n not in kept] if path else [""]
+            if others:
+                raise ValueError(f"parameter {name!r} keeps {dtype} (Plan.keep_dtype), so its module "
+                                 f"{path or '<root>'!r} is an FSDP2 group of that dtype, but it also holds "
+                                 f"{others[0] or 'the whole model'!r}, which is not kept; give the kept "
+                                 f"parameters a module of their own")
+            groups[path] = policy(dtype, dtype)
+    grouped: set[int] = set()
+    plans = []  # (path, module, on the MoE mesh) of every group, deepest first, the root last; decided
+    for path in sorted(groups, key=lambda p: -p.count(".")) + [""]:  # before fully_shard replaces parameters
+        module = model.get_submodule(path)
+        own = [(f"{path}.{n}" if path else n, p) for n, p in module.named_parameters() if id(p) not in grouped]
+        if not own and path:
+            raise ValueError(f"FSDP2 group {path!r} (Plan.fsdp / tp_summed / keep_dtype) holds no parameter "
+                             f"that a nested group does not hold")
+        on: dict = {}  # mesh -> the first parameter on it
+        for n, p in own:
+            on.setdefault(id(p.device_mesh), (n, p.device_mesh))
+        if len(on) > 1 or (own and all(m not in (attn, moe) for _, m in on.values())):
+            where = ", ".join(f"{single_device_name(n)!r} on {m.mesh_dim_names}" for n, m in on.values())
+            raise ValueError(f"FSDP2 group {path or '<root>'!r} holds parameters on different meshes ({where}); "
+                             f"a group shards over one mesh's data dims: make the MoE layers' experts "
+                             f"groups of their own (Plan.fsdp)")
+        plans.append((path, module, bool(own) and next(iter(on.values()))[1] == moe))
+        grouped.update(id(p) for _, p in own)
+    for path, module, experts in plans:
+        if experts:
+            fully_shard_over(module, moe, ("edp",), mp_policy=groups.get(path, mp),
                              shard_placement_fn=lambda p: expert_shard_placement(p, folded.spec.edp))
-            router = block.mlp.router.weight.dtype
-            if router != master or router != (compute_dtype or master):  # e.g. an fp32 gate under bf16
-                dense(block.mlp.router, mp_policy=policy(router, router))
-            shared = block.mlp.shared
-            if tp_summed and shared is not None and shared.gate is not None:
-                dense(shared, mp_policy=wide)
-        if tp_summed:
-            modules = {single_device_name(name): m for name, m in block.named_modules()}
-            for name in OWN_GROUP_OVER_TP:
-                if name in modules:
-                    dense(modules[name], mp_policy=wide)
-        dense(block, mp_policy=mp)
-    dense(model, mp_policy=wide)  # embeddings, final norm, head
+        else:
+            fully_shard_over(module, attn, ("dp", "cp"), mp_policy=groups[path] if path else wide)
     for method in ("loss", "local_logits"):  # entry points besides forward: gather the root's weights too
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)

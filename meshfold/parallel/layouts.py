@@ -7,20 +7,23 @@ gradient there (:func:`meshfold.placements.partial_grads`). :func:`~meshfold.par
 parallelize` and :func:`~meshfold.parallel.moe.parallelize_moe` apply these tables; a layer of a
 user's own passes a table that extends them (``{**MOE_LAYOUT, name: (view, placements)}``).
 
-Names are single-device names (``model.named_parameters()`` before any layout), matched as
-suffixes for the transformer's tables and exactly, relative to the layer, for an MoE layer.
+Names are single-device names (``model.named_parameters()`` before any layout), relative to a
+block for the transformer's tables (:func:`meshfold.parallel.transformer.transformer_plan` turns
+them into a :class:`~meshfold.parallel.plan.Plan`) and to the layer for an MoE layer's.
 """
 
 from __future__ import annotations
 
+import re
+
 from torch.distributed.tensor import Replicate, Shard
 
-__all__ = ["TRANSFORMER_LAYOUT", "MLA_LAYOUT", "MOE_LAYOUT", "MASK_LAYOUT", "OWN_GROUP_OVER_TP", "single_device_name"]
+__all__ = ["TRANSFORMER_LAYOUT", "MLA_LAYOUT", "MOE_LAYOUT", "MASK_LAYOUT", "single_device_name"]
 
 R = Replicate()
 
-# parameter name suffix -> placements over attn (dp, cp, tp); every other dense parameter
-# (embeddings, norms, q/k norms, head) is replicated
+# parameter name within a block -> placements over attn (dp, cp, tp); every other dense parameter
+# (embeddings, norms, q/k norms, head) is replicated (transformer_plan)
 TRANSFORMER_LAYOUT = {
     "attn.wq": (R, R, Shard(1)),  # columns = query heads
     "attn.wk": (R, R, Shard(1)),
@@ -33,7 +36,7 @@ TRANSFORMER_LAYOUT = {
     "mlp.w_down": (R, R, Shard(0)),
 }
 
-# multi-head latent attention (meshfold.models.mla), suffix -> placements over attn (dp, cp, tp)
+# multi-head latent attention (meshfold.models.mla), name within a block -> placements over attn (dp, cp, tp)
 MLA_LAYOUT = {
     "attn.wq_a.weight": (R, R, R),  # down to the q latent: replicated over tp
     "attn.q_norm.weight": (R, R, R),
@@ -57,16 +60,12 @@ MOE_LAYOUT = {
 # tile masks are buffers, sliced like their weights: experts over ep, this dim over etp
 MASK_LAYOUT = {"experts.mask_gate_up": 3, "experts.mask_down": 1}
 
-# Modules of a block (single-device names within it) replicated over tp whose FSDP2 group is
-# their own, all-gathered in the master dtype under mixed precision with tp > 1: their gradients
-# are sums of tp shares, which FSDP2 adds in its param_dtype
-# (meshfold.parallel.data_parallel.fully_shard_folded). Modules a block does not have are skipped.
-OWN_GROUP_OVER_TP = ("attn_norm", "mlp_norm", "attn.q_norm", "attn.k_norm",
-                     "attn.kv_norm", "attn.wq_a", "attn.wkv_a")  # the last three: MLA's latents
-
 
 def single_device_name(name: str) -> str:
-    """The single-device name of a parameter or module of a laid-out model (``parallelize`` adds
-    ``parametrizations.<attr>.original`` and wraps TP modules in ``.inner``): the names these
-    tables use."""
-    return name.replace("parametrizations.", "").replace(".original", "").replace(".inner", "")
+    """The single-device name of a parameter or module of a laid-out model: ``parallelize``
+    registers each parameter as a parametrization, which moves ``<module>.<attr>`` to
+    ``<module>.parametrizations.<attr>.original``; every other name stays as it was."""
+    return _PARAMETRIZED.sub(r"\1", name)
+
+
+_PARAMETRIZED = re.compile(r"(?:^|(?<=\.))parametrizations\.([^.]+)\.original(?=$|\.)")

@@ -5,7 +5,7 @@ Legend as in :mod:`meshfold.models.mla` (h heads, rq / rkv latent ranks, dn / dr
 Its parameters' placements are :data:`meshfold.parallel.layouts.MLA_LAYOUT`.
 
 **TP** (with sequence parallelism, as for GQA: the tp group's tokens are all-gathered before
-attention and the output reduce-scattered after it, by ``meshfold.parallel.transformer._TensorParallel``):
+attention and the output reduce-scattered after it, by :func:`meshfold.parallel.transformer.sequence_parallel`):
 
 * the down projections to the latents, ``wq_a`` [H, rq] and ``wkv_a`` [H, rkv + dr], and the
   latent norms ``q_norm`` / ``kv_norm`` are **replicated** over tp: every tp rank computes the

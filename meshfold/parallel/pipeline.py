@@ -1,8 +1,12 @@
-"""Pipeline parallelism (``pp``) for :class:`~meshfold.models.transformer.MoETransformer`.
+"""Pipeline parallelism (``pp``) for any model whose layout plan names its blocks.
 
-The model is cut into ``pp * virtual`` contiguous *chunks* of layers (Megatron's "model chunks"):
-chunk ``s`` holds layers ``[s * L // n, (s + 1) * L // n)`` of ``n = pp * virtual``, the first also
-the embeddings, the last the final norm and head. Pipeline rank ``r`` holds chunks ``r, r + pp,
+The plan (:class:`~meshfold.parallel.plan.Plan`) names the block list (``blocks``) and the modules
+run before it (``before``, e.g. the embeddings) and after it (``after``, e.g. the final norm and
+head). The model is cut into ``pp * virtual`` contiguous *chunks* of blocks (Megatron's "model
+chunks"): chunk ``s`` holds blocks ``[s * L // n, (s + 1) * L // n)`` of ``n = pp * virtual``, the
+first also the ``before`` modules, the last the ``after`` modules. A chunk runs ``x`` through
+its ``before`` modules in order (``m(x)``), its blocks (``block(x, positions)``) and its ``after``
+modules; the last chunk's output is the logits the loss (cross-entropy) reads. Pipeline rank ``r`` holds chunks ``r, r + pp,
 r + 2 pp, ...`` (one chunk without virtual stages; ``virtual`` chunks for the interleaved
 schedule). Inside a chunk everything is the single-device code, laid out on the rank's stage of
 the folded mesh by :func:`~meshfold.parallel.transformer.parallelize` (TP, CP, DP or
@@ -48,11 +52,13 @@ from torch import nn
 
 from meshfold.catalog import SCHEDULES, check_choice
 from meshfold.models.moe import MoELayer, add_step_entries
-from meshfold.models.transformer import MoETransformer, cross_entropy_sum, run_layers
-from meshfold.parallel.transformer import parallelize
+from meshfold.models.transformer import MoETransformer, cross_entropy_sum
+from meshfold.parallel.plan import Plan, check_plan, restrict
+from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
 
 __all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline"]
+
 
 def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
     """Layer ids of each of ``num_chunks`` contiguous, balanced model chunks."""
@@ -63,25 +69,67 @@ def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
             for s in range(num_chunks)]
 
 
-class ModelChunk(nn.Module):
-    """A run of a MoETransformer's layers, with the embeddings if it is the first chunk and the
-    final norm and head if it is the last. ``forward(x)``: tokens [B, S] (first chunk) or hidden
-    [B, S, H] -> hidden [B, S, H] or logits [B, S, V] (last chunk). Parameter names are the
-    whole model's (``layers.<i>...``). ``positions`` (absolute, this rank's tokens) is set per
-    step, the same for every microbatch."""
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` under dotted ``path`` of ``root``, with empty modules in between."""
+    *parents, last = path.split(".")
+    for name in parents:
+        if not hasattr(root, name):
+            root.add_module(name, nn.Module())
+        root = getattr(root, name)
+    root.add_module(last, module)
 
-    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
+
+def _blocks(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
+    if plan.blocks is None:
+        raise ValueError(f"{type(model).__name__}'s plan names no block list (Plan.blocks = None); Pipeline "
+                         f"cuts the blocks into stages: set Plan(blocks=..., before=..., after=...)")
+    return dict(model.get_submodule(plan.blocks).named_children())
+
+
+class ModelChunk(nn.Module):
+    """A run of ``model``'s blocks (``layer_ids``: their positions in the plan's block list), with
+    the plan's ``before`` modules if it is the first chunk and its ``after`` modules if it is the
+    last. ``forward(x)``: tokens (first chunk) or hidden states -> hidden states or logits (last
+    chunk). Parameter names are the whole model's (``layers.<i>...``). ``positions`` (absolute,
+    this rank's tokens) is set per step, the same for every microbatch. ``plan`` (None: the
+    model's own) is checked against the whole model; :meth:`plan` gives the chunk's part of it."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool, plan: Plan | None = None):
         super().__init__()
-        self.cfg = model.cfg
-        self.embed = model.embed if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.norm = model.norm if last else None
-        self.head = model.head if last else None
+        whole = model_plan(model) if plan is None else plan
+        check_plan(model, whole)
+        if isinstance(model, MoETransformer) and model.cfg.tie_embeddings:
+            raise ValueError("tie_embeddings: the head is the embedding matrix, which a pipeline chunk cannot "
+                             "hold on two stages; untie them, or use parallelize without a pipeline")
+        self.cfg = getattr(model, "cfg", None)
+        blocks = _blocks(model, whole)
+        keys = list(blocks)
+        self.before_paths = whole.before if first else ()
+        self.after_paths = whole.after if last else ()
+        for path in self.before_paths + self.after_paths:
+            _attach(self, path, model.get_submodule(path))
+        _attach(self, whole.blocks, nn.ModuleDict({keys[i]: blocks[keys[i]] for i in layer_ids}))
+        self.blocks_path = whole.blocks
+        self.whole_plan = whole
         self.positions: torch.Tensor | None = None
         self.inits, self.init_seed = getattr(model, "inits", None), getattr(model, "init_seed", None)
 
+    def block_list(self) -> nn.ModuleDict:
+        """This chunk's blocks, keyed as in the whole model's block list."""
+        return self.get_submodule(self.blocks_path)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_layers(self, x, self.positions)
+        for path in self.before_paths:
+            x = self.get_submodule(path)(x)
+        for block in self.block_list().values():
+            x = block(x, self.positions)
+        for path in self.after_paths:
+            x = self.get_submodule(path)(x)
+        return x
+
+    def plan(self) -> Plan:
+        """The whole model's plan restricted to this chunk (:func:`~meshfold.parallel.plan.restrict`)."""
+        return restrict(self.whole_plan, self)
 
 
 class _CountedCalls:
@@ -98,7 +146,7 @@ class _CountedCalls:
     metrics) is overwritten by the microbatches that follow."""
 
     def __init__(self, chunk: nn.Module):
-        self.layers = [b.mlp for b in chunk.layers.values() if isinstance(b.mlp, MoELayer)]
+        self.layers = [m for m in chunk.modules() if isinstance(m, MoELayer)]
         self.log: list[tuple[list, list]] = []  # per call: each layer's state before, after
         chunk.register_forward_pre_hook(self._before)
         chunk.register_forward_hook(self._after)
@@ -128,8 +176,10 @@ class _CountedCalls:
         self.log.clear()
 
 
-def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int) -> None:
-    """Raise ``ValueError`` naming the setting if this pipeline cannot run (no process needed)."""
+def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int, num_blocks: int | None = None) -> None:
+    """Raise ``ValueError`` naming the setting if this pipeline cannot run (no process needed).
+    ``cfg``: a :class:`~meshfold.models.transformer.TransformerConfig` (its layers and tied
+    embeddings), or None with ``num_blocks`` for a model of one's own."""
     check_choice("schedule", schedule, SCHEDULES)
     if not (isinstance(virtual, int) and virtual >= 1):
         raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
@@ -144,10 +194,10 @@ def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int)
     if schedule == "interleaved-1f1b" and microbatches % pp:
         raise ValueError(f"microbatches = {microbatches} is not a multiple of pp = {pp} "
                          f"(the interleaved schedule runs them in rounds of pp)")
-    if cfg.tie_embeddings and pp > 1:
+    if cfg is not None and cfg.tie_embeddings and pp > 1:
         raise ValueError("tie_embeddings with pp > 1: the embedding (first stage) and the head "
                          "(last stage) would have to be one tensor; untie them or use pp = 1")
-    chunk_layers(cfg.layers, pp * virtual)
+    chunk_layers(cfg.layers if cfg is not None else num_blocks, pp * virtual)
 
 
 class Pipeline:
@@ -166,21 +216,24 @@ class Pipeline:
     runs when the schedule runs that microbatch's backward of the block.
     """
 
-    def __init__(self, model: MoETransformer, folded, microbatches: int, schedule: str = "1f1b",
+    def __init__(self, model: nn.Module, folded, microbatches: int, schedule: str = "1f1b",
                  virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
-                 recompute: str = "none"):
+                 recompute: str = "none", plan: Plan | None = None):
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
         spec = folded.spec
         pp = spec.pp
-        check_pipeline(pp, model.cfg, microbatches, schedule, virtual)
+        plan = model_plan(model) if plan is None else plan
+        num_blocks = len(_blocks(model, plan))
+        check_pipeline(pp, model.cfg if isinstance(model, MoETransformer) else None, microbatches, schedule, virtual,
+                       num_blocks)
         self.folded, self.microbatches = folded, microbatches
         n = pp * virtual
-        layers = chunk_layers(model.cfg.layers, n)
+        layers = chunk_layers(num_blocks, n)
         r = folded.attn.get_local_rank("pp")
         self.stage_ids = [r + k * pp for k in range(virtual)]
-        self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1) for s in self.stage_ids]
+        self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1, plan=plan) for s in self.stage_ids]
         for chunk in self.chunks:
             parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype, recompute=recompute)
         group = folded.attn["pp"].get_group()
@@ -214,12 +267,13 @@ class Pipeline:
 
     def moe_layers(self):
         """This rank's MoE layers, in layer order."""
-        return [b.mlp for _, b in self.moe_blocks()]
+        return [m for c in self.chunks for m in c.modules() if isinstance(m, MoELayer)]
 
     def moe_blocks(self):
-        """``(layer id, block)`` of this rank's blocks with an MoE layer."""
-        return [(int(i), b) for c in self.chunks for i, b in c.layers.named_children()
-                if isinstance(b.mlp, MoELayer)]
+        """``(layer id, block)`` of this rank's blocks holding an MoE layer (the id: the block's
+        key in the block list, an int for an ``nn.ModuleList``)."""
+        return [(int(i) if i.isdigit() else i, b) for c in self.chunks for i, b in c.block_list().named_children()
+                if any(isinstance(m, MoELayer) for m in b.modules())]
 
     def train(self, mode: bool = True):
         for c in self.chunks:

@@ -20,6 +20,7 @@ gives a ``default``), and so is any pattern that matches nothing in the model
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Placement
 
-__all__ = ["Plan", "SequenceParallel", "CONTEXT_HOOKS", "matches", "first_match", "matching", "check_plan",
+__all__ = ["Plan", "SequenceParallel", "Resolved", "CONTEXT_HOOKS", "matches", "first_match", "matching", "check_plan", "resolve", "restrict",
            "moe_layers", "owner"]
 
 CONTEXT_HOOKS = ("ring", "latent")  # Plan.context values: GQA-style ring, MLA's latent ring
@@ -76,8 +77,9 @@ class Plan:
     * ``keep_dtype``: parameter pattern -> the dtype the module sees it in under mixed
       precision (None: the parameter's own), e.g. a router kept in fp32 under bf16 compute.
     * ``blocks`` / ``before`` / ``after``: for :class:`~meshfold.parallel.pipeline.Pipeline`,
-      the path of the block list (an ``nn.ModuleList`` or ``nn.ModuleDict``) and the modules
-      run before the blocks (first stage) and after them (last stage).
+      the path of the block list (an ``nn.ModuleList`` or ``nn.ModuleDict``) and the paths of
+      the modules run before the blocks (first stage) and after them (last stage), in order
+      (paths, not patterns).
     * ``check``: optional ``check(spec)`` raising ``ValueError`` naming a model size that does
       not divide over a :class:`~meshfold.mesh.FoldSpec` (heads over tp, ...).
     """
@@ -160,10 +162,10 @@ def _under(name: str, prefixes: Iterable[str]) -> str | None:
     return next((p for p in prefixes if name.startswith(p + ".")), None)
 
 
-def check_plan(model: nn.Module, plan: Plan, partial: bool = False) -> None:
+def check_plan(model: nn.Module, plan: Plan) -> None:
     """Raise ``ValueError`` for anything of ``plan`` that does not fit ``model``: a pattern that
-    matches nothing (``partial``: allowed, the model being one pipeline chunk of the model the
-    plan was checked against), a parameter no entry places and no ``default`` covers, an MoE
+    matches nothing (for a piece of a model, check the whole and :func:`restrict` the plan), a
+    parameter no entry places and no ``default`` covers, an MoE
     layer inside another, a ``context`` module without a ``context`` attribute, a ``blocks``
     path that is not a module list."""
     modules = dict(model.named_modules())
@@ -172,25 +174,28 @@ def check_plan(model: nn.Module, plan: Plan, partial: bool = False) -> None:
     dense = [n for n in params if _under(n, layers) is None]
     where = "the model's modules"
     module_rules = [("tp", list(plan.tp)), ("context", list(plan.context)), ("moe", list(plan.moe)),
-                    ("fsdp", plan.fsdp), ("tp_summed", plan.tp_summed), ("recompute", plan.recompute),
-                    ("before", plan.before), ("after", plan.after)]
-    if not partial:
-        for field_name, patterns in module_rules:
-            for pattern, found in matching(patterns, modules).items():
-                if not found:
-                    raise ValueError(f"Plan.{field_name} pattern {pattern!r} matches none of {where} "
-                                     f"({_sample(modules)})")
-        for pattern, found in matching(plan.params, dense).items():
+                    ("fsdp", plan.fsdp), ("tp_summed", plan.tp_summed), ("recompute", plan.recompute)]
+    for field_name, patterns in module_rules:
+        for pattern, found in matching(patterns, modules).items():
             if not found:
-                raise ValueError(f"Plan.params pattern {pattern!r} matches no parameter outside the MoE "
-                                 f"layers ({_sample(dense)})")
-        for pattern, found in matching(plan.keep_dtype, params).items():
-            if not found:
-                raise ValueError(f"Plan.keep_dtype pattern {pattern!r} matches no parameter ({_sample(params)})")
-        if plan.blocks is not None and not isinstance(modules.get(plan.blocks), (nn.ModuleList, nn.ModuleDict)):
-            found = type(modules[plan.blocks]).__name__ if plan.blocks in modules else "no such module"
-            raise ValueError(f"Plan.blocks = {plan.blocks!r} is {found}; valid: the path of an nn.ModuleList or "
-                             f"nn.ModuleDict of the model")
+                raise ValueError(f"Plan.{field_name} pattern {pattern!r} matches none of {where} "
+                                 f"({_sample(modules)})")
+    for pattern, found in matching(plan.params, dense).items():
+        if not found:
+            raise ValueError(f"Plan.params pattern {pattern!r} matches no parameter outside the MoE "
+                             f"layers ({_sample(dense)})")
+    for pattern, found in matching(plan.keep_dtype, params).items():
+        if not found:
+            raise ValueError(f"Plan.keep_dtype pattern {pattern!r} matches no parameter ({_sample(params)})")
+    for field_name in ("before", "after"):
+        for path in getattr(plan, field_name):
+            if path not in modules:
+                raise ValueError(f"Plan.{field_name} names {path!r}, which is no module of the model "
+                                 f"({_sample(modules)}); valid: module paths (not patterns)")
+    if plan.blocks is not None and not isinstance(modules.get(plan.blocks), (nn.ModuleList, nn.ModuleDict)):
+        found = type(modules[plan.blocks]).__name__ if plan.blocks in modules else "no such module"
+        raise ValueError(f"Plan.blocks = {plan.blocks!r} is {found}; valid: the path of an nn.ModuleList or "
+                         f"nn.ModuleDict of the model")
     if plan.default is None:
         for n in dense:
             if first_match(plan.params, n) is None:
@@ -212,3 +217,69 @@ def check_plan(model: nn.Module, plan: Plan, partial: bool = False) -> None:
 def _sample(names, n: int = 8) -> str:
     names = [x or "<root>" for x in names]
     return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
+
+
+@dataclass
+class Resolved:
+    """A plan resolved against one model: concrete single-device paths for every rule."""
+
+    placements: dict[str, tuple]  # parameter outside the MoE layers -> placements over attn
+    moe: dict[str, dict]  # MoE layer path -> its layout table
+    tp: dict[str, SequenceParallel]
+    context: dict[str, str]
+    fsdp: list[str]
+    tp_summed: list[str]
+    recompute: list[str]
+    keep: dict[str, torch.dtype | None]  # every kept parameter (MoE layers' too) -> its dtype
+
+    def layer_of(self, name: str) -> str | None:
+        """The MoE layer parameter ``name`` belongs to, else None."""
+        return _under(name, self.moe)
+
+
+def resolve(model: nn.Module, plan: Plan) -> Resolved:
+    """``plan`` applied to ``model``'s paths (after :func:`check_plan`, which raises for what
+    does not fit). Module rules name modules, in ``named_modules()`` order."""
+    check_plan(model, plan)
+    modules = [n for n, _ in model.named_modules()]
+    layers = moe_layers(model, plan)
+
+    def select(patterns):
+        return [n for n in modules if first_match(patterns, n) is not None]
+
+    placements = {}
+    for n, _ in model.named_parameters():
+        if _under(n, layers) is None:
+            pattern = first_match(plan.params, n)
+            placements[n] = plan.default if pattern is None else plan.params[pattern]
+    return Resolved(
+        placements=placements,
+        moe={n: dict(plan.moe[p]) for n, p in layers.items()},
+        tp={n: plan.tp[first_match(plan.tp, n)] for n in select(plan.tp)},
+        context={n: plan.context[first_match(plan.context, n)] for n in select(plan.context)},
+        fsdp=select(plan.fsdp), tp_summed=select(plan.tp_summed), recompute=select(plan.recompute),
+        keep={n: plan.keep_dtype[p] for n, _ in model.named_parameters()
+              if (p := first_match(plan.keep_dtype, n)) is not None})
+
+
+def restrict(plan: Plan, part: nn.Module) -> Plan:
+    """``plan`` without the entries that match nothing in ``part``, a piece of the model ``plan``
+    was checked against (:func:`check_plan`), e.g. one pipeline chunk, whose parameters and modules
+    keep the whole model's names."""
+    modules = [n for n, _ in part.named_modules()]
+    params = [n for n, _ in part.named_parameters()]
+
+    def keep(patterns, names):
+        return [p for p in patterns if any(matches(p, n) for n in names)]
+
+    def keep_map(table, names):
+        return {p: table[p] for p in keep(table, names)}
+
+    layers = {n for n in modules if first_match(plan.moe, n) is not None}
+    dense = [n for n in params if _under(n, layers) is None]
+    return dataclasses.replace(
+        plan, params=keep_map(plan.params, dense), tp=keep_map(plan.tp, modules),
+        context=keep_map(plan.context, modules), moe=keep_map(plan.moe, modules),
+        fsdp=tuple(keep(plan.fsdp, modules)), tp_summed=tuple(keep(plan.tp_summed, modules)),
+        recompute=tuple(keep(plan.recompute, modules)), keep_dtype=keep_map(plan.keep_dtype, params),
+        before=tuple(p for p in plan.before if p in modules), after=tuple(p for p in plan.after if p in modules))

@@ -1,8 +1,9 @@
-"""Activation checkpointing of transformer blocks: ``recompute`` = none | selective | full.
+"""Activation checkpointing of blocks: ``recompute`` = none | selective | full.
 
-Both modes are one non-reentrant :func:`torch.utils.checkpoint.checkpoint` around each
-:class:`~meshfold.models.transformer.Block` (set from outside as the block's ``checkpoint`` hook,
-so parameter names, and FSDP2's per-block hooks around it, stay as they are), with a
+Both modes are one non-reentrant :func:`torch.utils.checkpoint.checkpoint` around each block, any
+``nn.Module`` (:func:`apply_recompute` sets the module's ``forward`` to a :class:`Checkpointed`
+one, from outside, so parameter names, and FSDP2's hooks around the module's call, stay as they
+are: the checkpoint runs inside the block's FSDP2 group), with a
 :func:`~torch.utils.checkpoint.create_selective_checkpoint_contexts` policy that says which op
 outputs the forward keeps; everything else the block saved for backward is recomputed from the
 block's input when the backward reaches the block.
@@ -59,7 +60,7 @@ from meshfold.catalog import RECOMPUTE, check_choice
 from meshfold.models.moe import MoELayer
 
 __all__ = ["RECOMPUTE", "ROUTING_OPS", "SAVED_PRODUCTS", "check_recompute", "BlockRecompute",
-           "apply_recompute"]
+           "Checkpointed", "apply_recompute"]
 
 aten = torch.ops.aten
 
@@ -186,9 +187,9 @@ def _stacked(*contexts):
 
 
 class BlockRecompute:
-    """A block's ``checkpoint`` hook: ``hook(fn, *args)`` runs ``fn(*args)`` under non-reentrant
-    activation checkpointing with the policy of ``mode`` ("selective" or "full"); ``layers``
-    are the block's MoE layers, whose state the recompute must not change."""
+    """``hook(fn, *args, **kwargs)`` runs ``fn(*args, **kwargs)`` under non-reentrant activation
+    checkpointing with the policy of ``mode`` ("selective" or "full"); ``layers`` are the block's
+    MoE layers, whose state the recompute must not change."""
 
     def __init__(self, mode: str, layers=()):
         if check_recompute(mode) == "none":
@@ -202,18 +203,38 @@ class BlockRecompute:
         return (_stacked(_hook_ops_ignored(), _record_state(self.layers, seen), forward),
                 _stacked(_hook_ops_ignored(), _replay_state(self.layers, seen), recompute))
 
-    def __call__(self, fn, *args):
+    def __call__(self, fn, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return fn(*args)
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=self._contexts, early_stop=False)
+            return fn(*args, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=self._contexts, early_stop=False, **kwargs)
 
     def __repr__(self) -> str:
         return f"BlockRecompute({self.mode!r})"
 
 
+class Checkpointed:
+    """A module's ``forward`` under activation checkpointing: set as the module's own
+    ``forward`` attribute, it calls the forward it replaced through ``hook`` (a
+    :class:`BlockRecompute`). Set on the instance, it leaves the module's class, parameters and
+    names as they are."""
+
+    def __init__(self, forward, hook: BlockRecompute):
+        self.forward, self.hook = forward, hook
+
+    def __call__(self, *args, **kwargs):
+        return self.hook(self.forward, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Checkpointed({self.hook.mode!r})"
+
+
 def apply_recompute(blocks, mode: str) -> None:
-    """Set (or, for "none", clear) the ``checkpoint`` hook of every block in ``blocks``."""
+    """Checkpoint the forward of every module in ``blocks`` (any ``nn.Module``) with ``mode``'s
+    policy, or, for "none", restore its own forward. Applying it again replaces the mode."""
     check_recompute(mode)
     for block in blocks:
-        layers = [m for m in block.modules() if isinstance(m, MoELayer)]
-        block.checkpoint = None if mode == "none" else BlockRecompute(mode, layers)
+        if isinstance(block.__dict__.get("forward"), Checkpointed):
+            del block.forward
+        if mode != "none":
+            layers = [m for m in block.modules() if isinstance(m, MoELayer)]
+            block.forward = Checkpointed(block.forward, BlockRecompute(mode, layers))

@@ -1,11 +1,13 @@
-"""How a MoETransformer runs on a FoldedMesh: tensor, sequence, context, data and expert parallel.
+"""How a model runs on a FoldedMesh: tensor, sequence, context, data and expert parallel.
 
-The model (:mod:`meshfold.models.transformer`) is single-device code. :func:`parallelize` applies,
-from outside:
+The model (e.g. :mod:`meshfold.models.transformer`, or a user's own ``nn.Module``) is
+single-device code. :func:`parallelize` applies, from outside, what its layout plan
+(:class:`~meshfold.parallel.plan.Plan`; meshfold's transformer's is :func:`transformer_plan`) says:
 
-* **layout as data** (:data:`TRANSFORMER_LAYOUT`): every dense parameter becomes a DTensor on the
-  attention mesh ``(dp, cp, tp)`` of its pipeline stage; every MoE layer gets
-  :data:`~meshfold.parallel.layouts.MOE_LAYOUT` on the MoE mesh ``(edp, ep, etp)``. The module
+* **layout as data** (``Plan.params``; meshfold's tables :data:`TRANSFORMER_LAYOUT`): every dense
+  parameter becomes a DTensor on the attention mesh ``(dp, cp, tp)`` of its pipeline stage; every
+  MoE layer gets its table (``Plan.moe``, :data:`~meshfold.parallel.layouts.MOE_LAYOUT`) on the MoE
+  mesh ``(edp, ep, etp)``. The module
   still sees plain local tensors: a parametrization returns ``to_local(grad_placements=...)`` with
   ``Partial()`` on every dim where the weight is replicated but the tokens differ, so gradients
   come back as Partial DTensors and :func:`reduce_gradients` (the data-parallel step) sums them.
@@ -41,7 +43,7 @@ from outside:
   FSDP group and policy). With ``"allreduce"`` PyTorch has no parameter-cast policy (DDP's is
   private and DDP cannot hold these DTensor parameters), and autocast casts per op, not for
   meshfold's own expert kernels, which take weights and inputs of one dtype: so the
-  parametrization that already hands a module its local shard casts it (:class:`_Local`), and
+  parametrization that already hands a module its local shard casts it (:class:`LocalShard`), and
   the cast's backward returns the gradient in the master dtype, where it accumulates and is
   summed. Both paths round each weight once to the compute dtype and compute the same ops.
   Under FSDP2 with ``tp > 1``, weights replicated over ``tp`` (norms, embeddings, head, the
@@ -55,6 +57,8 @@ count), so the shares add up to the single-device mean loss and so do the gradie
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
@@ -62,32 +66,27 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshfold.catalog import DATA_PARALLEL, check_choice
 from meshfold.models.attention import CausalMaskCache
-from meshfold.models.mla import MLA
-from meshfold.models.moe import MoELayer
 from meshfold.models.transformer import MoETransformer
 from meshfold.parallel.batch import local_positions
-from meshfold.parallel.context import _ContextAttention, gather_positions
+from meshfold.parallel.context import RingContext, gather_positions
 from meshfold.parallel.data_parallel import fully_shard_folded
-from meshfold.parallel.layouts import MLA_LAYOUT, TRANSFORMER_LAYOUT, single_device_name
+from meshfold.parallel.layouts import MLA_LAYOUT, MOE_LAYOUT, TRANSFORMER_LAYOUT, single_device_name
 from meshfold.parallel.materialize import materialize_shards
 from meshfold.parallel.mla import LatentContext, check_mla_fold
 from meshfold.parallel.moe import FoldedComm, check_moe_fold, moe_param_layout, parallelize_moe, place
+from meshfold.parallel.plan import Plan, SequenceParallel, resolve
 from meshfold.parallel.recompute import apply_recompute, check_recompute
 from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
 
-__all__ = ["parallelize", "param_layouts", "check_fold", "full_state_dict", "single_device_name"]
+__all__ = ["parallelize", "param_layouts", "transformer_plan", "model_plan", "check_fold", "full_state_dict",
+           "single_device_name", "LocalShard", "sequence_parallel", "GlobalLogits", "GlobalMeanLoss"]
 
 R = Replicate()
 ATTN_DIMS = ("dp", "cp", "tp")
-
-def _placements(name: str):
-    for suffix, placements in (MLA_LAYOUT | TRANSFORMER_LAYOUT).items():
-        if name.endswith(suffix):
-            return placements
-    return (R, R, R)  # embeddings, norms, q/k norms, head
+CONTEXT = {"ring": RingContext, "latent": LatentContext}  # Plan.context value -> the hook's class
 
 
-class _Local(nn.Module):
+class LocalShard(nn.Module):
     """Parametrization: the module sees the local shard of its DTensor parameter, in ``dtype``
     (None: the parameter's own). The cast is autograd's ``to``, so the gradient flows back in the
     parameter's (master) dtype; under FSDP2 the shard arrives in the compute dtype already and the
@@ -104,46 +103,113 @@ class _Local(nn.Module):
         return local if self.dtype is None else local.to(self.dtype)
 
 
-class _TensorParallel(nn.Module):
-    """Sequence-parallel entry/exit around a TP-sharded attention or dense MLP."""
+def sequence_parallel(module: nn.Module, mesh, entry: SequenceParallel) -> None:
+    """Sequence-parallel entry and exit around ``module`` (forward hooks, so its name and
+    parameters stay): its input ``x`` [B, S, ...] is all-gathered over the ``tp`` dim of
+    ``mesh`` along S before its forward (with the positions, if ``entry.positions``; the tables
+    after them passed as None), its output [B, S * tp, ...] reduce-scattered back after it. Every
+    tp rank holds the same number of tokens (the batch layout splits sequences evenly)."""
+    tp = mesh.size(mesh.mesh_dim_names.index("tp"))
+    what = type(module).__name__
 
-    def __init__(self, inner: nn.Module, mesh, tp: int, positional: bool):
-        super().__init__()
-        self.inner, self.mesh, self.tp, self.positional = inner, mesh, tp, positional
+    def enter(_, args, kwargs):
+        if kwargs:
+            raise ValueError(f"sequence-parallel {what} called with keyword arguments {sorted(kwargs)}; it "
+                             f"takes them positionally: forward(x{', positions, *tables' if entry.positions else ''})")
+        x, rest = args[0], args[1:]
+        sizes = [x.shape[1]] * tp
+        x_full = all_gather_v(x.transpose(0, 1).contiguous(), sizes, mesh, "tp").transpose(0, 1)
+        if not entry.positions:
+            return (x_full, *rest), {}
+        if not rest or rest[0] is None:
+            raise ValueError(f"sequence-parallel {what} (SequenceParallel(positions=True)) was called without "
+                             f"positions; valid: forward(x, positions [S] or [B, S], *tables)")
+        return (x_full, gather_positions(rest[0], sizes, mesh, "tp"), *(None for _ in rest[1:])), {}
 
-    def _sizes(self, n: int) -> list[int]:
-        return [n] * self.tp  # every tp rank holds the same number of tokens (validated)
+    def leave(_, args, y):
+        sizes = [y.shape[1] // tp] * tp
+        return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, mesh, "tp").transpose(0, 1)
 
-    def forward(self, x, positions=None, rope=None):
-        B, s, H = x.shape
-        sizes = self._sizes(s)
-        x_full = all_gather_v(x.transpose(0, 1).contiguous(), sizes, self.mesh, "tp").transpose(0, 1)
-        if self.positional:
-            pos = gather_positions(positions, sizes, self.mesh, "tp")
-            y = self.inner(x_full, pos, None)  # RoPE tables recomputed for the gathered tokens
-        else:
-            y = self.inner(x_full)
-        return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, self.mesh, "tp").transpose(0, 1)
-
-
-def _moe_prefix(model, name: str) -> str | None:
-    """``layers.N.mlp`` if parameter ``name`` belongs to a MoE layer, else None."""
-    if ".mlp." not in name:
-        return None
-    prefix = name.split(".mlp.")[0] + ".mlp"
-    return prefix if isinstance(model.get_submodule(prefix), MoELayer) else None
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave)
 
 
-def param_layouts(model: nn.Module, folded) -> dict[str, tuple]:
+def transformer_plan(cfg, layers: list[int] | None = None, first: bool = True, last: bool = True) -> Plan:
+    """The plan of a :class:`~meshfold.models.transformer.MoETransformer` of ``cfg`` (GQA or
+    MLA), from :data:`TRANSFORMER_LAYOUT`, :data:`MLA_LAYOUT` and :data:`MOE_LAYOUT`; with
+    ``layers`` (ids) and ``first`` / ``last``, the plan of a pipeline chunk holding those layers
+    and the embeddings (first) or the final norm and head (last). Every entry names parameters or
+    modules the model has, so the plan passes :func:`~meshfold.parallel.plan.check_plan`."""
+    ids = list(range(cfg.layers)) if layers is None else list(layers)
+    moe_ids = [i for i in ids if cfg.is_moe_layer(i)]
+    dense_ids = [i for i in ids if not cfg.is_moe_layer(i)]
+    mla = cfg.mla
+    q_latent = mla is not None and mla.q_lora_rank is not None
+    if mla is None:
+        attn = ["wq", "wk", "wv", "wo"] + (["bq", "bk", "bv"] if cfg.qkv_bias else [])
+    else:
+        attn = ["wkv_a.weight", "kv_norm.weight", "wkv_b", "wo"] + (["wq_a.weight", "q_norm.weight", "wq_b"]
+                                                                    if q_latent else ["wq"])
+    tables = MLA_LAYOUT | TRANSFORMER_LAYOUT  # keyed by the name within a block
+    params = {f"layers.*.attn.{n}": tables["attn." + n] for n in attn}
+    params |= {f"layers.*.{n}.weight": (R, R, R) for n in ("attn_norm", "mlp_norm")}
+    if cfg.qk_norm:
+        params |= {f"layers.*.attn.{n}.weight": (R, R, R) for n in ("q_norm", "k_norm")}
+    if dense_ids:
+        params |= {f"layers.*.{n}": TRANSFORMER_LAYOUT[n] for n in ("mlp.w_gate_up", "mlp.w_down")}
+    if first:
+        params["embed.weight"] = (R, R, R)
+    if last:
+        params["norm.weight"] = (R, R, R)
+        if not cfg.tie_embeddings:
+            params["head.weight"] = (R, R, R)
+    blocks = ("layers.*",) if ids else ()
+    tp_summed = ["layers.*.attn_norm", "layers.*.mlp_norm"] if ids else []
+    if cfg.qk_norm:
+        tp_summed += ["layers.*.attn.q_norm", "layers.*.attn.k_norm"]
+    if mla:
+        tp_summed += ["layers.*.attn.kv_norm", "layers.*.attn.wkv_a"] + (["layers.*.attn.q_norm", "layers.*.attn.wq_a"]
+                                                                      if q_latent else [])
+    moe = cfg.moe
+    if moe is not None and moe.shared_ffn and moe.shared_kind == "qwen2":  # its gate is tp-replicated
+        tp_summed += [f"layers.{i}.mlp.shared" for i in moe_ids]
+    return Plan(
+        params=params,
+        tp=({"layers.*.attn": SequenceParallel(positions=True)} | {f"layers.{i}.mlp": SequenceParallel()
+                                                                   for i in dense_ids}) if ids else {},
+        context={"layers.*.attn": "latent" if mla else "ring"} if ids else {},
+        moe={f"layers.{i}.mlp": MOE_LAYOUT for i in moe_ids},
+        fsdp=tuple(f"layers.{i}.mlp.experts" for i in moe_ids) + blocks,
+        tp_summed=tuple(tp_summed), recompute=blocks,
+        keep_dtype={f"layers.{i}.mlp.router.weight": None for i in moe_ids},  # its router_dtype
+        blocks="layers", before=("embed",) if first else (),
+        after=(("norm",) if cfg.tie_embeddings else ("norm", "head")) if last else (),
+        check=functools.partial(check_fold, cfg))
+
+
+def model_plan(model: nn.Module) -> Plan:
+    """``model``'s own plan: ``model.plan()`` if it declares one, :func:`transformer_plan` of a
+    :class:`~meshfold.models.transformer.MoETransformer`'s config, else ``ValueError``."""
+    if callable(getattr(model, "plan", None)):
+        return model.plan()
+    if isinstance(model, MoETransformer):
+        return transformer_plan(model.cfg)
+    raise ValueError(f"{type(model).__name__} declares no layout plan (no plan() method); pass one: "
+                     f"parallelize(model, folded, Plan(params=..., ...)) (meshfold.parallel.plan.Plan)")
+
+
+def param_layouts(model: nn.Module, folded, plan: Plan | None = None) -> dict[str, tuple]:
     """``{parameter name: (mesh, placements)}`` for every parameter of an unparallelized model:
-    what :func:`parallelize` will do, as data (used to read only each rank's checkpoint slices)."""
+    what :func:`parallelize` will do with ``plan`` (None: :func:`model_plan`), as data (used to
+    read only each rank's checkpoint slices). Names are single-device names."""
+    resolved = resolve(model, model_plan(model) if plan is None else plan)
     attn_mesh = folded.stage("attn")
     comm = FoldedComm(folded)
     out = {}
     for name, _ in model.named_parameters():
-        prefix = _moe_prefix(model, name)
-        out[name] = (moe_param_layout(name[len(prefix) + 1:], comm) if prefix
-                     else (attn_mesh, _placements(name)))
+        layer = resolved.layer_of(name)
+        out[name] = (moe_param_layout(name[len(layer) + 1:], comm, resolved.moe[layer]) if layer
+                     else (attn_mesh, resolved.placements[name]))
     return out
 
 
@@ -163,15 +229,36 @@ def check_fold(cfg, spec) -> None:
         check_moe_fold(cfg.moe, spec.ep, spec.etp, spec.tp)
 
 
-def parallelize(model: nn.Module, folded, local_state: dict | None = None,
+def _check_divides(name: str, shape, placements, spec) -> None:
+    for dim, q in zip(ATTN_DIMS, placements):
+        n = getattr(spec, dim)
+        if isinstance(q, Shard) and (q.dim >= len(shape) or shape[q.dim] % n):
+            size = shape[q.dim] if q.dim < len(shape) else "no such dim"
+            raise ValueError(f"parameter {name!r} {tuple(shape)}: Shard({q.dim}) over {dim} = {n}, but its dim "
+                             f"{q.dim} is {size}; a plan shards only dims that {dim} divides")
+
+
+def parallelize(model: nn.Module, folded, plan: Plan | None = None, *, local_state: dict | None = None,
                 data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
                 recompute: str = "none") -> nn.Module:
-    """Lay ``model`` out on ``folded``, from identical full weights on every rank; from a model
-    built on the meta device (``MoETransformer(cfg, device="meta")``), each rank then
+    """Lay ``model`` out on ``folded`` as ``plan`` says (None: :func:`model_plan`, the model's
+    own; meshfold's models declare theirs), from identical full weights on every rank; from a
+    model built on the meta device (``MoETransformer(cfg, device="meta")``), each rank then
     materializing only its own shards (TP / EP / ETP slices, then FSDP2 shards) on its device,
     with the same global values as the model built whole (:mod:`meshfold.models.init`); or,
     given ``local_state`` (``{name: this rank's shard}``, see :func:`param_layouts`), from shards
     only (the model may then live on the meta device).
+
+    What the plan's rules do (:class:`~meshfold.parallel.plan.Plan`): ``params`` (and ``default``)
+    make every parameter outside the MoE layers a DTensor on the attention mesh, seen by its
+    module as the local shard (:class:`LocalShard`); ``moe`` lays each MoE layer out with its
+    table (:func:`~meshfold.parallel.moe.parallelize_moe`); ``tp`` adds sequence-parallel entry /
+    exit (:func:`sequence_parallel`) when tp > 1; ``context`` sets each attention module's
+    ``context`` hook when cp > 1; ``recompute`` names the blocks ``recompute`` checkpoints;
+    ``fsdp``, ``tp_summed`` and ``keep_dtype`` make the FSDP2 groups
+    (:func:`~meshfold.parallel.data_parallel.fully_shard_folded`). The model also gets
+    ``folded``, ``gather_logits`` (:class:`GlobalLogits`) and ``reduce_loss``
+    (:class:`GlobalMeanLoss`), which a model's forward and loss may call.
 
     ``data_parallel``: ``"fsdp"`` shards every parameter over its data-parallel dims with FSDP2
     (:func:`fully_shard`; dense weights over ``dp x cp``, expert weights over ``edp``), which also
@@ -180,66 +267,71 @@ def parallelize(model: nn.Module, folded, local_state: dict | None = None,
 
     ``compute_dtype`` (None: the parameters' dtype): the dtype the modules compute in, e.g. bf16
     over an fp32 model, whose parameters stay the master weights (see *Mixed precision* above);
-    routers keep their ``router_dtype``.
+    parameters in the plan's ``keep_dtype`` (routers) keep theirs.
 
-    ``recompute``: activation checkpointing of every block, ``"none"``, ``"selective"`` or
-    ``"full"`` (:mod:`meshfold.parallel.recompute`: what each keeps and why; checkpoint inside
-    each block's FSDP2 group, whose hooks unshard the weights for the recompute).
+    ``recompute``: activation checkpointing of the plan's ``recompute`` blocks, ``"none"``,
+    ``"selective"`` or ``"full"`` (:mod:`meshfold.parallel.recompute`: what each keeps and why;
+    checkpoint inside each block's FSDP2 group, whose hooks unshard the weights for the recompute).
 
-    Raises ``ValueError`` naming the size that does not divide (heads, kv_heads, ffn over tp;
-    experts over ep; expert ffn over etp). Returns the model (modified in place).
+    Raises ``ValueError`` for a plan that does not fit the model (a pattern matching nothing, a
+    parameter nothing places: :func:`~meshfold.parallel.plan.check_plan`) and naming the size that
+    does not divide (heads, kv_heads, ffn over tp; experts over ep; expert ffn over etp; a
+    sharded dim). Returns the model (modified in place).
     """
+    plan = model_plan(model) if plan is None else plan
+    if folded.spec.pp != 1 and isinstance(model, MoETransformer):
+        raise ValueError(f"pp = {folded.spec.pp}: a whole MoETransformer runs with pp = 1; for pipeline "
+                         f"parallelism use meshfold.parallel.pipeline.Pipeline, which parallelizes "
+                         f"each rank's model chunks")
     check_choice("data_parallel", data_parallel, DATA_PARALLEL)
     check_recompute(recompute)
     spec = folded.spec
-    if spec.pp != 1 and isinstance(model, MoETransformer):
-        raise ValueError(f"pp = {spec.pp}: a whole MoETransformer runs with pp = 1; for pipeline "
-                         f"parallelism use meshfold.parallel.pipeline.Pipeline, which parallelizes "
-                         f"each rank's model chunks")
-    cfg = model.cfg
-    blocks = dict(model.layers.named_children())  # ModuleList, or a pipeline chunk's ModuleDict
-    check_fold(cfg, spec)
+    if plan.check is not None:
+        plan.check(spec)
+    r = resolve(model, plan)
+    if recompute != "none" and not r.recompute:
+        raise ValueError(f"recompute = {recompute!r} but the plan names no blocks to recompute "
+                         f"(Plan.recompute = {plan.recompute!r})")
     on_meta = local_state is None and any(p.is_meta for p in model.parameters())
     if on_meta and getattr(model, "inits", None) is None:
         raise ValueError("the model is on the meta device but records no initialization; build it "
                          "with MoETransformer(cfg, device='meta') or pass local_state")
     attn_mesh = folded.stage("attn")
-    for i, block in blocks.items():
-        if isinstance(block.mlp, MoELayer):
-            prefix = f"layers.{i}.mlp."
-            sub = None if local_state is None else {
-                n[len(prefix):]: t for n, t in local_state.items() if n.startswith(prefix)}
-            parallelize_moe(block.mlp, folded, sub, compute_dtype=compute_dtype)
-    for name, param in list(model.named_parameters()):
-        if _moe_prefix(model, name):
-            continue
-        placements = _placements(name)
+    for path, table in r.moe.items():
+        prefix = path + "."
+        sub = None if local_state is None else {
+            n[len(prefix):]: t for n, t in local_state.items() if n.startswith(prefix)}
+        parallelize_moe(model.get_submodule(path), folded, sub, layout=table, compute_dtype=compute_dtype)
+    for name, placements in r.placements.items():
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
+        param = getattr(module, attr)
+        _check_divides(name, param.shape, placements, spec)
         setattr(module, attr, place(param, attn_mesh, placements, None if local_state is None else local_state[name]))
-        parametrize.register_parametrization(module, attr, _Local(compute_dtype),
-                                             unsafe=True)
+        dtype = r.keep[name] if name in r.keep else compute_dtype
+        parametrize.register_parametrization(module, attr, LocalShard(dtype), unsafe=True)
     masks = CausalMaskCache()  # generic cp path: one mask per forward for all layers
-    for block in blocks.values():
+    for path, hook in r.context.items():
         if spec.cp > 1:
-            hook = LatentContext if isinstance(block.attn, MLA) else _ContextAttention  # MLA rings its latent
-            block.attn.context = hook(attn_mesh, spec.cp, masks)
+            model.get_submodule(path).context = CONTEXT[hook](attn_mesh, spec.cp, masks)
+    for path, entry in r.tp.items():
         if spec.tp > 1:
-            block.attn = _TensorParallel(block.attn, attn_mesh, spec.tp, positional=True)
-            if not isinstance(block.mlp, MoELayer):
-                block.mlp = _TensorParallel(block.mlp, attn_mesh, spec.tp, positional=False)
-    apply_recompute(blocks.values(), recompute)
-    model.folded = folded
-    model.gather_logits = _GlobalLogits(attn_mesh, spec)
-    model.reduce_loss = _GlobalMeanLoss(attn_mesh)
+            sequence_parallel(model.get_submodule(path), attn_mesh, entry)
+    apply_recompute([model.get_submodule(p) for p in r.recompute], recompute)
+    for attr, value in (("folded", folded), ("gather_logits", GlobalLogits(attn_mesh, spec)),
+                        ("reduce_loss", GlobalMeanLoss(attn_mesh))):
+        if getattr(model, attr, None) is not None and attr != "folded":
+            raise ValueError(f"{type(model).__name__}.{attr} is {getattr(model, attr)!r}; parallelize sets it "
+                             f"(None on one device), so a model may not define it otherwise")
+        setattr(model, attr, value)
     if data_parallel == "fsdp":
-        fully_shard_folded(model, folded, compute_dtype)
+        fully_shard_folded(model, folded, r, compute_dtype)
     if on_meta:  # after FSDP2 has sharded: each rank allocates and draws only what it keeps
         materialize_shards(model, model.inits, model.init_seed, folded.device, name_of=single_device_name)
     return model
 
 
-class _GlobalLogits:
+class GlobalLogits:
     """Local logits [b, s, V] -> DTensor on the attention mesh, placements (Shard(0), Shard(1),
     Shard(1)) over (dp, cp, tp) in natural sequence order, so ``.full_tensor()`` is the global
     [B, S, V]. Without cp, the local pieces already are that layout (a relabel, no copy). With
@@ -284,7 +376,7 @@ class _GlobalMean(torch.autograd.Function):
         return grad / ctx.n.to(grad.dtype), None, None
 
 
-class _GlobalMeanLoss:
+class GlobalMeanLoss:
     """``model.reduce_loss``: a rank's (cross-entropy sum, token count) -> the global mean."""
 
     def __init__(self, mesh):

@@ -126,7 +126,7 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
         """One layer's collectives in one micro-batch (forward, recomputation, backward)."""
         c = _Tally()
 
-        def tp_pair(positions: bool) -> None:  # _TensorParallel / shared_in + shared_out
+        def tp_pair(positions: bool) -> None:  # sequence_parallel / shared_in + shared_out
             if s.tp == 1:
                 return
             positions = positions and not megatron

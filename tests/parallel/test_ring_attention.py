@@ -222,7 +222,7 @@ def _context_hook(rank, world_size, spec, n, offset, permuted):
     """The parallelize hook: ring for the load-balanced layout (also shifted by an offset), the
     generic all-gather + mask path for any other positions; both equal one device."""
     from meshfold.models.attention import CausalMaskCache
-    from meshfold.parallel.context import _ContextAttention
+    from meshfold.parallel.context import RingContext
 
     S = 2 * spec.cp * n
     q, k, v, w, o = _one_device(2, 4, 2, S, 8, seed=3)
@@ -231,7 +231,7 @@ def _context_hook(rank, world_size, spec, n, offset, permuted):
         pos = torch.randperm(S, generator=torch.Generator().manual_seed(0))[c * 2 * n:(c + 1) * 2 * n]
     else:
         pos = _chunk_positions(spec, rank, n)
-    hook = _ContextAttention(cached_fold(spec).stage("attn"), spec.cp, CausalMaskCache())
+    hook = RingContext(cached_fold(spec).stage("attn"), spec.cp, CausalMaskCache())
     calls, real = [], ring.ring_attention
     ring.ring_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     try:
@@ -253,7 +253,7 @@ def _kept_by_attention(rank, world_size, spec, n):
     """Bytes an Attention layer's forward keeps for backward (its output included) over this
     rank's 2n tokens: on one device (positions 0..2n-1, SDPA) and with the ring over cp."""
     from meshfold.models.attention import Attention, CausalMaskCache
-    from meshfold.parallel.context import _ContextAttention
+    from meshfold.parallel.context import RingContext
     from meshfold.testing.references import LiveTensors
 
     gen = torch.Generator().manual_seed(0)
@@ -270,7 +270,7 @@ def _kept_by_attention(rank, world_size, spec, n):
         return nbytes
 
     one_device = kept(torch.arange(2 * n))
-    attn.context = _ContextAttention(cached_fold(spec).stage("attn"), spec.cp, CausalMaskCache())
+    attn.context = RingContext(cached_fold(spec).stage("attn"), spec.cp, CausalMaskCache())
     return one_device, kept(_chunk_positions(spec, rank, n))
 
 
