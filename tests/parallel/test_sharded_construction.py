@@ -21,6 +21,7 @@ from meshfold.parallel.transformer import full_state_dict, parallelize
 from meshfold.parallel.batch import shard_batch
 from meshfold.parallel.materialize import materialize_shards
 from meshfold.parallel.moe import place
+from meshfold.parallel.plan import Plan
 from meshfold.runtime.compat import fully_shard_over
 from meshfold.train.sparsity import ExpertSparsity
 from meshfold.testing.strategies import fold_specs
@@ -210,23 +211,30 @@ def test_sharded_construction_equals_the_single_device_model(worlds, world_size)
     check()
 
 
-# placements over attn (dp, cp, tp) for OwnModel, laid out by hand with the public pieces; the rest
-# replicated. FSDP2 then shards every parameter further over dp x cp (13 embedding rows: uneven).
+# placements over attn (dp, cp, tp) for OwnModel, laid out by hand with the public pieces or by a
+# plan; the rest replicated. FSDP2 then shards every parameter further over dp x cp (13 embedding
+# rows: uneven).
 OWN_LAYOUT = {"embed.weight": (R, R, Shard(1)), "up.weight": (R, R, Shard(0)), "up.bias": (R, R, Shard(0)),
               "down.weight": (R, R, Shard(1))}
 
 
+OWN_PLAN = Plan(params=OWN_LAYOUT, default=(R, R, R), fsdp=("up",))
+
+
 def _own_model_sharded_equals_whole(rank, world_size, specs, seed):
     whole = init.build(OwnModel, seed=seed, device="cpu").state_dict()
-    for spec in specs:
+    for spec, how in specs:
         folded = cached_fold(spec)
         attn = folded.stage("attn")
         model = init.build(OwnModel, seed=seed, device="meta")
-        for name, p in list(model.named_parameters()):
-            module_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(module_name), attr, place(p, attn, OWN_LAYOUT.get(name, (R, R, R))))
-        fully_shard_over(model, attn, ("dp", "cp"))
-        materialize_shards(model, model.inits, model.init_seed, folded.device)
+        if how == "plan":  # the user's route: parallelize materializes after FSDP2
+            parallelize(model, folded, OWN_PLAN)
+        else:  # by hand, with the public pieces
+            for name, p in list(model.named_parameters()):
+                module_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(module_name), attr, place(p, attn, OWN_LAYOUT.get(name, (R, R, R))))
+            fully_shard_over(model, attn, ("dp", "cp"))
+            materialize_shards(model, model.inits, model.init_seed, folded.device)
         params = list(model.parameters())
         assert all(isinstance(p, DTensor) for p in params)  # laid out and FSDP2-sharded: a rank holds a part
         assert sum(p.to_local().numel() for p in params) < sum(p.numel() for p in params)
@@ -239,7 +247,8 @@ def _own_model_sharded_equals_whole(rank, world_size, specs, seed):
 
 @pytest.mark.multirank
 def test_own_model_built_on_meta_equals_the_whole_model_on_two_folds(worlds):
-    specs = [FoldSpec(4, tp=2), FoldSpec(4, cp=2)]  # dp 2 x tp 2 (strided FSDP2 shards), dp 2 x cp 2
+    # dp 2 x tp 2 (strided FSDP2 shards), dp 2 x cp 2; laid out by hand and by a plan
+    specs = [(FoldSpec(4, tp=2), "hand"), (FoldSpec(4, cp=2), "hand"), (FoldSpec(4, tp=2), "plan")]
     assert all(worlds(4).run(_own_model_sharded_equals_whole, specs, 21))
 
 
