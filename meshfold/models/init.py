@@ -1,11 +1,15 @@
 """Initialization that does not depend on the fold: each rank draws only the shards it keeps.
 
-Every module declares how each of its tensors starts, with :func:`normal_`, :func:`ones_` or
-:func:`zeros_` instead of ``nn.init``. A model built on the meta device records those
-declarations (:func:`declared_inits`), is laid out on any fold while still on meta, and then
-:func:`materialize` fills every tensor -- a whole tensor, or just the shard of a DTensor this rank
-holds, whatever its placements (TP / EP / ETP slices, FSDP2 shards, strided shards) -- with values
-that depend only on ``(seed, single-device name, global position)``. So:
+Every tensor of a model says how it starts (:func:`declared_inits`, the protocol
+``docs/models.md`` describes): a declaration made with :func:`normal_`, :func:`uniform_`,
+:func:`ones_` or :func:`zeros_` instead of ``nn.init``; else, for a parameter of a module torch
+ships whose ``reset_parameters`` is torch's own, that initialization (:data:`TORCH_DEFAULTS`);
+for a buffer, the values it was built with (copied) or its module's ``reset_buffers()``
+(recomputed). A model built on the meta device (:func:`build`) records those declarations, is
+laid out on any fold while still on meta, and then :func:`materialize` fills every tensor -- a
+whole tensor, or just the shard of a DTensor this rank holds, whatever its placements (TP / EP /
+ETP slices, FSDP2 shards, strided shards) -- with values that depend only on ``(seed,
+single-device name, global position)``. So:
 
 * the global parameters equal, bitwise, those of the same model built whole on one device with the
   same seed, on every fold and pipeline split (``full_state_dict`` checks it);
@@ -14,7 +18,7 @@ that depend only on ``(seed, single-device name, global position)``. So:
 How values are drawn: a tensor of shape ``(d0, ..., dn)`` is cut, in row-major order, into *slabs*
 of whole rows of its trailing dims ``(dk, ..., dn)`` (``k`` the first dim whose trailing product
 is at most :data:`SLAB` elements), as many rows per slab as fit in SLAB. Slab ``j`` of tensor
-``name`` is one ``normal_`` call of a CPU generator seeded by ``hash(seed, name, j)``. The slab
+``name`` is one ``normal_`` (or ``uniform_``) call of a CPU generator seeded by ``hash(seed, name, j)``. The slab
 geometry is a function of the global shape alone, so any rank can redraw any slab and gets the
 same numbers; a rank draws each slab its shard touches once and keeps its rows and columns. Values
 are drawn in fp32 and rounded to the tensor's dtype (an fp64 model starts from fp32-representable
@@ -26,31 +30,50 @@ Example::
     model = MoETransformer(cfg, device="meta", seed=0)     # no memory for weights yet
     parallelize(model, fold(spec))                         # lays out, then materializes shards
     # equals: MoETransformer(cfg, seed=0), built whole, then parallelized
+
+    mine = build(lambda: MyModel(cfg), seed=0, device="meta")   # a user's own model, the same way
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["Init", "SLAB", "normal_", "ones_", "zeros_", "declared_inits", "draw_seed", "materialize",
-           "whole", "fill_"]
+__all__ = ["Init", "SLAB", "TORCH_DEFAULTS", "normal_", "uniform_", "ones_", "zeros_", "declared_inits",
+           "draw_seed", "build", "materialize", "whole", "fill_"]
 
 SLAB = 1 << 20  # elements per slab: 4 MiB of fp32 drawn at a time, whatever the tensor's size
 
 _ATTR = "_meshfold_init"
 
 
+KINDS = ("normal", "uniform", "constant", "copy", "recompute")
+
+
 @dataclass(frozen=True)
 class Init:
-    """How a tensor starts: ``kind`` "normal" (mean 0, std ``value``) or "constant" (``value``)."""
+    """How a tensor starts. ``kind``: "normal" (mean 0, std ``value``), "uniform" (on
+    ``[-value, value]``), "constant" (``value``), "copy" (a buffer's own values, ``data``, the
+    same on every rank) or "recompute" (a buffer its module's ``reset_buffers()`` computes).
+    ``zero_rows``: indices along dim 0 set to 0 after the draw (``nn.Embedding``'s
+    ``padding_idx``)."""
 
     kind: str
-    value: float
+    value: float = 0.0
+    zero_rows: tuple[int, ...] = ()
+    data: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Init kind {self.kind!r}; valid: {', '.join(map(repr, KINDS))}")
+        if (self.kind == "copy") != (self.data is not None):
+            raise ValueError(f"Init kind {self.kind!r} with data={'a tensor' if self.data is not None else None}: "
+                             f"'copy' and only 'copy' carries the values it copies")
 
 
 def normal_(t: torch.Tensor, std: float) -> torch.Tensor:
@@ -60,6 +83,14 @@ def normal_(t: torch.Tensor, std: float) -> torch.Tensor:
     setattr(t, _ATTR, Init("normal", float(std)))
     if not t.is_meta:
         nn.init.normal_(t, std=std)
+    return t
+
+
+def uniform_(t: torch.Tensor, bound: float) -> torch.Tensor:
+    """Declare ``t ~ U(-bound, bound)`` (and, off the meta device, fill it now, as :func:`normal_`)."""
+    setattr(t, _ATTR, Init("uniform", float(bound)))
+    if not t.is_meta:
+        nn.init.uniform_(t, -bound, bound)
     return t
 
 
@@ -81,19 +112,78 @@ def zeros_(t: torch.Tensor) -> torch.Tensor:
     return _constant(t, 0.0)
 
 
+def _linear(m: nn.Linear) -> dict[str, Init]:
+    # nn.Linear.reset_parameters: kaiming_uniform_(a=sqrt(5)) on the weight, whose bound
+    # gain * sqrt(3 / fan_in) is 1 / sqrt(fan_in); the bias on the same bound
+    fan_in = m.in_features
+    bound = 0.0 if fan_in == 0 else nn.init.calculate_gain("leaky_relu", math.sqrt(5)) * math.sqrt(3 / fan_in)
+    return {"weight": Init("uniform", bound), "bias": Init("uniform", 0.0 if fan_in == 0 else fan_in ** -0.5)}
+
+
+def _embedding(m: nn.Embedding) -> dict[str, Init]:
+    # nn.Embedding.reset_parameters: N(0, 1), then the padding row zeroed
+    return {"weight": Init("normal", 1.0, zero_rows=() if m.padding_idx is None else (m.padding_idx,))}
+
+
+def _norm(m: nn.Module) -> dict[str, Init]:
+    return {"weight": Init("constant", 1.0), "bias": Init("constant", 0.0)}
+
+
+# torch modules whose parameters start as their own reset_parameters would start them, with the
+# same distributions (drawn fold-independently here, so not the same numbers as torch's RNG)
+TORCH_DEFAULTS: dict[type, Callable[[nn.Module], dict[str, Init]]] = {
+    nn.Linear: _linear,
+    nn.Embedding: _embedding,
+    nn.LayerNorm: _norm,
+    nn.RMSNorm: _norm,
+    nn.GroupNorm: _norm,
+}
+
+
+def _torch_default(module: nn.Module) -> dict[str, Init]:
+    """The inits of ``module``'s own parameters under :data:`TORCH_DEFAULTS`: for a subclass only
+    if it keeps torch's ``reset_parameters`` (one that overrides it initializes differently)."""
+    for cls, rule in TORCH_DEFAULTS.items():
+        if isinstance(module, cls) and type(module).reset_parameters is cls.reset_parameters:
+            return rule(module)
+    return {}
+
+
 def declared_inits(module: nn.Module) -> dict[str, Init]:
-    """``{name: Init}`` of every parameter and buffer of ``module`` (built, not yet laid out).
-    Raises ``ValueError`` naming any tensor that declared nothing, since it could not be
+    """``{name: Init}`` of every parameter and buffer of ``module`` (built, not yet laid out),
+    under the protocol of the module docstring: a tensor's own declaration first; a parameter of
+    a torch module in :data:`TORCH_DEFAULTS`; a buffer that holds values ("copy") or on the meta
+    device whose module has ``reset_buffers()`` ("recompute"). Raises ``ValueError`` naming every
+    tensor (and its module's class) that none of these covers, since it could not be
     materialized."""
+    found: dict[int, Init] = {}
+    owner: dict[int, nn.Module] = {}
+    for _, m in module.named_modules():
+        defaults = _torch_default(m)
+        for attr, p in m.named_parameters(recurse=False):
+            owner.setdefault(id(p), m)
+            if attr in defaults:
+                found.setdefault(id(p), defaults[attr])
+        for attr, b in m.named_buffers(recurse=False):
+            owner.setdefault(id(b), m)
+            if not b.is_meta:
+                found.setdefault(id(b), Init("copy", data=b.detach()))
+            elif callable(getattr(m, "reset_buffers", None)):
+                found.setdefault(id(b), Init("recompute"))
     out, missing = {}, []
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        init = getattr(t, _ATTR, None)
+    params = dict(module.named_parameters())
+    for name, t in list(params.items()) + list(module.named_buffers()):
+        init = getattr(t, _ATTR, None) or found.get(id(t))
         if init is None:
-            missing.append(name)
+            missing.append(f"{name} ({type(owner[id(t)]).__name__})")
         out[name] = init
     if missing:
-        raise ValueError(f"tensors {missing} declare no initialization; create them with "
-                         f"meshfold.models.init.normal_ / ones_ / zeros_")
+        raise ValueError(
+            f"tensors {missing} declare no initialization: declare each with meshfold.models.init."
+            f"normal_ / uniform_ / ones_ / zeros_ where its module creates it, use a torch module "
+            f"meshfold initializes as torch does ({', '.join('nn.' + c.__name__ for c in TORCH_DEFAULTS)}, "
+            f"its reset_parameters not overridden), or, for a buffer, build it with values (copied) or "
+            f"give its module a reset_buffers() method (recomputed); see docs/models.md")
     return out
 
 
@@ -126,9 +216,23 @@ def fill_(local: torch.Tensor, init: Init, seed: int, name: str, shape, indices:
     numbers whichever rank, fold or device does it."""
     if init.kind == "constant":
         local.fill_(init.value)
-        return
-    if init.kind != "normal":
-        raise ValueError(f"{name}: init kind {init.kind!r}; valid: 'normal', 'constant'")
+    elif init.kind == "copy":
+        if tuple(init.data.shape) != tuple(shape):
+            raise ValueError(f"{name}: copies values of shape {tuple(init.data.shape)} into a tensor of "
+                             f"shape {tuple(shape)}")
+        part = init.data[torch.meshgrid(*indices, indexing="ij")] if indices else init.data
+        local.copy_(part)
+    elif init.kind == "recompute":
+        raise ValueError(f"{name}: recomputed by its module's reset_buffers(), not drawn (materialize calls it)")
+    else:
+        _draw(local, init, seed, name, shape, indices)
+    if init.zero_rows and local.numel():
+        rows = torch.isin(indices[0], torch.tensor(init.zero_rows, dtype=torch.long)).nonzero().flatten()
+        local[rows.to(local.device)] = 0
+
+
+def _draw(local, init: Init, seed: int, name: str, shape, indices) -> None:
+    """The "normal" and "uniform" kinds: each slab one call of a generator seeded by its index."""
     if local.numel() == 0:
         return
     k, inner, rows = _slabs(shape)
@@ -142,7 +246,11 @@ def fill_(local: torch.Tensor, init: Init, seed: int, name: str, shape, indices:
     for j in torch.unique(slab_of).tolist():
         r0, r1 = j * rows, min((j + 1) * rows, n_rows)
         g = torch.Generator().manual_seed(_slab_seed(seed, name, j))
-        slab = torch.empty((r1 - r0) * inner, dtype=torch.float32).normal_(0.0, init.value, generator=g)
+        slab = torch.empty((r1 - r0) * inner, dtype=torch.float32)
+        if init.kind == "normal":
+            slab.normal_(0.0, init.value, generator=g)
+        else:
+            slab.uniform_(-init.value, init.value, generator=g)
         slab = slab.view(r1 - r0, *shape[k:])
         mine = (slab_of == j).nonzero().flatten()  # local rows in this slab
         part = slab[lead[mine] - r0]
@@ -159,14 +267,46 @@ def whole(t: torch.Tensor) -> list[torch.Tensor]:
 
 def materialize(module: nn.Module, inits: dict[str, Init], seed: int, device,
                 name_of=lambda name: name, local=lambda t: t, indices=whole) -> None:
-    """Give every tensor of ``module`` (all on the meta device) storage on ``device`` and fill it
-    from ``inits`` (keyed by single-device name; ``name_of`` maps a tensor's name to it).
-    ``local(t)`` is the storage to fill and ``indices(t)`` the global indices it holds per dim
-    (:func:`fill_`): the whole tensor here; for a laid-out model, each rank's shard
-    (:func:`meshfold.parallel.materialize.materialize_shards`)."""
+    """Give every tensor of ``module`` (on the meta device, or a buffer holding its values)
+    storage on ``device`` and fill it from ``inits`` (keyed by single-device name; ``name_of``
+    maps a tensor's name to it). ``local(t)`` is the storage to fill and ``indices(t)`` the
+    global indices it holds per dim (:func:`fill_`): the whole tensor here; for a laid-out
+    model, each rank's shard (:func:`meshfold.parallel.materialize.materialize_shards`). Then
+    every module with a "recompute" buffer runs its ``reset_buffers()`` (such a buffer must be
+    held whole: it is computed whole)."""
     module.to_empty(device=device)
+    recompute = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         key = name_of(name)
         if key not in inits:
             raise KeyError(f"{name} (single-device name {key!r}) has no declared initialization")
+        if inits[key].kind == "recompute":
+            if local(t) is not t:
+                raise ValueError(f"{key}: a buffer recomputed by reset_buffers() must be held whole on "
+                                 f"every rank, but it is laid out as {type(t).__name__}")
+            owner = name.rpartition(".")[0]
+            recompute[owner] = module.get_submodule(owner)
+            continue
         fill_(local(t), inits[key], seed, key, tuple(t.shape), indices(t))
+    with torch.no_grad():
+        for m in recompute.values():
+            m.reset_buffers()
+
+
+def build(make: Callable[[], nn.Module], seed: int | None = None, device=None) -> nn.Module:
+    """``make()`` (a model's constructor, any ``nn.Module``) run on the meta device, its
+    declarations recorded (``model.inits``: :func:`declared_inits`, ``model.init_seed``:
+    ``seed``, default :func:`draw_seed`), then, unless ``device`` is ``"meta"``, materialized
+    whole on ``device`` (default: torch's default device). Built on meta and handed to
+    ``parallelize``, each rank materializes only its shards, with the same global values as
+    ``build(make, seed)`` on one device: on every fold, bitwise."""
+    with torch.device("meta"):
+        model = make()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"build: make() returned a {type(model).__name__}; valid: an nn.Module")
+    model.init_seed = draw_seed() if seed is None else seed
+    model.inits = declared_inits(model)
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type != "meta":
+        materialize(model, model.inits, model.init_seed, device)
+    return model

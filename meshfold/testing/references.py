@@ -8,26 +8,31 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["reference_transformer", "checkpoint_reads", "LiveTensors", "OffCPU"]
+__all__ = ["reference_model", "reference_transformer", "checkpoint_reads", "LiveTensors", "OffCPU"]
+
+
+def reference_model(build, seed: int, B: int, S: int, vocab: int):
+    """``(model, tokens, targets)``: the single-device model ``build()`` makes after
+    ``torch.manual_seed(seed)``, its constant-initialized parameters (norms, biases) moved off
+    their initial values (:func:`~meshfold.testing.equivalence.perturb_constants`, so a layout
+    that misapplies one shows), and a global [B, S] batch of tokens and targets below ``vocab``
+    from ``seed + 1``: what folded equality tests compare against."""
+    from meshfold.testing.equivalence import perturb_constants
+
+    torch.manual_seed(seed)
+    model = build()
+    perturb_constants(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, vocab, (B, S), generator=g)
+    targets = torch.randint(0, vocab, (B, S), generator=g)
+    return model, tokens, targets
 
 
 def reference_transformer(cfg, seed: int, B: int, S: int):
-    """``(model, tokens, targets)``: a single-device fp64 MoETransformer of ``cfg`` drawn from
-    ``seed``, its norms and q/k/v biases moved off their initial values (so their gradients are
-    checked too), and a global [B, S] batch of tokens and targets from ``seed + 1``: what the
-    folded equality tests compare against."""
+    """:func:`reference_model` of an fp64 MoETransformer of ``cfg``."""
     from meshfold.models.transformer import MoETransformer
 
-    torch.manual_seed(seed)
-    model = MoETransformer(cfg, dtype=torch.float64)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith((".bq", ".bk", ".bv")):
-                p.add_(0.1 * torch.randn_like(p))
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, cfg.vocab, (B, S), generator=g)
-    targets = torch.randint(0, cfg.vocab, (B, S), generator=g)
-    return model, tokens, targets
+    return reference_model(lambda: MoETransformer(cfg, dtype=torch.float64), seed, B, S, cfg.vocab)
 
 
 @contextmanager

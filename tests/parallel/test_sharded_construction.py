@@ -8,18 +8,26 @@ import gc
 import pytest
 import torch
 from hypothesis import given, settings
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
 from meshfold.models import init
 from meshfold.parallel.pipeline import Pipeline
+from meshfold.models.layers import RMSNorm
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.parallel.transformer import full_state_dict, parallelize
 from meshfold.parallel.batch import shard_batch
+from meshfold.parallel.materialize import materialize_shards
+from meshfold.parallel.moe import place
+from meshfold.parallel.plan import Plan
+from meshfold.runtime.compat import fully_shard_over
 from meshfold.train.sparsity import ExpertSparsity
 from meshfold.testing.strategies import fold_specs
 from meshfold.testing.worlds import cached_fold
+
+R = Replicate()
 
 
 # ---- the draw itself, no ranks ----------------------------------------------------------------
@@ -70,10 +78,86 @@ def test_construction_does_not_depend_on_the_dtype_or_the_global_rng():
     assert all(p.is_meta for p in meta.parameters()) and meta.inits.keys() == a.keys()
 
 
+# ---- a user's own modules: torch's layers, norms and buffers ------------------------------------
+@settings(max_examples=40)
+@given(shards(), st.sampled_from([init.Init("uniform", 0.3), init.Init("normal", 1.0, zero_rows=(0, 2)),
+                                  init.Init("constant", 1.0, zero_rows=(1,))]))
+def test_every_kind_draws_exactly_its_part_of_the_whole(monkeypatch, case, spec):
+    shape, slab, indices = case
+    monkeypatch.setattr(init, "SLAB", slab)
+    whole = torch.empty(shape, dtype=torch.float64)
+    init.fill_(whole, spec, 5, "w", shape, [torch.arange(n) for n in shape])
+    part = torch.empty([len(i) for i in indices], dtype=torch.float64)
+    init.fill_(part, spec, 5, "w", shape, indices)
+    assert torch.equal(part, whole[torch.meshgrid(*indices, indexing="ij")])
+    assert all(not whole[r].any() for r in spec.zero_rows if r < shape[0])
+    copied = init.Init("copy", data=whole)
+    init.fill_(part, copied, 0, "w", shape, indices)
+    assert torch.equal(part, whole[torch.meshgrid(*indices, indexing="ij")])
+
+
+class OwnModel(torch.nn.Module):
+    """A user's module with no meshfold declarations but one: torch's layers and norms, a buffer
+    built with its values (copied) and one its ``reset_buffers`` computes (recomputed)."""
+
+    def __init__(self, V=13, H=8, F=6):
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, H, padding_idx=0)  # weight [V, H]
+        self.norm = torch.nn.LayerNorm(H)
+        self.rms = torch.nn.RMSNorm(H)
+        self.mf_norm = RMSNorm(H)  # meshfold's, declared ones
+        self.up = torch.nn.Linear(H, F)  # weight [F, H], bias [F]
+        self.down = torch.nn.Linear(F, H, bias=False)
+        self.scale = init.normal_(torch.nn.Parameter(torch.empty(H)), std=0.5)  # declared
+        g = torch.Generator().manual_seed(3)
+        self.register_buffer("expert_of_token", torch.randperm(V, generator=g, device="cpu") % 4)
+        self.register_buffer("inv_freq", torch.empty(H // 2))
+        self.reset_buffers()
+
+    def reset_buffers(self):
+        H = 2 * self.inv_freq.shape[0]
+        self.inv_freq.copy_(100.0 ** -(torch.arange(0, H, 2, device=self.inv_freq.device) / H))
+
+
+def test_torch_layers_norms_and_buffers_start_as_torch_starts_them():
+    model = init.build(OwnModel, seed=11, device="cpu")
+    ins = model.inits
+    bounds = {n: (ins[n].kind, ins[n].value) for n in ("up.weight", "up.bias", "down.weight")}
+    assert bounds == {"up.weight": ("uniform", pytest.approx(8 ** -0.5)), "up.bias": ("uniform", 8 ** -0.5),
+                      "down.weight": ("uniform", pytest.approx(6 ** -0.5))}
+    assert ins["embed.weight"] == init.Init("normal", 1.0, zero_rows=(0,))
+    assert {ins[n].value for n in ("norm.weight", "rms.weight", "mf_norm.weight")} == {1.0}
+    assert ins["norm.bias"] == init.Init("constant", 0.0)
+    assert ins["expert_of_token"].kind == "copy" and ins["inv_freq"].kind == "recompute"
+    # torch's own distributions: torch's draws and ours fill the same interval
+    big = init.build(lambda: torch.nn.Linear(64, 512), seed=0)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(64, 512)
+    for t in (big.weight, big.bias, ref.weight, ref.bias):
+        assert 0.95 * 64 ** -0.5 < t.abs().max() <= 64 ** -0.5
+    assert not model.embed.weight[0].any() and model.embed.weight[1:].std() > 0.5
+    g = torch.Generator().manual_seed(3)
+    assert torch.equal(model.expert_of_token, torch.randperm(13, generator=g) % 4)
+    assert torch.equal(model.inv_freq, 100.0 ** -(torch.arange(0, 8, 2) / 8))
+    again = init.build(OwnModel, seed=11).state_dict()
+    assert all(torch.equal(t, again[n]) for n, t in model.state_dict().items())
+
+
 def test_a_tensor_without_a_declared_init_is_named():
-    module = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"\['weight', 'bias'\] declare no initialization"):
-        init.declared_inits(module)
+    class Custom(torch.nn.Linear):
+        def reset_parameters(self):  # its own initialization: meshfold cannot know it
+            torch.nn.init.zeros_(self.weight)
+
+    class Own(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(2))
+            self.lin = Custom(2, 2, bias=False)
+            self.register_buffer("table", torch.empty(3))  # on meta, and no reset_buffers
+
+    with pytest.raises(ValueError, match=r"\['w \(Own\)', 'lin.weight \(Custom\)', 'table \(Own\)'\] "
+                                         r"declare no initialization"):
+        init.build(Own, seed=0)
 
 
 # ---- folded, on 4 and 8 ranks -----------------------------------------------------------------
@@ -125,6 +209,47 @@ def test_sharded_construction_equals_the_single_device_model(worlds, world_size)
         assert all(world.run(_sharded_equals_whole, spec, sparse, bias, data_parallel, seed))
 
     check()
+
+
+# placements over attn (dp, cp, tp) for OwnModel, laid out by hand with the public pieces or by a
+# plan; the rest replicated. FSDP2 then shards every parameter further over dp x cp (13 embedding
+# rows: uneven).
+OWN_LAYOUT = {"embed.weight": (R, R, Shard(1)), "up.weight": (R, R, Shard(0)), "up.bias": (R, R, Shard(0)),
+              "down.weight": (R, R, Shard(1))}
+
+
+OWN_PLAN = Plan(params=OWN_LAYOUT, default=(R, R, R), fsdp=("up",))
+
+
+def _own_model_sharded_equals_whole(rank, world_size, specs, seed):
+    whole = init.build(OwnModel, seed=seed, device="cpu").state_dict()
+    for spec, how in specs:
+        folded = cached_fold(spec)
+        attn = folded.stage("attn")
+        model = init.build(OwnModel, seed=seed, device="meta")
+        if how == "plan":  # the user's route: parallelize materializes after FSDP2
+            parallelize(model, folded, OWN_PLAN)
+        else:  # by hand, with the public pieces
+            for name, p in list(model.named_parameters()):
+                module_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(module_name), attr, place(p, attn, OWN_LAYOUT.get(name, (R, R, R))))
+            fully_shard_over(model, attn, ("dp", "cp"))
+            materialize_shards(model, model.inits, model.init_seed, folded.device)
+        params = list(model.parameters())
+        assert all(isinstance(p, DTensor) for p in params)  # laid out and FSDP2-sharded: a rank holds a part
+        assert sum(p.to_local().numel() for p in params) < sum(p.numel() for p in params)
+        full = full_state_dict(model)
+        assert full.keys() == whole.keys()
+        for name, t in full.items():
+            assert torch.equal(t, whole[name]), f"{spec}: {name} differs from the model built whole"
+    return True
+
+
+@pytest.mark.multirank
+def test_own_model_built_on_meta_equals_the_whole_model_on_two_folds(worlds):
+    # dp 2 x tp 2 (strided FSDP2 shards), dp 2 x cp 2; laid out by hand and by a plan
+    specs = [(FoldSpec(4, tp=2), "hand"), (FoldSpec(4, cp=2), "hand"), (FoldSpec(4, tp=2), "plan")]
+    assert all(worlds(4).run(_own_model_sharded_equals_whole, specs, 21))
 
 
 # ---- memory: a >= 100M-parameter model on 4 ranks ---------------------------------------------
