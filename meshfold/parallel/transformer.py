@@ -295,7 +295,8 @@ def parallelize(model: nn.Module, folded, plan: Plan | None = None, *, local_sta
     on_meta = local_state is None and any(p.is_meta for p in model.parameters())
     if on_meta and getattr(model, "inits", None) is None:
         raise ValueError("the model is on the meta device but records no initialization; build it "
-                         "with MoETransformer(cfg, device='meta') or pass local_state")
+                         "with meshfold.models.init.build(make, seed, device='meta') (meshfold's own: "
+                         "MoETransformer(cfg, device='meta')) or pass local_state")
     attn_mesh = folded.stage("attn")
     for path, table in r.moe.items():
         prefix = path + "."
