@@ -307,3 +307,57 @@ def test_single_device_names_keep_a_users_own_names():
     assert single_device_name("blocks.0.mixer.parametrizations.to_q.original") == "blocks.0.mixer.to_q"
     assert single_device_name("parametrizations.w.original") == "w"
     assert single_device_name("enc.inner.original.w") == "enc.inner.original.w"
+
+
+# ---- checkpoints: saved on one fold, loaded on another and on one device ----------------------------
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _trained_state(model, optimizer):
+    """{single-device name: full tensor} of the parameters and their AdamW moments (collective)."""
+    out = {}
+    for n, p in model.named_parameters():
+        out[single_device_name(n)] = _full(p.detach())
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{single_device_name(n)}.{key}"] = _full(optimizer.state[p][key])
+    return out
+
+
+def _save_on_one_fold_load_on_another(rank, world_size, path):
+    from meshfold.train import checkpoint
+
+    a, b = FoldSpec(4, tp=2, cp=2, ep=2, etp=2), FoldSpec(4, dp=2, tp=2, ep=2)
+    model = parallelize(TinyLM(), cached_fold(a), PLAN)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    tokens, targets = _batch(a)
+    local, pos = shard_batch(tokens, a, rank)
+    model.loss(local, shard_batch(targets, a, rank)[0], pos).backward()
+    optimizer.step()
+    saved = _trained_state(model, optimizer)
+    checkpoint.save(path, 1, model, optimizer, {"step": 1})
+    other = parallelize(TinyLM(seed=5), cached_fold(b), PLAN)  # other weights, another fold
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2, foreach=False)
+    assert checkpoint.load(f"{path}/step_000001", other, other_optimizer, restore_rng=False)["step"] == 1
+    loaded = _trained_state(other, other_optimizer)
+    assert loaded.keys() == saved.keys()
+    for name, t in saved.items():
+        assert torch.equal(loaded[name], t), name
+    return {single_device_name(n): saved[single_device_name(n)] for n, _ in model.named_parameters()}
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_of_a_custom_model_loads_on_another_fold_and_on_one_device(worlds, tmp_path):
+    """A user model laid out by its plan, after an AdamW step on tp2 x cp2 | ep2 x etp2, saved under
+    its own single-device names: loaded on dp2 x tp2 | edp2 x ep2 every parameter and moment is
+    bitwise what was saved, and the plain single-device model loads it too."""
+    from meshfold.train import checkpoint
+
+    saved = worlds(4).run(_save_on_one_fold_load_on_another, str(tmp_path))[0]
+    plain = TinyLM(seed=7)
+    checkpoint.load(tmp_path / "step_000001", plain, restore_rng=False)
+    state = dict(plain.named_parameters())
+    assert state.keys() == saved.keys()
+    for name, t in saved.items():
+        assert torch.equal(state[name].detach(), t), name
