@@ -41,7 +41,7 @@ from meshfold.interop.recipes import Leaf, Stack, gate_up, leaves, linear
 from meshfold.models.config import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 
-__all__ = ["SUPPORTED", "config_from_hf", "config_to_hf", "infer_architecture", "checkpoint_map", "load_state",
+__all__ = ["SUPPORTED", "config_from_hf", "config_to_hf", "infer_architecture", "checkpoint_map", "load_state", "save_mapped",
            "from_pretrained", "save_pretrained", "Leaf", "Stack"]
 
 SUPPORTED = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", hf_deepseek.ARCH)
@@ -417,6 +417,36 @@ def _split(recipe, t: torch.Tensor, out: dict) -> None:
         out[recipe.key] = (t.T if recipe.transpose else t).contiguous()
 
 
+def save_mapped(state: dict[str, torch.Tensor], recipes: dict[str, Leaf | Stack], path, config: dict,
+                dtype: torch.dtype | None = None, keep_dtype: Callable[[str], bool] = lambda name: False,
+                skip: tuple[str, ...] = ()) -> None:
+    """Write ``config.json`` (``config``) + ``model.safetensors`` from ``state`` (``{single-device
+    name: full tensor}``: a plain model's ``state_dict()``, or a laid-out model's
+    :func:`meshfold.parallel.full_state_dict`) under the names ``recipes`` gives each tensor
+    (:mod:`meshfold.interop.recipes`: a ``Leaf`` renames, maybe transposed; a ``Stack`` splits,
+    e.g. experts along 0). This is the Hugging Face export of a model of one's own: its recipes
+    are the mapping to the target architecture's names. Tensors are written in ``dtype`` (None:
+    their own), except names ``keep_dtype`` accepts (e.g. routers kept in fp32).
+
+    Nothing is dropped silently: a tensor of ``state`` without a recipe is an error naming it
+    unless listed in ``skip`` (e.g. recomputed buffers), and so is a recipe for a name ``state``
+    does not hold."""
+    missing = [n for n in state if n not in recipes and n not in skip]
+    if missing:
+        raise ValueError(f"save_mapped: no recipe for {missing}; give each a Leaf / Stack, or list it in skip")
+    unknown = [n for n in recipes if n not in state]
+    if unknown:
+        raise ValueError(f"save_mapped: recipes name {unknown}, which the state does not hold ({sorted(state)[:8]} ...)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, recipe in recipes.items():
+        t = state[name].detach().cpu()
+        _split(recipe, t if dtype is None or keep_dtype(name) else t.to(dtype), tensors)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 def save_pretrained(model: MoETransformer, path, arch: str | None = None, dtype: torch.dtype | None = None) -> None:
     """Write ``config.json`` + ``model.safetensors`` in the Hugging Face format of ``arch``
     (default: inferred from the config), loadable by transformers and :func:`from_pretrained`.
@@ -424,14 +454,7 @@ def save_pretrained(model: MoETransformer, path, arch: str | None = None, dtype:
     as :func:`from_pretrained` reads them. Single-device (plain tensor) models only."""
     cfg = model.cfg
     arch = arch or infer_architecture(cfg)
-    hf = config_to_hf(cfg, arch, dtype or model.embed.weight.dtype)
     recipes = checkpoint_map(cfg, arch)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, p in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in recipes]:
-        t = p.detach().cpu()
-        keep = dtype is None or name.endswith(("router.weight", "router.expert_bias"))  # fp32, as HF keeps them
-        _split(recipes[name], t if keep else t.to(dtype), tensors)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    state = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n in recipes}
+    save_mapped(state, recipes, path, config_to_hf(cfg, arch, dtype or model.embed.weight.dtype), dtype,
+                keep_dtype=lambda name: name.endswith(("router.weight", "router.expert_bias")))  # fp32, as HF keeps them
