@@ -19,11 +19,11 @@ from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
 from meshfold.parallel.layouts import MLA_LAYOUT, MOE_LAYOUT, TRANSFORMER_LAYOUT
 from meshfold.parallel.moe import FoldedComm, parallelize_moe, place
 from meshfold.parallel.pipeline import Pipeline
-from meshfold.parallel.plan import Plan, SequenceParallel
+from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel
 from meshfold.parallel.transformer import (GlobalLogits, GlobalMeanLoss, check_fold, full_state_dict, param_layouts,
                                           parallelize, single_device_name, transformer_plan)
 
 __all__ = ["MLA_LAYOUT", "MOE_LAYOUT", "TRANSFORMER_LAYOUT", "FoldedComm", "GlobalLogits", "GlobalMeanLoss", "Pipeline",
-           "Plan", "SequenceParallel", "batch_rows", "check_fold", "full_state_dict", "grad_norm", "local_positions",
+           "Plan", "SequenceParallel", "VocabParallel", "batch_rows", "check_fold", "full_state_dict", "grad_norm", "local_positions",
            "param_layouts", "parallelize", "parallelize_moe", "place", "reduce_gradients", "shard_batch",
            "single_device_name", "transformer_plan"]

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Placement
 
-__all__ = ["Plan", "SequenceParallel", "Resolved", "CONTEXT_HOOKS", "matches", "first_match", "matching", "check_plan", "resolve", "restrict",
+__all__ = ["Plan", "SequenceParallel", "VocabParallel", "VOCAB_KINDS", "Resolved", "CONTEXT_HOOKS", "matches", "first_match", "matching", "check_plan", "resolve", "restrict",
            "moe_layers", "owner"]
 
 CONTEXT_HOOKS = ("ring", "latent")  # Plan.context values: GQA-style ring, MLA's latent ring
@@ -50,6 +50,32 @@ class SequenceParallel:
     positions: bool = False
 
 
+VOCAB_KINDS = ("embedding", "head")
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Vocabulary parallelism of an embedding or an output head whose weight [V, H] the plan
+    shards over ``tp`` along the vocabulary (``Shard(0)`` on tp), with sequence parallelism
+    around it, so each tp rank stores and computes V / tp rows:
+
+    * ``"embedding"``: ``forward(ids [B, S]) -> [B, S, H]``, a lookup of the weight's rows
+      (``F.embedding``, no ``padding_idx``). The tp group's ids are all-gathered, each rank looks
+      up the ids of its own rows (the others give zero rows) and the sum over tp is
+      reduce-scattered back to each rank's tokens.
+    * ``"head"``: ``forward(x [B, S, H]) -> logits [B, S, V]`` with the weight as nn.Linear's.
+      The tp group's tokens are all-gathered, each rank computes its V / tp logits of all of
+      them, and the logits are all-gathered over the vocabulary, each rank keeping its own
+      tokens' rows [B, S, V] (a transient [B, S * tp, V] per rank), so the loss is computed as
+      without it."""
+
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in VOCAB_KINDS:
+            raise ValueError(f"VocabParallel(kind={self.kind!r}); valid: {list(VOCAB_KINDS)}")
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a model is laid out (see the module docstring for the pattern syntax).
@@ -58,7 +84,8 @@ class Plan:
       (``Replicate()`` / ``Shard(d)`` each); the first matching entry wins. Parameters of MoE
       layers (``moe``) take their layer's table instead.
     * ``default``: placements of parameters no entry matches; None: such a parameter is an error.
-    * ``tp``: module pattern -> :class:`SequenceParallel` (applied when ``tp > 1``).
+    * ``tp``: module pattern -> :class:`SequenceParallel` or :class:`VocabParallel` (applied
+      when ``tp > 1``).
     * ``context``: attention module pattern -> ``"ring"`` | ``"latent"``, the hook set as the
       module's ``context`` attribute when ``cp > 1``
       (:class:`~meshfold.parallel.context.RingContext`,
@@ -86,7 +113,7 @@ class Plan:
 
     params: Mapping[str, tuple] = field(default_factory=dict)
     default: tuple | None = None
-    tp: Mapping[str, SequenceParallel] = field(default_factory=dict)
+    tp: Mapping[str, SequenceParallel | VocabParallel] = field(default_factory=dict)
     context: Mapping[str, str] = field(default_factory=dict)
     moe: Mapping[str, Mapping] = field(default_factory=dict)
     fsdp: tuple[str, ...] = ()
@@ -107,8 +134,9 @@ class Plan:
         for pattern, placements in list(self.params.items()) + ([("default", self.default)] if self.default else []):
             _check_placements(f"Plan.params[{pattern!r}]" if pattern != "default" else "Plan.default", placements)
         for pattern, sp in self.tp.items():
-            if not isinstance(sp, SequenceParallel):
-                raise TypeError(f"Plan.tp[{pattern!r}] = {sp!r}; valid: a SequenceParallel(...)")
+            if not isinstance(sp, (SequenceParallel, VocabParallel)):
+                raise TypeError(f"Plan.tp[{pattern!r}] = {sp!r}; valid: a SequenceParallel(...) or a "
+                                f"VocabParallel(...)")
         for pattern, hook in self.context.items():
             if hook not in CONTEXT_HOOKS:
                 raise ValueError(f"Plan.context[{pattern!r}] = {hook!r}; valid: {list(CONTEXT_HOOKS)}")

@@ -74,7 +74,7 @@ from meshfold.parallel.layouts import MLA_LAYOUT, MOE_LAYOUT, TRANSFORMER_LAYOUT
 from meshfold.parallel.materialize import materialize_shards
 from meshfold.parallel.mla import LatentContext, check_mla_fold
 from meshfold.parallel.moe import FoldedComm, check_moe_fold, moe_param_layout, parallelize_moe, place
-from meshfold.parallel.plan import Plan, SequenceParallel, resolve
+from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel, resolve
 from meshfold.parallel.recompute import apply_recompute, check_recompute
 from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
 
@@ -110,7 +110,7 @@ def sequence_parallel(module: nn.Module, mesh, entry: SequenceParallel) -> None:
     after them passed as None), its output [B, S * tp, ...] reduce-scattered back after it. Every
     tp rank holds the same number of tokens (the batch layout splits sequences evenly)."""
     tp = mesh.size(mesh.mesh_dim_names.index("tp"))
-    what = type(module).__name__
+    what = type(module).__name__.removeprefix("Parametrized")  # parametrize's subclass: the user's class
 
     def enter(_, args, kwargs):
         if kwargs:
@@ -129,6 +129,50 @@ def sequence_parallel(module: nn.Module, mesh, entry: SequenceParallel) -> None:
     def leave(_, args, y):
         sizes = [y.shape[1] // tp] * tp
         return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, mesh, "tp").transpose(0, 1)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave)
+
+
+def vocab_parallel(module: nn.Module, mesh, entry: VocabParallel) -> None:
+    """:class:`~meshfold.parallel.plan.VocabParallel` around ``module`` (forward hooks; its
+    ``weight``, laid out ``Shard(0)`` over ``tp``, reaches it as this rank's V / tp rows)."""
+    tp_dim = mesh.mesh_dim_names.index("tp")
+    tp, me = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
+    what = f"vocabulary-parallel {type(module).__name__.removeprefix('Parametrized')}"  # (parametrize's subclass)
+    weight = (module.parametrizations["weight"].original if parametrize.is_parametrized(module, "weight")
+              else getattr(module, "weight", None))
+    if not isinstance(weight, DTensor) or weight.placements[tp_dim] != Shard(0):
+        raise ValueError(f"{what}: its weight must be laid out Shard(0) over tp (the vocabulary), got "
+                         f"{getattr(weight, 'placements', None)}; give it (R, R, Shard(0)) in Plan.params")
+    rows = weight.shape[0] // tp  # V / tp, this rank's rows [me * rows, (me + 1) * rows)
+    if entry.kind == "embedding" and getattr(module, "padding_idx", None) is not None:
+        raise ValueError(f"{what}: padding_idx = {module.padding_idx} is not supported (each rank holds "
+                         f"other rows); valid: padding_idx=None")
+
+    def gather(t):  # [B, s, ...] -> the tp group's [B, s * tp, ...], in tp-rank order
+        return all_gather_v(t.transpose(0, 1).contiguous(), [t.shape[1]] * tp, mesh, "tp").transpose(0, 1)
+
+    def enter(mod, args, kwargs):
+        if kwargs or len(args) != 1:
+            raise ValueError(f"{what} called with {len(args)} positional and {sorted(kwargs)} keyword "
+                             f"arguments; valid: forward({'ids' if entry.kind == 'embedding' else 'x'})")
+        x = gather(args[0])
+        if entry.kind == "head":
+            return (x,), {}
+        local = x - me * rows
+        mod._vocab_mask = (local >= 0) & (local < rows)
+        return (torch.where(mod._vocab_mask, local, 0),), {}
+
+    def leave(mod, args, y):
+        if entry.kind == "embedding":
+            y = y * mod._vocab_mask.unsqueeze(-1).to(y.dtype)  # other ranks' rows: zero
+            del mod._vocab_mask
+            sizes = [y.shape[1] // tp] * tp
+            return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, mesh, "tp").transpose(0, 1)
+        s = y.shape[1] // tp  # y: [B, s * tp, V / tp] -> every vocabulary slice, own tokens
+        full = all_gather_v(y.movedim(-1, 0).contiguous(), [y.shape[-1]] * tp, mesh, "tp").movedim(0, -1)
+        return full[:, me * s:(me + 1) * s]
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave)
@@ -322,7 +366,8 @@ def parallelize(model: nn.Module, folded, plan: Plan | None = None, *, local_sta
             model.get_submodule(path).context = CONTEXT[hook](attn_mesh, spec.cp, masks)
     for path, entry in r.tp.items():
         if spec.tp > 1:
-            sequence_parallel(model.get_submodule(path), attn_mesh, entry)
+            style = vocab_parallel if isinstance(entry, VocabParallel) else sequence_parallel
+            style(model.get_submodule(path), attn_mesh, entry)
     apply_recompute([model.get_submodule(p) for p in r.recompute], recompute)
     for attr, value in (("folded", folded), ("gather_logits", GlobalLogits(attn_mesh, spec)),
                         ("reduce_loss", GlobalMeanLoss(attn_mesh))):

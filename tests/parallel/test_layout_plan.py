@@ -17,7 +17,7 @@ from meshfold.models.transformer import cross_entropy_sum
 from meshfold.parallel.batch import shard_batch
 from meshfold.parallel.data_parallel import reduce_gradients
 from meshfold.parallel.pipeline import Pipeline
-from meshfold.parallel.plan import Plan, SequenceParallel, check_plan, matches
+from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel, check_plan, matches
 from meshfold.parallel.recompute import apply_recompute
 from meshfold.parallel.transformer import full_state_dict, param_layouts, parallelize, single_device_name
 from meshfold.testing.worlds import cached_fold
@@ -361,3 +361,39 @@ def test_a_checkpoint_of_a_custom_model_loads_on_another_fold_and_on_one_device(
     assert state.keys() == saved.keys()
     for name, t in saved.items():
         assert torch.equal(state[name].detach(), t), name
+
+
+# ---- vocabulary parallelism: the embedding and the head sharded over tp along V ---------------------
+
+VOCAB_PLAN = Plan(**{f: getattr(PLAN, f) for f in PLAN.__dataclass_fields__} | dict(
+    params={**PLAN.params, "tok.weight": (R, R, Shard(0)), "unembed.weight": (R, R, Shard(0))},
+    tp={**PLAN.tp, "tok": VocabParallel("embedding"), "unembed": VocabParallel("head")}))
+
+
+def _vocab_parallel(rank, world_size, spec):
+    ref = TinyLM()
+    tokens, targets = _batch(spec)
+    ref_loss = ref.loss(tokens, targets)
+    ref_loss.backward()
+    model = parallelize(TinyLM(), cached_fold(spec), VOCAB_PLAN, recompute="full")
+    assert model.tok.parametrizations["weight"].original.to_local().shape[0] <= VOCAB // spec.tp  # V / tp rows or fewer (FSDP2)
+    local, pos = shard_batch(tokens, spec, rank)
+    loss = model.loss(local, shard_batch(targets, spec, rank)[0], pos)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12)
+    for n, p in model.named_parameters():
+        want = ref.get_parameter(single_device_name(n)).grad
+        torch.testing.assert_close(p.grad.full_tensor(), want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{n}: {m}")
+    # the weight must be laid out over the vocabulary, or the style is an error naming it
+    wrong = Plan(**{f: getattr(VOCAB_PLAN, f) for f in PLAN.__dataclass_fields__} | dict(
+        params={**VOCAB_PLAN.params, "unembed.weight": (R, R, R)}))
+    with pytest.raises(ValueError, match=r"vocabulary-parallel Linear: its weight must be laid out Shard\(0\) over tp"):
+        parallelize(TinyLM(), cached_fold(spec), wrong)
+    return True
+
+
+@pytest.mark.multirank
+def test_vocabulary_parallel_embedding_and_head_equal_one_device(worlds):
+    """tp2 x cp2 | ep2 x etp2 with the embedding and the head sharded over tp along the
+    vocabulary (FSDP2, full recompute): loss and every gradient equal one device in fp64."""
+    assert all(worlds(4).run(_vocab_parallel, FoldSpec(4, tp=2, cp=2, ep=2, etp=2)))
