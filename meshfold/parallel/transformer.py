@@ -103,6 +103,17 @@ class LocalShard(nn.Module):
         return local if self.dtype is None else local.to(self.dtype)
 
 
+def _gather_tokens(t: torch.Tensor, mesh, tp: int) -> torch.Tensor:
+    """[B, s, ...] on each tp rank -> the tp group's [B, s * tp, ...], in tp-rank order."""
+    return all_gather_v(t.transpose(0, 1).contiguous(), [t.shape[1]] * tp, mesh, "tp").transpose(0, 1)
+
+
+def _scatter_tokens(y: torch.Tensor, mesh, tp: int) -> torch.Tensor:
+    """[B, s * tp, ...] partial sums on each tp rank -> the sum of this rank's [B, s, ...]."""
+    sizes = [y.shape[1] // tp] * tp
+    return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, mesh, "tp").transpose(0, 1)
+
+
 def sequence_parallel(module: nn.Module, mesh, entry: SequenceParallel) -> None:
     """Sequence-parallel entry and exit around ``module`` (forward hooks, so its name and
     parameters stay): its input ``x`` [B, S, ...] is all-gathered over the ``tp`` dim of
@@ -117,18 +128,17 @@ def sequence_parallel(module: nn.Module, mesh, entry: SequenceParallel) -> None:
             raise ValueError(f"sequence-parallel {what} called with keyword arguments {sorted(kwargs)}; it "
                              f"takes them positionally: forward(x{', positions, *tables' if entry.positions else ''})")
         x, rest = args[0], args[1:]
-        sizes = [x.shape[1]] * tp
-        x_full = all_gather_v(x.transpose(0, 1).contiguous(), sizes, mesh, "tp").transpose(0, 1)
+        x_full = _gather_tokens(x, mesh, tp)
         if not entry.positions:
             return (x_full, *rest), {}
         if not rest or rest[0] is None:
             raise ValueError(f"sequence-parallel {what} (SequenceParallel(positions=True)) was called without "
                              f"positions; valid: forward(x, positions [S] or [B, S], *tables)")
-        return (x_full, gather_positions(rest[0], sizes, mesh, "tp"), *(None for _ in rest[1:])), {}
+        positions = gather_positions(rest[0], [x.shape[1]] * tp, mesh, "tp")
+        return (x_full, positions, *(None for _ in rest[1:])), {}
 
     def leave(_, args, y):
-        sizes = [y.shape[1] // tp] * tp
-        return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, mesh, "tp").transpose(0, 1)
+        return _scatter_tokens(y, mesh, tp)
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave)
@@ -150,14 +160,11 @@ def vocab_parallel(module: nn.Module, mesh, entry: VocabParallel) -> None:
         raise ValueError(f"{what}: padding_idx = {module.padding_idx} is not supported (each rank holds "
                          f"other rows); valid: padding_idx=None")
 
-    def gather(t):  # [B, s, ...] -> the tp group's [B, s * tp, ...], in tp-rank order
-        return all_gather_v(t.transpose(0, 1).contiguous(), [t.shape[1]] * tp, mesh, "tp").transpose(0, 1)
-
     def enter(mod, args, kwargs):
         if kwargs or len(args) != 1:
             raise ValueError(f"{what} called with {len(args)} positional and {sorted(kwargs)} keyword "
                              f"arguments; valid: forward({'ids' if entry.kind == 'embedding' else 'x'})")
-        x = gather(args[0])
+        x = _gather_tokens(args[0], mesh, tp)
         if entry.kind == "head":
             return (x,), {}
         local = x - me * rows
@@ -168,8 +175,7 @@ def vocab_parallel(module: nn.Module, mesh, entry: VocabParallel) -> None:
         if entry.kind == "embedding":
             y = y * mod._vocab_mask.unsqueeze(-1).to(y.dtype)  # other ranks' rows: zero
             del mod._vocab_mask
-            sizes = [y.shape[1] // tp] * tp
-            return reduce_scatter_v(y.transpose(0, 1).contiguous(), sizes, mesh, "tp").transpose(0, 1)
+            return _scatter_tokens(y, mesh, tp)
         s = y.shape[1] // tp  # y: [B, s * tp, V / tp] -> every vocabulary slice, own tokens
         full = all_gather_v(y.movedim(-1, 0).contiguous(), [y.shape[-1]] * tp, mesh, "tp").movedim(0, -1)
         return full[:, me * s:(me + 1) * s]
