@@ -22,7 +22,8 @@ Each hook is set per instance (the model's classes and parameter names are uncha
 module of a kind gets the same compiled function, so a model of identical blocks compiles one graph
 per distinct shape (one code object, reused by every layer), not one per layer. Shapes are static
 (``dynamic=False``): a training run's shapes do not change from step to step, so after the first
-step no graph is traced again.
+step no graph is traced again (evaluation, without autograd, traces its own once, at the first
+evaluation).
 """
 
 from __future__ import annotations
