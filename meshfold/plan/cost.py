@@ -26,6 +26,7 @@ measured rate for their shape (sequence length, rows per expert, message size, n
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -305,10 +306,11 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # MoE layer: expert GEMMs, E/ep local experts of M_e rows each, fc1 [h -> 2 f_e/etp] and
     # fc2 [f_e/etp -> h]; the shared expert, a dense SwiGLU of f_sh split over tp.
     c_shared = hw.gemm_time(6 * T * h * f_sh / tp, 2) if f_sh else 0.0
-    # (each local expert at its own rows; the mean over the measured layers)
-    c_experts = sum(hw.grouped_gemm_time(share * block_pairs, 2 * f_e / etp, h, 1)
-                    + hw.grouped_gemm_time(share * block_pairs, h, f_e / etp, 1)
-                    for shares in busy_LE for share in shares) / len(busy_LE)
+    # (each local expert at its own rows, experts of equal rows as one group; the mean over the
+    # measured layers)
+    c_experts = sum(hw.grouped_gemm_time(share * block_pairs, 2 * f_e / etp, h, count)
+                    + hw.grouped_gemm_time(share * block_pairs, h, f_e / etp, count)
+                    for shares in busy_LE for share, count in Counter(shares).items()) / len(busy_LE)
     # Token dispatcher, bytes each memory-bound kernel reads + writes (elements x a unless said):
     #   permute: gather the Tr k routed rows                  2 Tr k h
     #   sort_chunks_by_idxs after the a2a + ETP all-gather,   4 Tr k etp h   (only with several local
