@@ -169,6 +169,13 @@ def test_the_progress_line_names_the_worst_moe_layers_ep_load():
     assert "ep load max/mean 1.94 (moe layer 1)" in stream.getvalue()
 
 
+def test_trackers_log_the_worst_moe_layers_ep_load():
+    from meshfold.train.tracking import scalars
+
+    got = scalars({"step": 3, "loss": 1.0, "ep_rank_rows": [[5, 1], [3, 3]], "ep_max_over_mean": [5 / 3, 1.0]})
+    assert got == {"loss": 1.0, "ep_load/max_over_mean": 5 / 3}
+
+
 def test_profile_steps_outside_the_run_are_refused():
     from meshfold.train.config import load_config
 
