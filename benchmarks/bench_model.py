@@ -1,7 +1,8 @@
 """The whole MoE transformer on CPU: a training step vs Hugging Face, fold scaling, memory vs cp.
 
-    python benchmarks/bench_model.py                    # all three parts, about 3-5 minutes
+    python benchmarks/bench_model.py                    # parts a, b, c: about 3-5 minutes
     python benchmarks/bench_model.py --parts a --rounds 3
+    python benchmarks/bench_model.py --parts d --rounds 3  # eager vs compiled, fp32 vs bf16: ~10 minutes
 
 Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 KV heads,
 8 experts of ffn 512, top-2 (softmax, renormalised), fp32, untied head.
@@ -26,6 +27,17 @@ Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 
     (``/proc/self/clear_refs`` = 5), then one step; ``peak`` = VmHWM - VmRSS before the step:
     activations, temporaries and the re-created gradients. ``peak - grads`` subtracts the
     gradient buffers (the parameter bytes, the same for every cp).
+
+(d) **Eager vs compiled, fp32 vs bf16 compute, 4 gloo ranks** (one thread each), the ``meshfold
+    train`` step (``parallelize`` with FSDP2, AdamW as ``meshfold train`` builds it, fold attn tp2
+    x dp2 | moe ep4, the default run's) of two models (:data:`STEP_MODELS`), tiny-mixtral's
+    otherwise: ``issue`` (4 layers, hidden 512, ffn 1024, its 4 heads and 4 experts top-2, batch
+    8 x 512) and ``100m`` (4 layers, hidden 768, 12 heads, 8 experts of ffn 1280 top-2, 96M
+    parameters, batch 4 x 512). The four variants (``train.compile`` off / on x ``train.dtype`` float32 / bfloat16,
+    fp32 master weights) live side by side on every rank and are timed interleaved, one step of
+    each per round; the first step of each (compilation included) is reported apart. Beside them,
+    every rank's dense GEMM rate in fp32 and bf16 at the MLP's shape, measured concurrently: the
+    ceiling bf16 compute can reach over fp32 on this CPU.
 
 Writes benchmarks/results/model.json; prints markdown tables.
 """
@@ -268,6 +280,101 @@ def part_c() -> dict:
                 rows=rows)
 
 
+# ------------------------------------------------------------------ (d) eager vs compiled, fp32 vs bf16
+STEP_MODELS = {  # name -> (model fields, MoE fields, batch, seq)
+    "issue": (dict(hidden=512, layers=4, ffn=1024), dict(ffn=1024), 8, 512),  # tiny-mixtral's heads and experts
+    "100m": (dict(hidden=768, layers=4, heads=12, kv_heads=4, ffn=1280), dict(ffn=1280, num_experts=8), 4, 512),
+}
+VARIANTS = [(False, "float32"), (False, "bfloat16"), (True, "float32"), (True, "bfloat16")]  # (compile, dtype)
+
+
+def step_config(name):
+    fields, moe, _, seq = STEP_MODELS[name]
+    base = get_config("tiny-mixtral")
+    return replace(base, **fields, max_seq=seq, moe=replace(base.moe, hidden=fields["hidden"], topk=2, **moe))
+
+
+def _rank_gemm_rates(shape, seconds=0.5) -> dict:
+    """This rank's GEMM FLOP/s at ``shape`` (m, k, n) in fp32 and bf16, interleaved."""
+    m, k, n = shape
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16) * 2:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a @ b
+        count, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            count += 1
+        rates[str(dtype)] = max(rates.get(str(dtype), 0), 2 * m * k * n * count / (time.perf_counter() - t0))
+    return rates
+
+
+def compile_worker(rank, world_size, name, rounds: int) -> dict:
+    import torch.distributed as dist
+
+    from meshfold.parallel.compile import compile_model
+    from meshfold.train.config import TrainSettings
+    from meshfold.train.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    cfg = step_config(name)
+    b, s = STEP_MODELS[name][2:]
+    spec = FoldSpec(world_size, tp=2, ep=4)
+    tokens, targets = batch(b, s)
+    lt, pos = shard_batch(tokens, spec, rank)
+    ltg, _ = shard_batch(targets, spec, rank)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    runs = {}
+    for compiled, dtype in VARIANTS:
+        torch.manual_seed(0)
+        model = parallelize(MoETransformer(cfg, device="meta"), fold(spec), compute_dtype=dtypes[dtype])
+        if compiled:
+            compile_model(model)
+        runs[(compiled, dtype)] = model, build_optimizer(model, TrainSettings())
+
+    def step(key):
+        model, opt = runs[key]
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model.loss(lt, ltg, pos)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        slowest = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return slowest.item(), loss.item()
+
+    first = {key: step(key) for key in runs}  # compilation, allocator, AdamW state
+    times = {key: [] for key in runs}
+    losses = {key: [first[key][1]] for key in runs}
+    for _ in range(rounds):
+        for key in runs:
+            dt, loss = step(key)
+            times[key].append(dt)
+            losses[key].append(loss)
+    dist.barrier()
+    rates = _rank_gemm_rates((b * s // 2, cfg.hidden, cfg.ffn))  # 2 x 2 ranks per core: one rank's share
+    summed = torch.tensor([rates["torch.float32"], rates["torch.bfloat16"]], dtype=torch.float64)
+    dist.all_reduce(summed)
+    params = sum(p.numel() for p in MoETransformer(cfg, device="meta").parameters())
+    return dict(model=name, params=params, batch=b, seq=s, fold=fold_name(spec),
+                gemm_flops=dict(float32=summed[0].item(), bfloat16=summed[1].item()),
+                rows=[dict(compile=c, dtype=d, first_step_s=first[(c, d)][0], step_s=statistics.median(times[(c, d)]),
+                           tokens_per_s=b * s / statistics.median(times[(c, d)]), times=times[(c, d)],
+                           losses=losses[(c, d)]) for c, d in runs])
+
+
+def part_d(rounds: int) -> dict:
+    out = {}
+    for name in STEP_MODELS:
+        r = spawn(compile_worker, 4, name, rounds, timeout=1200)[0]
+        base = next(row["tokens_per_s"] for row in r["rows"] if not row["compile"] and row["dtype"] == "float32")
+        for row in r["rows"]:
+            row["vs_eager_fp32"] = row["tokens_per_s"] / base
+        out[name] = r
+    return out
+
+
 # ------------------------------------------------------------------ report
 def print_tables(res: dict) -> None:
     if "a" in res:
@@ -297,9 +404,24 @@ def print_tables(res: dict) -> None:
                   f"{r['grads_mib']:.0f} | {r['activations_mib']:.0f} | {r['activations_vs_cp1']:.2f} |")
 
 
+def print_part_d(d: dict) -> None:
+    print("\n(d) training step on 4 gloo ranks (1 thread each), eager vs train.compile, fp32 vs bf16 compute")
+    print("| model | params | compile | compute | first step (s) | step (s) | tokens/s | vs eager fp32 |\n"
+          "|---|---:|---|---|---:|---:|---:|---:|")
+    for r in d.values():
+        for row in r["rows"]:
+            print(f"| {r['model']} ({r['batch']} x {r['seq']}) | {r['params'] / 1e6:.0f}M | "
+                  f"{'on' if row['compile'] else 'off'} | {row['dtype']} | {row['first_step_s']:.1f} | "
+                  f"{row['step_s']:.2f} | {row['tokens_per_s']:,.0f} | {row['vs_eager_fp32']:.2f} |")
+    for r in d.values():
+        g = r["gemm_flops"]
+        print(f"- {r['model']}: the ranks' summed GEMM rate at the MLP's shape, fp32 {g['float32'] / 1e9:.0f} "
+              f"GFLOP/s, bf16 {g['bfloat16'] / 1e9:.0f} GFLOP/s (bf16 / fp32 = {g['bfloat16'] / g['float32']:.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="abc", help="any of a, b, c")
+    ap.add_argument("--parts", default="abc", help="any of a, b, c, d")
     ap.add_argument("--rounds", type=int, default=5, help="timed steps per implementation (a) / fold (b)")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -311,7 +433,11 @@ def main() -> None:
         res["b"] = part_b(max(3, args.rounds - 2))
     if "c" in args.parts:
         res["c"] = part_c()
+    if "d" in args.parts:
+        res["d"] = part_d(args.rounds)
     print_tables(res)
+    if "d" in res:
+        print_part_d(res["d"])
     out = ROOT / "benchmarks" / "results" / "model.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     kept = json.loads(out.read_text()) if out.exists() else {}  # parts not run this time stay

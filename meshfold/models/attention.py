@@ -30,7 +30,7 @@ from torch import nn
 from meshfold.models import init
 from meshfold.models.layers import RMSNorm
 
-__all__ = ["Attention", "CausalMaskCache", "attend", "causal_mask", "rope_cos_sin", "apply_rope"]
+__all__ = ["Attention", "CausalMaskCache", "attend", "causal_mask", "rope_cos_sin", "apply_rope", "apply_rope_qk"]
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -56,6 +56,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if cos.dim() == 3:  # per-sequence positions: broadcast over heads
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k) rotated by the same RoPE tables: :func:`apply_rope` of each."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -182,8 +187,12 @@ class Attention(nn.Module):
     share for those keys, also set from outside. ``context`` (None on one device) replaces both:
     a function ``(q [B, h, S, d], k [B, g, S, d], v, positions) -> o [B, h, S, d]`` computing this
     rank's causal attention over every context-parallel rank's keys (``parallelize`` sets a ring,
-    :mod:`meshfold.parallel.ring_attention`).
+    :mod:`meshfold.parallel.ring_attention`). ``rotate`` applies RoPE to q and k together
+    (:func:`apply_rope_qk`); a runtime wrapper may set a compiled one from outside
+    (:mod:`meshfold.parallel.compile`): the elementwise work between the projections and SDPA.
     """
+
+    rotate = staticmethod(apply_rope_qk)
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rope_theta: float,
                  qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
@@ -227,7 +236,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, d]
         cos, sin = rope if rope is not None else rope_cos_sin(positions, d, self.rope_theta, x.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = self.rotate(q, k, cos, sin)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, rope=None) -> torch.Tensor:
         """x [B, S, H] at ``positions`` ([S] or [B, S], default 0..S-1) -> [B, S, H]. Without

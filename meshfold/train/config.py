@@ -234,6 +234,10 @@ class TrainSettings:
                              "core and activations; full keeps only each block's input (both replay "
                              "the forward's routing); results are identical, memory smaller",
                              choices=RECOMPUTE)
+    compile: bool = setting(False, bool, "torch.compile each block's elementwise work from outside the model "
+                            "(meshfold.parallel.compile: the RMSNorms, RoPE and the dense SwiGLU MLPs); the "
+                            "MoE layers, collectives and host reads stay eager. The first step compiles (slow on "
+                            "CPU: tens of seconds per distinct shape), later steps reuse the graphs")
 
 
 @dataclass

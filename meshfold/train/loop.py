@@ -22,6 +22,7 @@ from meshfold.mesh import backend_device_type, fold
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.models.transformer import MoETransformer
 from meshfold.parallel.transformer import parallelize
+from meshfold.parallel.compile import compile_model
 from meshfold.parallel.batch import batch_rows, shard_batch
 from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
 from meshfold.plan.hardware import HARDWARE
@@ -166,6 +167,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                              data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
         else:
             parallelize(model, folded, data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
+    if t.compile:
+        for module in model.chunks if isinstance(model, Pipeline) else [model]:
+            compile_model(module)
     opt = build_optimizer(model, t)
     from meshfold.data.corpus import load_corpus
 

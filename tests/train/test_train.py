@@ -96,6 +96,7 @@ def test_default_run_learns(tmp_path):
     ("moe.capacity_factor=-1.0", "capacity_factor must be >= 0"),
     ("train.dtype=\"int8\"", "train.dtype = 'int8'"),
     ("train.retain_cpu_memory=yes", "train.retain_cpu_memory must be true or false, got 'yes'"),
+    ("train.compile=\"blocks\"", "train.compile must be true or false, got 'blocks'"),
     ("train.lr=abc", "train.lr must be a number > 0, got 'abc'"),
     ("train.warmup=abc", "train.warmup must be an integer >= 0, got 'abc'"),
     ("train.grad_clip=abc", "train.grad_clip must be a number >= 0, got 'abc'"),
