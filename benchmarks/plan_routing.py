@@ -23,9 +23,9 @@ def _row(gpus, label, e) -> dict:
     lay = e.layout
     return {"gpus": gpus, "case": label, "layout": f"{lay.paper_config()} dp{lay.spec.dp} edp{lay.spec.edp} "
             f"| {lay.describe().split('| ')[-1]}", "mem_gib": round(e.memory_total / GIB, 1),
-            "fits": e.feasible, "step_s": round(e.step_time, 2), "mfu": round(e.mfu, 4),
+            "fits": e.feasible, "step_s": round(e.step_time, 2), "mfu": round(e.mfu, 6),
             "compute_s": round(e.time["compute"], 2), "ep_s": round(e.time["ep"], 2),
-            "busiest_ep_share": round(e.detail["busiest_share"], 4)}
+            "busiest_ep_share": round(e.detail["busiest_share"], 6)}
 
 
 def main(argv=None) -> int:
