@@ -15,6 +15,7 @@ from meshfold.plan.baselines import MEGATRON_STRATEGIES, PAPER_TABLE1, STRATEGIE
 from meshfold.plan.cost import MEGATRON_SHARDINGS, TIME_TERMS, Estimate
 from meshfold.plan.hardware import ATTENTION_KERNELS, GIB, HARDWARE, MESHFOLD_ATTENTION_KERNEL, hardware
 from meshfold.plan.models import MODELS, model_shape
+from meshfold.plan.routing import PLACEMENTS, parse_routing_load
 from meshfold.plan.search import plan
 
 __all__ = ["configure", "main", "format_table"]
@@ -45,6 +46,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="whose measured attention rate costs meshfold's layouts (default "
                              f"{MESHFOLD_ATTENTION_KERNEL}: torch's SDPA flash backend, which meshfold runs); "
                              "the [Megatron] rows keep the preset's fa3")
+    parser.add_argument("--routing", default="balanced",
+                        help="routing load the layouts are costed under: balanced (default), zipf:S (expert e gets "
+                             "a share proportional to (e+1)^-S, as meshfold dryrun --routing), or replay:RUN_DIR "
+                             "(the loads a meshfold train run measured, its metrics.jsonl); the busiest ep rank's "
+                             "expert GEMMs, all-to-all bytes and activations are charged")
+    parser.add_argument("--placement", default="static", choices=PLACEMENTS,
+                        help="which experts each ep rank holds: static (contiguous blocks, default) or balanced "
+                             "(re-placed from the routing's loads, as train.expert_placement=balanced)")
     parser.add_argument("--cp1", action="store_true",
                         help="only folds with cp=1 (the setting of the paper's Table 1)")
 
@@ -57,7 +66,7 @@ def _fold(e: Estimate) -> str:
 def format_table(rows: list[tuple[str, Estimate]], extra: dict[str, str] | None = None) -> str:
     """A plain-text table: label, fold (CP/TP/EP/PP/ETP), knobs, memory, time terms, MFU."""
     head = ["", "fold CP/TP/EP/PP/ETP", "mbs", "vpp", "sched", "rc", "shard", "mem GiB"] + \
-        [f"{t} s" for t in TIME_TERMS] + ["step s", "MFU"] + (["paper"] if extra else [])
+        [f"{t} s" for t in TIME_TERMS] + ["step s", "MFU", "busiest ep"] + (["paper"] if extra else [])
     body = []
     for label, e in rows:
         lay = e.layout
@@ -65,7 +74,8 @@ def format_table(rows: list[tuple[str, Estimate]], extra: dict[str, str] | None 
         rc = {"none": "-", "selective": "sel", "full": "full"}[lay.recompute]
         cells = [label, _fold(e), str(lay.mbs), str(lay.vpp), sched, rc, lay.sharding, f"{e.memory_total / GIB:.1f}"]
         cells += [f"{e.time[t]:.2f}" for t in TIME_TERMS]
-        cells += [f"{e.step_time:.2f}", f"{100 * e.mfu:.1f}%" if e.feasible else "OOM"]
+        cells += [f"{e.step_time:.2f}", f"{100 * e.mfu:.1f}%" if e.feasible else "OOM",
+                  f"{100 * e.detail['busiest_share']:.1f}%"]
         if extra:
             cells.append(extra.get(label, ""))
         body.append(cells)
@@ -81,16 +91,19 @@ def main(args: argparse.Namespace) -> int:
         shape, megatron_hw = model_shape(args.model), hardware(args.gpu)
         hw = hardware(megatron_hw, attention_kernel=args.attention_kernel)  # the kernel meshfold runs
         where = (lambda lay: lay.spec.cp == 1) if getattr(args, "cp1", False) else None
-        results = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where)
+        routing = parse_routing_load(getattr(args, "routing", "balanced"))
+        placement = getattr(args, "placement", "static")
+        results = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where, routing=routing, placement=placement)
         megatron = plan(shape, args.gpus, megatron_hw, args.seq, args.gbs, where=where,
-                        shardings=MEGATRON_SHARDINGS) if args.compare else []
+                        shardings=MEGATRON_SHARDINGS, routing=routing, placement=placement) if args.compare else []
     except ValueError as err:
         print(f"meshfold plan: error: {err}", file=sys.stderr)
         return 2
     feasible = [e for e in results if e.feasible]
     print(f"{shape.name} ({shape.total_params / 1e9:.1f}B params) on {args.gpus} x {hw.name}, seq {args.seq}, "
           f"global batch {args.gbs}: {len(results)} layouts, {len(feasible)} fit in "
-          f"{hw.usable_bytes / GIB:.1f} GiB; attention costed at {hw.attention_kernel}")
+          f"{hw.usable_bytes / GIB:.1f} GiB; attention costed at {hw.attention_kernel}; routing "
+          f"{routing.describe()}, {placement} placement")
     if feasible:
         print(format_table([(f"#{i + 1}", e) for i, e in enumerate(feasible[:args.top])]))
         best = feasible[0].layout

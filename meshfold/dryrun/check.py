@@ -39,6 +39,7 @@ from meshfold.plan.cost import Layout, estimate
 from meshfold.plan.hardware import hardware
 from meshfold.plan.stages import FP32, expert_shard
 from meshfold.plan.models import MODELS
+from meshfold.plan.routing import Routing
 
 __all__ = ["Case", "Row", "compare", "cases", "pipeline_cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
            "TOLERANCE"]
@@ -110,25 +111,39 @@ def _train_config(case: Case):
     return cfg
 
 
-def planned(case: Case):
-    """The planner's :class:`~meshfold.plan.cost.Estimate` of ``case`` (on the reduced model)."""
+def planned(case: Case, routing=None):
+    """The planner's :class:`~meshfold.plan.cost.Estimate` of ``case`` (on the reduced model)
+    under the dry run's ``routing`` (None or Balanced: balanced; Zipf: the same shares), static
+    placement."""
     shape = dataclasses.replace(MODELS[case.model], layers=case.layers)
     lay = Layout(case.spec, mbs=case.mbs, vpp=case.virtual, recompute=case.recompute, sharding="fsdp",
                  schedule=case.schedule)
-    return estimate(shape, hardware("h100"), lay, case.seq, case.global_batch)
+    return estimate(shape, hardware("h100"), lay, case.seq, case.global_batch, _plan_routing(routing))
+
+
+def _plan_routing(routing) -> Routing:
+    """The planner's routing load of a dry-run routing model (Replay has none: it is counts)."""
+    from meshfold.dryrun.routing import Balanced, Zipf
+
+    if routing is None or type(routing) is Balanced:
+        return Routing()
+    if isinstance(routing, Zipf):
+        return Routing("zipf", routing.s)
+    raise ValueError(f"routing {routing.describe()}; the planner compares under balanced or zipf:S")
 
 
 def planned_collectives(est, stage: int) -> dict[tuple[str, str], float]:
     """The planner's ``{(kind, dim): bytes}`` of pipeline rank ``stage`` under the dry run's
-    balanced routing: the model's step (equal etp counts where E divides each rank's pairs, see
+    routing: the model's step (equal etp counts where E divides each rank's pairs under balanced
+    routing, and always under Zipf, which routes the same counts from every rank; see
     :func:`~meshfold.plan.collectives.collective_bytes`) plus the training loop's collectives."""
     from meshfold.plan.collectives import collective_bytes, loop_collectives
 
     d, s = est.detail, est.layout.spec
     model = d["model"]
     pairs = d["seq"] * est.layout.mbs // (s.cp * s.tp) * model.topk
-    c = dict(collective_bytes(model, est.layout, d["seq"], d["global_batch"],
-                              ragged=pairs % model.experts != 0)[stage])
+    ragged = d["routing"] == "balanced" and pairs % model.experts != 0
+    c = dict(collective_bytes(model, est.layout, d["seq"], d["global_batch"], ragged=ragged, recv=d["recv"])[stage])
     for key, v in loop_collectives(est.layout, d["global_batch"]).items():
         c[key] = c.get(key, 0.0) + v
     return c
@@ -173,16 +188,37 @@ def rows(est, report) -> list[Row]:
 
 
 def compare(case: Case, routing=None) -> list[Row]:
-    """Planner against dry run for ``case``: one dry-run process per pipeline stage, its first
-    rank (:func:`~meshfold.dryrun.representative_ranks`: with pp = 2 the first stage, with the
-    embedding, and the last, with the head and the loss)."""
+    """Planner against dry run for ``case`` under ``routing`` (a dry-run routing model; None:
+    balanced): one dry-run process per pipeline stage, its first rank
+    (:func:`~meshfold.dryrun.representative_ranks`: with pp = 2 the first stage, with the
+    embedding, and the last, with the head and the loss; ep rank 0, the busiest under Zipf),
+    memory and collectives (:func:`rows`), then its expert work (:func:`expert_work`)."""
     from meshfold.dryrun.engine import dry_run
 
-    est = planned(case)
+    est = planned(case, routing)
     out = []
     for report in dry_run(_train_config(case), routing):
-        out += rows(est, report)
+        out += rows(est, report) + expert_work(est, report)
     return out
+
+
+def expert_work(est, report) -> list[Row]:
+    """The rank's expert work per MoE layer forward, planner against dry run: the rows its local
+    experts receive (the planner's busiest ep rank, ``recv x Tr k etp``; the dry run's as its
+    dispatch sized them, :attr:`~meshfold.dryrun.RankReport.expert_rows`, mean over dispatches)
+    and the seconds of their fc1 and fc2 grouped GEMMs (the planner's ``expert_s``; the dry run's
+    rows costed by the same ``Hardware.grouped_gemm_time``, each local expert at its rows)."""
+    if not report.expert_rows:
+        return []
+    hw, model, s = hardware("h100"), est.detail["model"], est.layout.spec
+    h, f = model.hidden, model.expert_ffn / s.etp
+    calls = report.expert_rows
+    seconds = sum(hw.grouped_gemm_time(r, 2 * f, h, 1) + hw.grouped_gemm_time(r, h, f, 1)
+                  for rows_El in calls for r in rows_El) / len(calls)
+    got = sum(map(sum, calls)) / len(calls)
+    r = report.stage
+    return [Row("expert rows (per MoE forward)", est.detail["expert_rows"], got, r),
+            Row("expert GEMM s (per MoE forward)", est.detail["expert_s"], seconds, r)]
 
 
 def _paper(name: str, layers: int, **kw) -> Case:
@@ -233,7 +269,8 @@ def _fmt(n: float) -> str:
 
 
 def markdown(results: list[tuple[Case, list[Row]]]) -> str:
-    """The table: one block of rows per case, MiB per rank per step, ratio = planner / dry run."""
+    """The table: one block of rows per case, MiB per rank per step (the expert rows: rows and
+    seconds per MoE layer forward), ratio = planner / dry run."""
     lines = ["| case | term | planner MiB | dry run MiB | planner / dry run |", "|---|---|---:|---:|---:|"]
     for case, rs in results:
         for i, r in enumerate(rs):
@@ -241,7 +278,8 @@ def markdown(results: list[tuple[Case, list[Row]]]) -> str:
             where = case.label if i == 0 else ""
             if case.spec.pp > 1 and (i == 0 or rs[i - 1].stage != r.stage):
                 where += f"{', ' if where else ''}stage {r.stage}"
-            lines.append(f"| {where} | {r.term} | {_fmt(r.planner)} | {_fmt(r.dryrun)} | {ratio} |")
+            fmt = (lambda n: f"{n:,.4g}") if r.term.startswith("expert") else _fmt  # rows, seconds
+            lines.append(f"| {where} | {r.term} | {fmt(r.planner)} | {fmt(r.dryrun)} | {ratio} |")
     return "\n".join(lines)
 
 

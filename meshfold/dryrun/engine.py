@@ -59,7 +59,9 @@ class RankReport:
     parameters, of their (reduced) gradients before the optimizer step, and of AdamW's state
     after it. ``activation_peak_bytes``: :class:`~meshfold.dryrun.record.LivePeak` over forward
     and backward (activations, temporaries, FSDP2's gathered weights, gradients as they form).
-    ``peak_bytes`` = parameters + optimizer state + that peak (gradients are inside the peak)."""
+    ``peak_bytes`` = parameters + optimizer state + that peak (gradients are inside the peak).
+    ``expert_rows``: per dispatch (each MoE layer forward, recomputed ones too), the rows each of
+    this rank's local experts received, as the dispatch sized them from the block counts."""
 
     rank: int
     stage: int
@@ -70,6 +72,7 @@ class RankReport:
     collectives: list = field(default_factory=list)
     host_reads: list = field(default_factory=list)
     seconds: float = 0.0
+    expert_rows: list = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
@@ -86,6 +89,7 @@ class RankReport:
                 "collective_summary": [{"kind": k, "dim": d, "bytes": n}
                                        for (k, d), n in sorted(self.collective_summary().items())],
                 "host_reads": [{"what": w, "where": s} for w, s in self.host_reads],
+                "expert_rows": self.expert_rows,
                 "seconds": round(self.seconds, 3)}
 
 
@@ -135,11 +139,13 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     log, reads = CollectiveLog(spec, rank), HostReads(answer=fake is not None)
     recorder = StepRecorder(log, reads)
+    expert_rows: list = []
     with contextlib.ExitStack() as stack:
         if fake is not None:
             stack.enter_context(fake)
             stack.enter_context(compat.pipeline_votes_on_fake_groups())  # the first step's vote, as real
         stack.enter_context(_counting_reads(reads, on_counts))
+        stack.enter_context(_recording_expert_rows(expert_rows))
         stack.enter_context(recorder)
         opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
                                 betas=(0.9, 0.95), foreach=False)
@@ -153,7 +159,7 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
         opt.step()
     return RankReport(rank, spec.coords(rank)["attn"]["pp"], _local_bytes(model.parameters()), grad_bytes,
                       _local_bytes(_optimizer_tensors(opt)), peak.peak, log.records, reads.reads,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, expert_rows)
 
 
 @contextlib.contextmanager
@@ -206,6 +212,22 @@ def _counting_reads(reads: HostReads, on_counts):
 
     with mock.patch.object(token_dispatch, "block_counts", counted), \
             mock.patch("meshfold.parallel.moe.block_counts", counted):
+        yield
+
+
+@contextlib.contextmanager
+def _recording_expert_rows(rows: list):
+    """Append to ``rows``, per dispatch, the rows each local expert of this rank receives: from
+    the block counts ``C[q][i][e]`` where the dispatch sizes its etp gather and its experts' rows
+    (``token_dispatch._etp_sizes``), summed over the (etp, ep) sources, for the ``El`` experts of
+    this rank's ep index ``i_me``."""
+    original = token_dispatch._etp_sizes
+
+    def sized(C, i_me, El, n_ep, n_etp):
+        rows.append([sum(C[q][i][i_me * El + j] for q in range(n_etp) for i in range(n_ep)) for j in range(El)])
+        return original(C, i_me, El, n_ep, n_etp)
+
+    with mock.patch.object(token_dispatch, "_etp_sizes", sized):
         yield
 
 

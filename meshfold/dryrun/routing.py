@@ -14,7 +14,8 @@ a real run is sized from its read.
   each other over the block, any two ep ranks within E / ep rows).
 * :class:`Zipf` (``s`` > 0): expert ``e`` gets a share proportional to ``(e + 1) ** -s`` on
   every rank (the same popularity order everywhere, expert 0 most popular, so ep rank 0 receives
-  the most rows), rounded by largest remainder so each rank's counts still sum to its pairs.
+  the most rows), rounded by largest remainder so each rank's counts still sum to its pairs: the
+  shares of :mod:`meshfold.plan.routing`, which the planner's ``--routing zipf:S`` charges.
   ``s = 0`` is balanced; ``s = 1`` gives expert 0 of 8 about 37% of the pairs.
 * :class:`Replay`: the counts a real run read, call by call (tests compare a dry run with the
   real run it replays).
@@ -28,18 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshfold.plan.routing import largest_remainder, zipf_weights
+
 __all__ = ["Balanced", "Zipf", "Replay", "parse_routing"]
-
-
-def _largest_remainder(total: int, weights: list[float]) -> list[int]:
-    """Non-negative ints proportional to ``weights`` summing to ``total`` (ties to lower index)."""
-    s = sum(weights)
-    exact = [total * w / s for w in weights]
-    out = [int(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda e: (-(exact[e] - out[e]), e))
-    for e in order[:total - sum(out)]:
-        out[e] += 1
-    return out
 
 
 @dataclass(frozen=True)
@@ -67,11 +59,10 @@ class Zipf(Balanced):
     s: float = 1.0
 
     def __post_init__(self):
-        if not self.s >= 0:
-            raise ValueError(f"zipf exponent s = {self.s}; valid: s >= 0 (0 is balanced)")
+        zipf_weights(1, self.s)  # the exponent's check
 
     def counts(self, pairs: int, num_experts: int, source: int) -> list[int]:
-        return _largest_remainder(pairs, [(e + 1) ** -self.s for e in range(num_experts)])
+        return largest_remainder(pairs, zipf_weights(num_experts, self.s))
 
     def describe(self) -> str:
         return f"zipf:{self.s:g}"

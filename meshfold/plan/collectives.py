@@ -26,7 +26,8 @@ activations and gradients; FSDP2's all-gathers per group and micro-batch (bf16, 
 groups it gathers in the master dtype) and one fp32 reduce-scatter per step, or ``reduce_gradients``'
 fp32 all-reduces per partial dim. Recomputation reissues a block's forward collectives.
 
-Routing is taken as balanced (every rank sends ``Tr k`` rows and its experts receive as many).
+Routing is taken as balanced (every rank sends ``Tr k`` rows and its experts receive as many)
+unless ``recv`` says the rank's experts receive more (a skewed routing's busiest ep rank).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def group_name(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
 
 
 def collective_bytes(model: ModelShape, layout, seq: int, global_batch: int, compute_bytes: int = 2,
-                     backend: str = "nccl", ragged: bool = True) -> list[dict[tuple[str, str], float]]:
+                     backend: str = "nccl", ragged: bool = True, recv: float = 1.0) -> list[dict[tuple[str, str], float]]:
     """Per pipeline rank, ``{(kind, dim): bytes per step}`` of one of its ranks (see the module
     docstring). ``ragged``: the etp blocks' row counts differ (real routing; the gather-v is an
     all-to-all sending its rows to every etp rank); False: exactly equal counts, as ``meshfold
@@ -66,7 +67,7 @@ def collective_bytes(model: ModelShape, layout, seq: int, global_batch: int, com
     (``zero1``, not meshfold runs) get Megatron-Core's traffic as :func:`collective_traffic`
     models it."""
     return [_bytes_only(t) for t in collective_traffic(model, layout, seq, global_batch, compute_bytes, backend,
-                                                        ragged)]
+                                                        ragged, recv=recv)]
 
 
 def _bytes_only(traffic: dict[tuple[str, str, str], list[float]]) -> dict[tuple[str, str], float]:
@@ -90,7 +91,7 @@ class _Tally:
 
 def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, compute_bytes: int = 2,
                        backend: str = "nccl", ragged: bool = True,
-                       stages=None) -> list[dict[tuple[str, str, str], list[float]]]:
+                       stages=None, recv: float = 1.0) -> list[dict[tuple[str, str, str], list[float]]]:
     """Per pipeline rank, ``{(kind, dim, when): [bytes, calls] per step}``: what
     :func:`collective_bytes` counts (the same walk; its bytes are these summed over ``when``),
     with the number of calls (each pays a link latency in the time model) and ``when`` each is
@@ -107,7 +108,10 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
     the etp reduce-scatter-v and a native all-gather-v over etp, no position ids gathered, and
     the distributed optimizer's per-step fp32 gradient reduce-scatter and bf16 parameter
     all-gather over dp x cp (dense) and edp (experts), evenly sharded. ``stages``: the layout's
-    :func:`~meshfold.plan.stages.stage_params`, when the caller has them already."""
+    :func:`~meshfold.plan.stages.stage_params`, when the caller has them already. ``recv``: the
+    rows the rank's experts receive over the balanced ``Tr k`` per etp rank (the busiest ep rank's
+    under a skewed routing, :func:`meshfold.plan.cost.estimate`): the dispatch's backward and the
+    combine send back what was received, the etp gather-v and reduce-scatter-v carry it."""
     s = layout.spec
     megatron = layout.megatron
     sizes = {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp, "ep": s.ep, "etp": s.etp, "edp": s.edp}
@@ -153,16 +157,19 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
             c.add("all_gather", "ep", passes * I64 * E, passes)
         if s.etp > 1:
             c.add("all_gather", "etp", passes * I64 * s.ep * E, passes)
-        rows = Tr * k * h * a
-        c.add("all_to_all", "ep", (passes + 1) * 2 * rows, (passes + 1) * 2)   # dispatch + combine, and transposes
+        rows = Tr * k * h * a              # the rank's own routed rows
+        got = recv * rows                  # the rows its experts receive (from its etp column)
+        # dispatch and the combine's backward send the rank's own rows; the combine and the
+        # dispatch's backward send back what it received
+        c.add("all_to_all", "ep", (passes + 1) * (rows + got), (passes + 1) * 2)
         if s.etp > 1 and megatron:                                    # native all-gather-v / reduce-scatter-v
-            c.add("all_gather", "etp", (passes + 1) * rows, passes + 1)
-            c.add("reduce_scatter", "etp", (passes + 1) * s.etp * rows, passes + 1)
+            c.add("all_gather", "etp", (passes + 1) * got, passes + 1)
+            c.add("reduce_scatter", "etp", (passes + 1) * s.etp * got, passes + 1)
         elif s.etp > 1 and ragged:                                    # ragged gather-v / reduce-scatter-v
-            c.add("all_to_all", "etp", (passes + 1) * 2 * s.etp * rows, (passes + 1) * 2)
+            c.add("all_to_all", "etp", (passes + 1) * 2 * s.etp * got, (passes + 1) * 2)
         elif s.etp > 1:   # equal counts: native gather-v (forward, and the combine's backward)
-            c.add("all_gather", "etp", (passes + 1) * rows, passes + 1)
-            c.add("all_to_all", "etp", (passes + 1) * s.etp * rows, passes + 1)
+            c.add("all_gather", "etp", (passes + 1) * got, passes + 1)
+            c.add("all_to_all", "etp", (passes + 1) * s.etp * got, passes + 1)
         return c
 
     per_layer = {moe: layer(moe).c for moe in (True, False)}  # every layer of a kind issues the same

@@ -6,7 +6,8 @@ states each with its source. Legend (per rank, per micro-batch unless said other
     B = global batch, b = micro-batch, s = sequence, m = B / (dp b) micro-batches per step
     T  = b s / cp       tokens of one attention rank (its context-parallel chunk)
     Tr = T / tp         tokens one rank holds between blocks (sequence parallel)
-    M_e = Tr k etp ep / E   rows of each local expert's GEMM (balanced routing)
+    M_e = Tr k etp ep / E   rows of each local expert's GEMM (balanced routing; under a skewed
+                            routing the busiest ep rank's, recv x as many: ``estimate``'s routing)
     a = 2               bytes per bf16 element
 
 Layer compute, by kind (``ModelShape.is_moe_layer``): attention + the MoE layer (experts, shared
@@ -25,6 +26,7 @@ measured rate for their shape (sequence length, rows per expert, message size, n
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -34,6 +36,7 @@ from meshfold.plan.collectives import MICROBATCH, STEP, collective_traffic, loop
 from meshfold.plan.hardware import GIB, Hardware
 from meshfold.plan.memory import memory_terms
 from meshfold.plan.models import ModelShape
+from meshfold.plan.routing import Routing, busiest_rank_shares
 from meshfold.plan.traffic import traffic_seconds
 
 __all__ = ["Layout", "Estimate", "estimate", "check_layout", "RECOMPUTE", "SHARDINGS", "MEGATRON_SHARDINGS",
@@ -166,7 +169,7 @@ class Estimate:
         loop = loop_traffic(self.layout, d["global_batch"])
         out, merged = [], {}   # ranks that issue the same share one dict (and its seconds)
         for t in collective_traffic(d["model"], self.layout, d["seq"], d["global_batch"],
-                                    stages=d.get("params_per_rank")):
+                                    stages=d.get("params_per_rank"), recv=d.get("recv", 1.0)):
             if id(t) not in merged:
                 both = {key: list(v) for key, v in t.items()}
                 for key, (nbytes, calls) in loop.items():
@@ -245,8 +248,14 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
     return next((why for ok, why in rules if not ok), "")
 
 
-def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_batch: int) -> Estimate:
+def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_batch: int,
+             routing: Routing | None = None, placement: str = "static") -> Estimate:
     """Memory per GPU, step-time breakdown and MFU of ``layout`` training ``model``.
+
+    ``routing`` (:mod:`meshfold.plan.routing`; None: balanced) and ``placement`` (``static`` or
+    ``balanced``: which experts each ep rank holds) set the rows the busiest ep rank's experts
+    receive: its expert GEMMs, its all-to-all bytes and its activations are charged, since every
+    ep rank waits for it.
 
     Raises ``ValueError`` (see :func:`check_layout`) when the layout cannot run the model at all;
     a layout that runs but does not fit in memory gives ``feasible=False`` with the reason.
@@ -262,7 +271,14 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     m = global_batch // (dp * b)           # micro-batches per step
     T = b * s / cp                         # tokens of one attention rank's context chunk
     Tr = T / tp                            # tokens one rank holds between blocks (SP)
-    M_e = Tr * k * etp * ep / E            # rows of each local expert GEMM (balanced routing)
+    # Routing: per MoE layer, the shares (of all routed pairs) of the busiest ep rank's local
+    # experts; they receive that share of the (ep, etp) block's Tr k ep etp pairs. recv: its rows
+    # over the balanced Tr k etp (1 balanced), mean over the measured layers (replay).
+    routing = Routing() if routing is None else routing
+    busy_LE = busiest_rank_shares(routing, placement, E, ep)
+    block_pairs = Tr * k * etp * ep
+    recv = sum(ep * sum(shares) for shares in busy_LE) / len(busy_LE)
+    M_e = recv * Tr * k * etp * ep / E     # mean rows of the busiest rank's local expert GEMMs
 
     # ---- compute, one layer forward -------------------------------------------------------------
     # GEMMs: 2*rows*in*out FLOPs each plus a fixed cost per GEMM problem (QKV, O; shared or dense
@@ -290,17 +306,21 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # MoE layer: expert GEMMs, E/ep local experts of M_e rows each, fc1 [h -> 2 f_e/etp] and
     # fc2 [f_e/etp -> h]; the shared expert, a dense SwiGLU of f_sh split over tp.
     c_shared = hw.gemm_time(6 * T * h * f_sh / tp, 2) if f_sh else 0.0
-    c_experts = (hw.grouped_gemm_time(M_e, 2 * f_e / etp, h, E / ep)
-                 + hw.grouped_gemm_time(M_e, h, f_e / etp, E / ep))
+    # (each local expert at its own rows, experts of equal rows as one group; the mean over the
+    # measured layers)
+    c_experts = sum(hw.grouped_gemm_time(share * block_pairs, 2 * f_e / etp, h, count)
+                    + hw.grouped_gemm_time(share * block_pairs, h, f_e / etp, count)
+                    for shares in busy_LE for share, count in Counter(shares).items()) / len(busy_LE)
     # Token dispatcher, bytes each memory-bound kernel reads + writes (elements x a unless said):
     #   permute: gather the Tr k routed rows                  2 Tr k h
     #   sort_chunks_by_idxs after the a2a + ETP all-gather,   4 Tr k etp h   (only with several local
     #     and its inverse before the way back                               experts and several sources)
     #   SwiGLU: read 2 f_e, write f_e per row                  3 Tr k f_e
+    #   (the sort and SwiGLU run on the rows received: x recv)
     #   probs multiply (read, write) + unpermute (read)        3 Tr k h, plus the Tr h output written
     #   router: fp32 logits through softmax and top-k          12 Tr E
-    sort_rows = Tr * k * etp if (E // ep > 1 and ep * etp > 1) else 0.0
-    moe_bytes = a * (5 * Tr * k * h + 4 * sort_rows * h + Tr * h + 3 * Tr * k * f_e) + 12 * Tr * E
+    sort_rows = recv * Tr * k * etp if (E // ep > 1 and ep * etp > 1) else 0.0
+    moe_bytes = a * (5 * Tr * k * h + 4 * sort_rows * h + Tr * h + 3 * recv * Tr * k * f_e) + 12 * Tr * E
     mlp_bytes = {True: moe_bytes + a * 3 * T * f_sh / tp,   # MoE side + shared SwiGLU
                  False: a * 3 * T * f_d / tp}              # dense layer: its SwiGLU over the gathered T
     c_mlp = {True: c_shared + c_experts,
@@ -317,14 +337,15 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     head = 3 * hw.gemm_time(2 * T * h * V / tp, 1)
 
     # ---- memory per GPU (meshfold.plan.memory) ---------------------------------------------------
-    memory, mem_detail = memory_terms(model, layout, seq, global_batch)
+    memory, mem_detail = memory_terms(model, layout, seq, global_batch, recv=recv)
     stages = mem_detail["params_per_rank"]
 
     # ---- communication: the collectives this step issues (Estimate.collectives) --------------------
     # meshfold.plan.traffic turns each (kind, dim)'s bytes and calls into seconds on that dim's
     # group; per micro-batch what is issued with every micro-batch, plus what is issued once per step.
     detail = {"tokens": global_batch * seq, "microbatches": m, "model": model, "seq": seq,
-              "global_batch": global_batch, **mem_detail}
+              "global_batch": global_batch, "recv": recv, "routing": routing.describe(), "placement": placement,
+              "busiest_share": recv / ep, **mem_detail}
     draft = Estimate(layout, memory, {}, 0.0, 0.0, True, detail=detail)
     seconds: dict[int, dict] = {}
     for t in draft.traffic_per_rank:   # pipeline ranks that issue the same share one dict
@@ -365,7 +386,9 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
                   stage_seconds=[sum(t.values()) for t in mb],   # per micro-batch, each pipeline rank
                   attn_core_s=m * len(stages[slow].layers) * ((1 + rc) * c_core + c_core_bwd),
                   attn_core_fraction=core_flops / ((c_core + c_core_bwd) * peak),
-                  expert_gemm_fraction=6 * Tr * k * h * f_e / (c_experts * peak))
+                  expert_s=c_experts,   # one MoE layer's forward expert GEMMs on the busiest ep rank
+                  expert_rows=recv * Tr * k * etp,   # the rows they receive
+                  expert_gemm_fraction=6 * recv * Tr * k * h * f_e / (c_experts * peak))
     out = Estimate(layout, memory, time, step, mfu, feasible, reason, detail)
     out.__dict__["traffic_per_rank"] = draft.traffic_per_rank   # computed once (cached_property's slot)
     return out

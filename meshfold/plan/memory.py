@@ -74,9 +74,11 @@ def in_flight(layout, microbatches: int, rank: int) -> float:
     return min(((v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v, float(m))
 
 
-def layer_activations(model: ModelShape, layout, seq: int, moe: bool) -> tuple[float, float]:
+def layer_activations(model: ModelShape, layout, seq: int, moe: bool, recv: float = 1.0) -> tuple[float, float]:
     """(bytes one layer keeps for backward under ``layout.recompute``, bytes of the whole layer's
-    activations) for one micro-batch; docs/plan.md, *Memory*, derives each term."""
+    activations) for one micro-batch; docs/plan.md, *Memory*, derives each term. ``recv``: the
+    rows the rank's experts receive over the balanced ones (a skewed routing's busiest ep rank):
+    the expert-side activations scale with it."""
     s, a = layout.spec, BF16
     tp, etp = s.tp, s.etp
     h, n, g, E, k = model.hidden, model.heads, model.kv_groups, model.experts, model.topk
@@ -98,11 +100,11 @@ def layer_activations(model: ModelShape, layout, seq: int, moe: bool) -> tuple[f
     if moe:
         # the norm, the router's fp32 copy of its input, expert input, fc1 out, SwiGLU out, expert out
         mlp = norm + (mine * FP32 + a * (1 - mine)) * Tr * h
-        mlp += a * (Tr * k * etp * h + 3 * Tr * k * f_e + Tr * k * h) + 4 * Tr * E
+        mlp += a * recv * (Tr * k * etp * h + 3 * Tr * k * f_e + Tr * k * h) + 4 * Tr * E
         mlp += a * (Tr * h + 3 * T * f_sh / tp) if f_sh else 0.0
         # routing: fp32 top-k scores, int64 experts, the permute's int64 sort keys and order
         routing = 28 * Tr * k
-        mlp_sel = (4 * Tr * E + a * (2 * Tr * k * f_e + Tr * k * etp * h) + routing
+        mlp_sel = (4 * Tr * E + a * recv * (2 * Tr * k * f_e + Tr * k * etp * h) + routing
                    + (a * (2 * T * f_sh / tp + T * h) if f_sh else 0.0))
     else:  # the dense SwiGLU MLP under sequence parallelism: gathered input, fc1, SwiGLU out
         mlp = norm + (gathered if mine else a * T * h) + a * 3 * T * f_d / tp
@@ -237,7 +239,8 @@ def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: Stage
     return recv + max(phases) - G
 
 
-def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tuple[dict[str, float], dict]:
+def memory_terms(model: ModelShape, layout, seq: int, global_batch: int,
+                 recv: float = 1.0) -> tuple[dict[str, float], dict]:
     """The memory terms (params, grads, optimizer, buffers, activations; bytes per GPU) of the
     pipeline rank that needs most, and details: ``params_per_rank`` (the :class:`StageParams`
     of every pipeline rank), ``memory_per_rank`` (every pipeline rank's terms; the dry-run
@@ -248,7 +251,7 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int) -> tupl
     s, a = layout.spec, BF16
     m = global_batch // (s.dp * layout.mbs)
     n_dense, exp_share = s.dp * s.cp, expert_shard(model, s)
-    acts = {kind: layer_activations(model, layout, seq, kind) for kind in (True, False)}
+    acts = {kind: layer_activations(model, layout, seq, kind, recv if kind else 1.0) for kind in (True, False)}
     # The loss's backward holds three fp32 [Tr, V]: log-softmax's output, its gradient and the
     # logits' gradient (the dry run's peak, docs/plan.md); with tp > 1 the head is gathered in
     # fp32 and its bf16 copy for compute lives beside it.

@@ -27,6 +27,7 @@ from meshfold.mesh import FoldSpec
 from meshfold.plan.cost import MEGATRON_SHARDINGS, SHARDINGS, Estimate, Layout, check_layout, estimate
 from meshfold.plan.hardware import Hardware, hardware
 from meshfold.plan.models import ModelShape, model_shape
+from meshfold.plan.routing import Routing
 
 __all__ = ["candidates", "plan", "validate_request"]
 
@@ -85,7 +86,8 @@ def _rank_key(e: Estimate) -> tuple:
 
 def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100", seq: int = 4096,
          global_batch: int = 256, where: Callable[[Layout], bool] | None = None,
-         shardings: tuple[str, ...] = SHARDINGS, max_mbs: int = 8) -> list[Estimate]:
+         shardings: tuple[str, ...] = SHARDINGS, max_mbs: int = 8, routing: Routing | None = None,
+         placement: str = "static") -> list[Estimate]:
     """Estimate every layout of ``model`` on ``gpus`` GPUs; best first.
 
     Args:
@@ -95,6 +97,9 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
         where: keep only layouts for which this returns True (e.g. a baseline strategy).
         shardings: data-parallel shardings to try: meshfold's ``"fsdp"``, ``"allreduce"``
             (the default, both); add ``"zero1"`` for the paper's Megatron comparison rows.
+        routing, placement: the routing load (:mod:`meshfold.plan.routing`; None: balanced) and
+            the expert placement (``static`` | ``balanced``) each layout is costed under: the
+            busiest ep rank's expert GEMMs, all-to-all bytes and activations (``estimate``).
 
     Returns feasible estimates by decreasing MFU, then infeasible ones (out of memory, with
     ``reason``) by increasing memory. Recomputation is tried for a layout only where the layout
@@ -111,7 +116,7 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
     for layout in candidates(shape, gpus, seq, global_batch, shardings, max_mbs):
         if where is not None and not where(layout):
             continue
-        e = estimate(shape, hw, layout, seq, global_batch)
+        e = estimate(shape, hw, layout, seq, global_batch, routing, placement)
         out.append(e)
         for mode in ("selective", "full"):  # cheaper recomputation first, each only if still out of memory
             if e.feasible:
@@ -119,7 +124,7 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
             rc = Layout(layout.spec, layout.mbs, layout.vpp, mode, layout.sharding, layout.schedule)
             if (where is not None and not where(rc)) or check_layout(shape, rc, seq, global_batch):
                 break
-            e = estimate(shape, hw, rc, seq, global_batch)
+            e = estimate(shape, hw, rc, seq, global_batch, routing, placement)
             out.append(e)
     if not out:
         raise ValueError(

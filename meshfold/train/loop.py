@@ -26,8 +26,10 @@ from meshfold.parallel.compile import compile_model
 from meshfold.parallel.batch import batch_rows, shard_batch
 from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
 from meshfold.plan.hardware import HARDWARE
+from meshfold.plan.placement import static
 from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig
+from meshfold.train.expert_load import ep_load_metrics
 from meshfold.train.flops import train_flops_per_step
 from meshfold.train.optim import build_optimizer, lr_at
 from meshfold.train.progress import Progress
@@ -196,6 +198,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         print(f"resumed from {resumed_from} at step {start}", flush=True)
     last_good = resumed_from
     history = []
+    # each MoE layer's expert placement (meshfold.plan.placement), kept here only: the metrics'
+    # per-ep-rank rows follow it
+    expert_slots = [static(mcfg.moe.num_experts, spec.ep) for _ in mcfg.moe_layer_ids]
     end = t.steps if t.stop_at is None else min(t.steps, t.stop_at)
     for step in range(start, end):
         n = step + 1  # steps are counted from 1 in logs, checkpoints and settings
@@ -216,6 +221,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, (peak_hw, peak), t0)
         if math.isfinite(loss):
             record["memory"] = memory.gather()  # every rank's peaks of the step (a collective)
+            if "tokens_per_expert" in record:
+                record.update(ep_load_metrics(record["tokens_per_expert"], expert_slots, spec.ep))
             if n % t.eval_every == 0 or n == t.steps:
                 record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
             if rank == 0:

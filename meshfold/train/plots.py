@@ -1,4 +1,5 @@
-"""PNG plots of a run from its metrics.jsonl: loss curves and the expert-load heatmap.
+"""PNG plots of a run from its metrics.jsonl: loss curves, and the expert load (a heatmap of each
+expert's share, and each ep rank's rows over the mean with the worst MoE layer's max / mean).
 
 matplotlib is an optional extra (``pip install meshfold[plots]``); without it the plots are
 skipped with a note, never an error.
@@ -47,14 +48,31 @@ def write_plots(out_dir: str | Path) -> list[Path] | str:
         # [steps, experts] of the first MoE layer, each row as a fraction of that step's tokens
         m = np.array([r["tokens_per_expert"][0] for r in load], dtype=float)
         m = m / m.sum(1, keepdims=True).clip(min=1)
-        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = [r["step"] for r in load]
+        ranked = [r for r in load if "ep_rank_rows" in r]
+        fig, axes = plt.subplots(2 if ranked else 1, 1, figsize=(7, 7 if ranked else 4), squeeze=False)
+        ax = axes[0, 0]
         im = ax.imshow(m.T, aspect="auto", interpolation="nearest", cmap="viridis",
-                       extent=(load[0]["step"], load[-1]["step"], m.shape[1] - 0.5, -0.5))
+                       extent=(steps[0], steps[-1], m.shape[1] - 0.5, -0.5))
         ax.set_xlabel("step")
         ax.set_yticks(range(m.shape[1]))
         ax.set_ylabel("expert (first MoE layer)")
         ax.set_title("expert load: share of routed tokens")
         fig.colorbar(im, ax=ax)
+        if ranked:  # what every ep rank waits for: the busiest rank's rows over the mean
+            ax = axes[1, 0]
+            x = [r["step"] for r in ranked]
+            rows_SR = np.array([r["ep_rank_rows"][0] for r in ranked], dtype=float)
+            mean_S = rows_SR.mean(1, keepdims=True).clip(min=1e-9)
+            for rank in range(rows_SR.shape[1]):
+                ax.plot(x, rows_SR[:, rank] / mean_S[:, 0], lw=1, label=f"ep rank {rank}")
+            ax.plot(x, [max(r["ep_max_over_mean"]) for r in ranked], "k--", lw=1.5,
+                    label="max/mean, worst MoE layer")
+            ax.axhline(1.0, color="grey", lw=0.5)
+            ax.set_xlabel("step")
+            ax.set_ylabel("rows / mean rows per ep rank")
+            ax.set_title("ep rank load (first MoE layer)")
+            ax.legend(fontsize="small", ncol=2)
         fig.tight_layout()
         fig.savefig(out / "expert_load.png", dpi=110)
         plt.close(fig)

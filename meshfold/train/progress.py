@@ -1,4 +1,5 @@
-"""Rank 0's progress line: step, loss, tokens/s, MFU, the busiest rank's memory and ETA.
+"""Rank 0's progress line: step, loss, tokens/s, MFU, the busiest rank's memory, the worst MoE
+layer's expert-parallel load (busiest ep rank's rows over the mean) and ETA.
 
 On a terminal the line rewrites itself; in a log (not a TTY) it prints about twenty lines per run
 so a CI log or a redirected file stays readable.
@@ -31,6 +32,16 @@ def _memory(r: dict) -> str:
     return f"  mem {m['mib'][m['peak_rank']]:,.0f} MiB (rank {m['peak_rank']}){tensors}"
 
 
+def _ep_load(r: dict) -> str:
+    """The worst MoE layer's busiest ep rank's rows over the mean, and which MoE layer (counted
+    from 0 among the MoE layers) that is."""
+    ratios = r.get("ep_max_over_mean")
+    if not ratios:
+        return ""
+    worst = max(range(len(ratios)), key=lambda i: ratios[i])
+    return f"  ep load max/mean {ratios[worst]:.2f} (moe layer {worst})"
+
+
 class Progress:
     def __init__(self, total: int, start: int = 0, stream=None):
         self.total, self.start = total, start
@@ -49,7 +60,7 @@ class Progress:
         bar = "#" * filled + "." * (width - filled)
         val = f" val {r['val_loss']:.3f}" if "val_loss" in r else ""
         line = (f"[{bar}] step {step}/{self.total}  loss {r['loss']:.4f}{val}  "
-                f"{r['tokens_per_s']:,.0f} tok/s  {_utilization(r)}{_memory(r)}  ETA {eta:5.0f}s")
+                f"{r['tokens_per_s']:,.0f} tok/s  {_utilization(r)}{_memory(r)}{_ep_load(r)}  ETA {eta:5.0f}s")
         if self.tty:
             self.stream.write("\r" + line + "\033[K")  # clear what a longer line left behind
         elif done % self.every == 0 or step == self.total or "val_loss" in r:

@@ -109,10 +109,13 @@ def _busiest(mib: list[float]) -> int:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """The numbers of a metrics row, flat, by name (``aux/aux``, ``memory/peak_mib``, ...)."""
+    """The numbers of a metrics row, flat, by name (``aux/aux``, ``memory/peak_mib``,
+    ``ep_load/max_over_mean``, ...)."""
     out = {k: float(v) for k, v in record.items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
     out.update({f"aux/{k}": float(v) for k, v in record.get("aux_losses", {}).items()})
+    if record.get("ep_max_over_mean"):  # the worst MoE layer's, as the progress line shows it
+        out["ep_load/max_over_mean"] = max(record["ep_max_over_mean"])
     if "memory" in record:
         out["memory/peak_mib"] = max(record["memory"]["mib"])
         if "tensor_mib" in record["memory"]:

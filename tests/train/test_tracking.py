@@ -160,6 +160,22 @@ def test_the_progress_line_names_the_busiest_ranks_memory():
     assert "mem 312 MiB (rank 1), tensors 20.2 MiB (rank 0)" in stream.getvalue()
 
 
+def test_the_progress_line_names_the_worst_moe_layers_ep_load():
+    from meshfold.train.progress import Progress
+
+    stream = io.StringIO()
+    Progress(10, stream=stream).update({"step": 10, "loss": 1.0, "tokens_per_s": 5.0, "mfu": None,
+                                        "mfu_of_measured_gemm": 0.1, "ep_max_over_mean": [1.25, 1.9375, 1.5]})
+    assert "ep load max/mean 1.94 (moe layer 1)" in stream.getvalue()
+
+
+def test_trackers_log_the_worst_moe_layers_ep_load():
+    from meshfold.train.tracking import scalars
+
+    got = scalars({"step": 3, "loss": 1.0, "ep_rank_rows": [[5, 1], [3, 3]], "ep_max_over_mean": [5 / 3, 1.0]})
+    assert got == {"loss": 1.0, "ep_load/max_over_mean": 5 / 3}
+
+
 def test_profile_steps_outside_the_run_are_refused():
     from meshfold.train.config import load_config
 

@@ -56,6 +56,16 @@ def losses(out_dir):
     return {r["step"]: r for r in map(json.loads, open(Path(out_dir) / "metrics.jsonl"))}
 
 
+def assert_ep_rank_rows_follow_the_static_placement(r, ep):
+    """Each MoE layer's rows per ep rank are its experts' rows (static placement: ep rank i holds
+    the i-th block of E / ep experts), and max/mean is the busiest rank's over their mean."""
+    assert len(r["ep_rank_rows"]) == len(r["tokens_per_expert"]) == len(r["ep_max_over_mean"])
+    for per_expert, per_rank, ratio in zip(r["tokens_per_expert"], r["ep_rank_rows"], r["ep_max_over_mean"]):
+        n = len(per_expert) // ep
+        assert per_rank == [sum(per_expert[i * n:(i + 1) * n]) for i in range(ep)]
+        assert ratio == pytest.approx(max(per_rank) * ep / sum(per_rank), rel=1e-12)
+
+
 @pytest.mark.slow
 def test_default_run_learns(tmp_path):
     proc = meshfold("train", "--steps", "40", "--out-dir", str(tmp_path))
@@ -69,6 +79,11 @@ def test_default_run_learns(tmp_path):
     assert r["val_loss"] < first - 1.0 and 0 < r["mfu_of_measured_gemm"] < 1 and r["tokens_per_s"] > 0
     assert r["mfu"] is None  # a CPU has no datasheet peak; train.gpu / train.peak_tflops give one
     assert len(r["tokens_per_expert"][0]) == 4 and r["dropped_fraction"] == 0
+    for row in rows.values():
+        assert_ep_rank_rows_follow_the_static_placement(row, ep=4)
+    # the progress line names the worst MoE layer's busiest ep rank over the mean
+    worst = max(r["ep_max_over_mean"])
+    assert f"ep load max/mean {worst:.2f} (moe layer {r['ep_max_over_mean'].index(worst)})" in proc.stdout
     assert (tmp_path / "checkpoints" / "step_000040" / "trainer.json").exists()
     assert f"plots: {tmp_path / 'loss.png'}, {tmp_path / 'expert_load.png'}" in proc.stdout
     assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "expert_load.png").stat().st_size > 0
@@ -147,6 +162,7 @@ def test_pipeline_run_checkpoint_resumes_without_pp_with_the_same_loss(tmp_path)
     assert "pp2 x dp2 x cp1 x tp1" in proc.stdout
     rows = losses(a)
     assert len(rows[4]["tokens_per_expert"]) == 4  # every stage's MoE layers are in the metrics
+    assert_ep_rank_rows_follow_the_static_placement(rows[4], ep=2)  # two experts a rank, layers of both stages
     Path(b / "checkpoints").mkdir(parents=True)
     os.replace(a / "checkpoints" / "step_000003", b / "checkpoints" / "step_000003")
     proc = meshfold_here("train", "--steps", "4", "--out-dir", str(b), *fp64)  # the default fold, pp = 1

@@ -1,0 +1,35 @@
+"""Expert-parallel load of a step: the rows each ep rank received per MoE layer, and max / mean.
+
+Every ep rank waits for the busiest one in each MoE layer (its expert GEMMs, and the all-to-all
+that returns its rows), so the step's metrics record, per MoE layer, the rows of each ep rank and
+the busiest one's over the mean (``ep_max_over_mean``; 1.0 is balanced).
+
+The rows of ep rank ``r`` are the (token, expert) pairs routed to the experts it holds under the
+layer's current placement (:mod:`meshfold.plan.placement`: ``slots``, one tuple per MoE layer;
+the static placement holds experts ``r E / ep .. (r + 1) E / ep - 1``), counted before dropping,
+over every micro-batch of the step. They come from the layer's ``tokens_per_expert``, which is
+summed over the whole batch: with edp > 1 there are edp ep groups, and ``ep_rank_rows[l][r]`` is
+the rows of ep index ``r`` summed over them (every group's ep rank ``r`` holds the same experts).
+With edp = 1 that is exactly what ep rank ``r`` received; with edp > 1 a single rank of one group
+may carry more than the groups' mean when they route differently. With etp > 1 each of the ep
+rank's etp ranks computes all of its rows (over a slice of the expert's ffn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshfold.plan.placement import max_over_mean, rank_loads
+
+__all__ = ["ep_load_metrics"]
+
+
+def ep_load_metrics(tokens_per_expert_LE: Sequence[Sequence[int]], slots_L: Sequence[Sequence[int]],
+                    ep: int) -> dict[str, list]:
+    """``{"ep_rank_rows": [L][ep], "ep_max_over_mean": [L]}`` from each MoE layer's rows per
+    expert (single-device order) and its placement ``slots_L[l]``."""
+    if len(tokens_per_expert_LE) != len(slots_L):
+        raise ValueError(f"{len(tokens_per_expert_LE)} MoE layers of tokens_per_expert but {len(slots_L)} "
+                         f"placements; valid: one placement per MoE layer")
+    rows = [[int(x) for x in rank_loads(load_E, slots, ep)] for load_E, slots in zip(tokens_per_expert_LE, slots_L)]
+    return {"ep_rank_rows": rows, "ep_max_over_mean": [max_over_mean(r) for r in rows]}
