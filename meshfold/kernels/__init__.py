@@ -11,11 +11,14 @@ tests compare it with:
   ``backend="reference"`` is its plain definition. ``swiglu`` / ``gelu``: its activations.
 * ``gather_rows`` (permute's gather) and ``combine_topk`` (the dropless combine); references
   ``scatter_rows_reference`` and ``combine_reference``.
+* ``serial_graph(fn, *inputs)``: a differentiable chain of small ops (routing scores, sort keys)
+  run forward and backward on one thread on CPU; its reference is ``fn(*inputs)`` itself.
 
 Layer: imports torch, triton and ``meshfold.runtime`` only; independent of
 ``meshfold.placements`` (``tests/test_layers.py``).
 """
 
+from meshfold.kernels.cpu_pool import serial_graph
 from meshfold.kernels.combine import (combine_reference, combine_topk, gather_rows, scatter_rows,
                                       scatter_rows_reference)
 from meshfold.kernels.ffn import expert_ffn, gelu, swiglu, swiglu_reference
@@ -44,6 +47,7 @@ __all__ = [
     "grouped_mm_reference",
     "scatter_rows",
     "scatter_rows_reference",
+    "serial_graph",
     "swiglu",
     "swiglu_reference",
     "tile_grid",

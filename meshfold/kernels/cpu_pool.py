@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["MAX_WORKERS", "run_tasks", "single_threaded", "serial", "in_parts", "blocks"]
+__all__ = ["MAX_WORKERS", "run_tasks", "single_threaded", "serial", "serial_graph", "in_parts", "blocks"]
 
 MAX_WORKERS = 8  # beyond this the Python dispatch of the parts (under the GIL) would dominate
 
@@ -156,3 +156,78 @@ def serial(fn, *args):
     if args[0].device.type == "cpu":
         return single_threaded(fn, *args)
     return fn(*args)
+
+
+def _on_caller(tensors) -> bool:
+    """Whether work on ``tensors`` must stay on the calling thread: a tensor that is not a plain
+    CPU tensor (an accelerator's, a fake, simulated or distributed subclass), or a thread-local
+    mode that a pool thread would not see (a dispatch mode such as LocalTensorMode, compiling)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return True
+    return any(type(t) is not torch.Tensor or t.device.type != "cpu" for t in tensors)
+
+
+def serial_graph(fn, *inputs):
+    """``fn(*inputs)`` -> tuple of tensors, forward and backward each on one pool thread with one
+    intra-op thread (:func:`single_threaded`) for plain CPU tensors; directly elsewhere.
+
+    For chains of small ops on [T, E] or [T*k] tensors (the router's softmax and top-k, the
+    dispatcher's sort keys): as ATen ops on the caller's thread each would fork and join the
+    OpenMP team, and on a shared machine every join may wait for a descheduled thread, so a
+    chain of sub-millisecond ops costs tens of milliseconds; on one thread they stay
+    sub-millisecond. Autograd sees one node: the forward records ``fn``'s graph on the pool
+    thread from detached copies of the inputs, the backward differentiates that graph there
+    (``torch.autograd.grad``) and hands the gradients of the inputs that require them back.
+    Floating outputs carry gradients, others are marked non-differentiable. A backward with
+    ``create_graph`` runs ``fn`` again on the caller's thread and differentiates that, so
+    gradients of gradients stay exact. Row-wise ops give the same values on any number of
+    threads; the tests compare with ``fn`` called directly.
+    """
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    if _on_caller(tensors):
+        return fn(*inputs)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return single_threaded(fn, *inputs)
+    return _SerialGraph.apply(fn, *inputs)
+
+
+class _SerialGraph(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        leaves = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.requires_grad else t
+                  for t in inputs]
+        with torch.enable_grad():
+            outs = single_threaded(fn, *leaves)
+        if not isinstance(outs, tuple):
+            raise TypeError(f"serial_graph: fn must return a tuple of tensors, got {type(outs).__name__}")
+        ctx.fn, ctx.leaves, ctx.outs = fn, leaves, outs
+        ctx.others = [None if isinstance(t, torch.Tensor) else t for t in inputs]
+        ctx.save_for_backward(*[t if isinstance(t, torch.Tensor) else None for t in inputs])
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        wanted = [i for i, t in enumerate(ctx.leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled():
+            # create_graph (a gradient penalty): the gradient must itself be differentiable, so
+            # run fn again on the caller's thread on the real inputs and differentiate that
+            inputs = [t if t is not None else o for t, o in zip(ctx.saved_tensors, ctx.others)]
+            outs = ctx.fn(*inputs)
+            targets = [inputs[i] for i in wanted]
+            create = True
+        else:
+            outs, targets, create = ctx.outs, [ctx.leaves[i] for i in wanted], False
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+        result = [None] * len(ctx.leaves)
+        if pairs and wanted:
+            def grad():
+                return torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                                           allow_unused=True, create_graph=create, retain_graph=True)
+
+            got = grad() if create else single_threaded(grad)
+            for i, g in zip(wanted, got):
+                result[i] = g
+        return (None, *result)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshfold.kernels import combine_reference, combine_topk, gather_rows
+from meshfold.kernels import combine_reference, combine_topk, gather_rows, serial_graph
 
 __all__ = ["capacity", "drop_pairs", "keep_mask", "permute", "unpermute", "unpermute_reference", "Permuted"]
 
@@ -103,6 +103,17 @@ class Permuted:
     probs_TK: torch.Tensor | None = None
 
 
+def _expert_order(experts_TK, probs_TK, keep_TK, num_experts):
+    """(order [T*k], expert, token and weight of each sorted pair, sort key, counts_E [E]): the
+    pairs sorted by expert, stably (so in token order within an expert), dropped pairs last."""
+    k = experts_TK.shape[1]
+    e = experts_TK.reshape(-1)
+    key = e if keep_TK is None else torch.where(keep_TK.reshape(-1), e, num_experts)  # dropped: E
+    order = torch.argsort(key, stable=True)
+    counts_E = _counts(key, num_experts + 1)[:num_experts]
+    return order, e[order], order.div(k, rounding_mode="floor"), probs_TK.reshape(-1)[order], key, counts_E
+
+
 def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, rows=None) -> Permuted:
     """Group the kept (token, expert) pairs by expert, stable in token order.
 
@@ -112,15 +123,11 @@ def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, 
     int (the layer's comm, which reads it with the dispatch's counts: its one host read; None:
     ``int(counts_E.sum())``). With ``pad_to`` (pad-to-capacity) every expert gets exactly
     ``pad_to`` rows, zero-filled, so the number of rows is static and nothing is read.
+    The sort keys and counts are small [T*k] ops, run on one thread (:func:`serial_graph`).
     """
     T, k = experts_TK.shape
-    e = experts_TK.reshape(-1)
-    token = torch.arange(T, device=x_TH.device).repeat_interleave(k)
-    p = probs_TK.reshape(-1)
-    key = e if keep_TK is None else torch.where(keep_TK.reshape(-1), e, num_experts)  # dropped: E
-    order = torch.argsort(key, stable=True)
-    e, token, p = e[order], token[order], p[order]
-    counts_E = _counts(key, num_experts + 1)[:num_experts]
+    order, e, token, p, key, counts_E = serial_graph(
+        lambda e_, p_, keep: _expert_order(e_, p_, keep, num_experts), experts_TK, probs_TK, keep_TK)
     if pad_to is None:
         if keep_TK is None:
             return Permuted(gather_rows(x_TH, token), counts_E, token, p, pair_N=order, probs_TK=probs_TK)

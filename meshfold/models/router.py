@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.kernels import serial_graph
 from meshfold.models import init
 from meshfold.models.config import MoEConfig
 
@@ -104,7 +105,8 @@ class Router(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         logits_TE = F.linear(x, w.to(cfg.router_dtype))
         bias = None if self.expert_bias is None else self.expert_bias.to(logits_TE.dtype)
-        probs_TK, experts_TK = topk_routing(logits_TE, cfg, bias)
+        # [T, E] softmax, top-k, renormalisation: small ops, on one thread (serial_graph)
+        probs_TK, experts_TK = serial_graph(lambda l, b: topk_routing(l, cfg, b), logits_TE, bias)
         return probs_TK, experts_TK, logits_TE
 
     @torch.no_grad()

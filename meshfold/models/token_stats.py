@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshfold.kernels import serial_graph
+
 __all__ = ["TokenStats", "token_stats", "routing_metrics"]
 
 
@@ -47,12 +49,9 @@ def _host_ints(values: list[int], device) -> torch.Tensor:
     return torch.cat([torch.full((1,), v, dtype=torch.int64, device=device) for v in values])
 
 
-@torch.no_grad()
-def token_stats(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, B: int, S: int, num_experts: int,
-                per_sequence: bool, comm) -> TokenStats:
-    """The statistics of routing ``experts_TK`` [T, k] (``keep_TK`` [T, k] bool: pairs kept
-    after dropping, None = all), summed with ``comm.sum`` over the attention dims."""
-    E, (T, k) = num_experts, experts_TK.shape
+def _local_counts(experts_TK, keep_TK, B: int, S: int, E: int, per_sequence: bool) -> torch.Tensor:
+    """This rank's [routed_E, kept_E, T, S, (seq_BE flattened)] as one int64 vector."""
+    T, k = experts_TK.shape
     dev = experts_TK.device
     e = experts_TK.reshape(-1)
     routed_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
@@ -64,7 +63,19 @@ def token_stats(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, B: int, 
         seq_BE = torch.zeros(B, E, dtype=torch.int64, device=dev).index_put_(
             (seq_of, e), torch.ones_like(e), accumulate=True)
         parts.append(seq_BE.reshape(-1))
-    seq_part = comm.sum(torch.cat(parts), ("cp", "tp"))  # one sequence group's totals
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def token_stats(experts_TK: torch.Tensor, keep_TK: torch.Tensor | None, B: int, S: int, num_experts: int,
+                per_sequence: bool, comm) -> TokenStats:
+    """The statistics of routing ``experts_TK`` [T, k] (``keep_TK`` [T, k] bool: pairs kept
+    after dropping, None = all), summed with ``comm.sum`` over the attention dims."""
+    E, (T, k) = num_experts, experts_TK.shape
+    dev = experts_TK.device
+    # [T*k] scatter-adds: small ops, on one thread (serial_graph)
+    (local,) = serial_graph(lambda e, keep: (_local_counts(e, keep, B, S, E, per_sequence),), experts_TK, keep_TK)
+    seq_part = comm.sum(local, ("cp", "tp"))  # one sequence group's totals
     routed_seq, kept_seq, (T_seq, S_seq) = seq_part[:E], seq_part[E:2 * E], seq_part[2 * E:2 * E + 2]
     every = comm.sum(torch.cat([routed_seq, kept_seq, T_seq.reshape(1), _host_ints([B], dev)]), ("dp",))
     return TokenStats(routed_seq=routed_seq, T_seq=T_seq.double(), S_seq=S_seq.double(),

@@ -553,3 +553,56 @@ def test_combine_keeps_autograd_of_the_caller():
     with torch.no_grad():
         assert unpermute(y, perm, 37).grad_fn is None
     assert unpermute(y, perm, 37).grad_fn is not None
+
+
+_ROUTINGS = [dict(), dict(pre_softmax=False), dict(score_function="sigmoid", num_groups=4, group_topk=2),
+             dict(expert_bias=True, topk_scaling_factor=2.5)]
+
+
+@pytest.mark.parametrize("routing", _ROUTINGS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_serial_graph_routing_equals_the_direct_call_with_gradients(dtype, routing):
+    """The router's routing on one pool thread (serial_graph) gives bitwise what calling
+    topk_routing on the caller's two threads gives: weights, experts and the logits' gradient;
+    fn really runs with one intra-op thread, and the caller's count is left as it was."""
+    from meshfold.kernels import serial_graph
+    from meshfold.models.router import topk_routing
+
+    cfg = MoEConfig(hidden=4, ffn=4, num_experts=8, topk=4, **routing)
+    bias = torch.linspace(-0.1, 0.2, 8) if cfg.expert_bias else None
+    logits = torch.randn(300, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(dtype)
+    dprobs = torch.randn(300, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    seen = []
+
+    def route(l_TE, b_E):
+        seen.append(torch.get_num_threads())
+        return topk_routing(l_TE, cfg, b_E)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = []
+        for call in (lambda l: route(l, bias), lambda l: serial_graph(route, l, bias)):
+            l_TE = logits.clone().requires_grad_()
+            probs, experts = call(l_TE)
+            results.append((probs, experts, torch.autograd.grad(probs, l_TE, dprobs)[0]))
+        assert torch.get_num_threads() == 2 and seen == [2, 1]
+    finally:
+        torch.set_num_threads(before)
+    (p0, e0, g0), (p1, e1, g1) = results
+    assert torch.equal(p0, p1) and torch.equal(e0, e1) and torch.equal(g0, g1)
+    assert not e1.requires_grad
+
+
+def test_serial_graph_gradient_of_gradient_is_exact():
+    """A backward with create_graph (a gradient penalty) through serial_graph is differentiable
+    again: fp64 gradgradcheck of the router's softmax top-k and of a two-output function."""
+    from meshfold.kernels import serial_graph
+    from meshfold.models.router import topk_routing
+
+    cfg = MoEConfig(hidden=4, ffn=4, num_experts=6, topk=2)
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda l: serial_graph(lambda x: topk_routing(x, cfg), l)[0], (logits,))
+    a = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x, y: serial_graph(lambda u, v: (u * v, u.exp()), x, y), (a, b))
