@@ -165,7 +165,8 @@ def replace_experts(layer, new_slots: Sequence[int], optimizer: torch.optim.Opti
 
 def folded_moe_layers(model) -> list:
     """The MoE layers of ``model`` (a parallelized model or a Pipeline) laid out on a fold."""
-    return [m for m in model.moe_layers() if isinstance(m.comm, FoldedComm)]
+    layers = model.moe_layers() if hasattr(model, "moe_layers") else model.modules()
+    return [m for m in layers if isinstance(getattr(m, "comm", None), FoldedComm)]
 
 
 @contextmanager
