@@ -93,3 +93,31 @@ def test_unknown_placement_names_the_valid_ones():
     cfg.train.expert_placement = "greedy"
     with pytest.raises(ValueError, match="'greedy'; valid: static, balanced"):
         cfg.validate()
+
+
+def _rebalance_every_two_steps(rank, world_size):
+    from meshfold.train.rebalance import Rebalancer
+
+    torch.manual_seed(0)
+    model = parallelize(MoETransformer(CFG), cached_fold(FoldSpec(4, tp=2, ep=4)))
+    rebalancer = Rebalancer(model, every=2, ep=4)
+    first = rebalancer.after_step(1, [[60, 50, 1, 1, 1, 1, 1, 1]], None)
+    placed = rebalancer.after_step(2, [[40, 30, 1, 1, 1, 1, 1, 1]], None)
+    again = rebalancer.after_step(4, [[1, 1, 1, 1, 1, 1, 1, 1]], None)  # a fresh window: balanced loads
+    return first, {k: v for k, v in placed.items() if k != "seconds"}, again["moved_bytes"], rebalancer.placements()
+
+
+@pytest.mark.multirank
+def test_rebalancer_re_places_from_the_loads_since_the_last_re_placement(worlds):
+    """Every ``every`` steps, the same placement on every rank: balanced() of the summed loads;
+    the next window starts afresh, and a placement that is no worse stays (nothing moves)."""
+    from meshfold.plan.placement import balanced
+
+    results = worlds(4).run(_rebalance_every_two_steps)
+    want = list(balanced([100, 80, 2, 2, 2, 2, 2, 2], 4))
+    for first, placed, moved_again, placements in results:
+        assert first is None
+        assert placed["placements"] == [want] == placements
+        assert placed["moved_bytes"] == results[0][1]["moved_bytes"] > 0
+        assert placed["max_over_mean_after"] < placed["max_over_mean_before"]
+        assert moved_again == 0
