@@ -51,7 +51,9 @@ def expert_params(layer) -> dict[str, torch.Tensor]:
     names = comm.moe.mesh_dim_names
     out = {}
     for name, p in layer.named_parameters():
-        if isinstance(p, DTensor) and p.device_mesh is comm.moe:
+        # by dim names, not identity: DTensor's op cache may hand a parameter an equal mesh of
+        # another fold built in the same process
+        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == names:
             q = p.placements[names.index("ep")]
             if isinstance(q, Shard) and q.dim == 0:
                 out[name] = p
