@@ -38,6 +38,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype (master weights and AdamW state: float32 or wider)")
     parser.add_argument("--gpu", default="h100", help="hardware preset whose memory is the budget (default h100)")
     parser.add_argument("--routing", default="balanced", help="balanced (default) or zipf:S, e.g. zipf:1.0")
+    parser.add_argument("--placement", default="static", choices=("static", "balanced"),
+                        help="expert placement: static (ep rank r holds experts r * E / ep ..) or balanced "
+                             "(meshfold.plan.placement.balanced of the routing model's loads, as "
+                             "train.expert_placement = balanced re-places them); with balanced, the busiest "
+                             "ep rank is dry-run too")
     parser.add_argument("--ranks", type=int, nargs="+", help="ranks to dry-run (default: one per pipeline stage)")
     parser.add_argument("--json", metavar="FILE", help="write the per-rank report here")
 
@@ -94,6 +99,39 @@ def _gib(n: int) -> str:
     return f"{n / GIB:9.2f}"
 
 
+def _placed(routing, placement: str, cfg, spec, hw):
+    """(the routing model under ``placement``, report lines, the busiest ep rank): rows each ep
+    rank's experts receive per step under the static and the chosen placement, the busiest
+    rank's share, and its expert GEMM time (forward + backward) at the GPU's GEMM rate."""
+    from meshfold.dryrun.routing import Placed, expert_rows
+    from meshfold.plan.placement import balanced, max_over_mean, rank_loads, static
+
+    _, mcfg = cfg.validate()
+    moe = mcfg.moe
+    if moe is None:
+        raise ValueError(f"--placement {placement}: model {cfg.model['name']!r} has no MoE layers")
+    E = moe.num_experts
+    pairs = cfg.train.batch // spec.dp // cfg.train.microbatches * cfg.train.seq // (spec.cp * spec.tp) * moe.topk
+    loads = expert_rows(routing, pairs, E, spec.ep, spec.etp)  # one micro-batch, one layer
+    slots = static(E, spec.ep) if placement == "static" else balanced(loads, spec.ep)
+    scale = cfg.train.microbatches * len(mcfg.moe_layer_ids)  # rows per step over the MoE layers
+    two = 2 if moe.expert_kind == "swiglu" else 1
+    lines = [f"expert rows per ep rank per step ({len(mcfg.moe_layer_ids)} MoE layers x "
+             f"{cfg.train.microbatches} micro-batches; each etp rank computes ffn / etp of them):"]
+    busiest = 0
+    for name, s in (("static", static(E, spec.ep)), (placement, slots)):
+        rows = [scale * x for x in rank_loads(loads, s, spec.ep)]
+        top = max(range(spec.ep), key=lambda r: (rows[r], -r))
+        flops = 3 * 2 * rows[top] * moe.hidden * (two + 1) * moe.ffn // spec.etp  # fwd + 2x bwd
+        lines.append(f"  {name:>8}: busiest ep rank {top} {rows[top]:,} rows ({rows[top] / sum(rows):.1%} of all, "
+                     f"max/mean {max_over_mean(rows):.2f}), expert GEMMs {hw.gemm_time(flops, 0) * 1e3:.1f} ms "
+                     f"at {hw.name}'s GEMM rate; placement {list(s) if len(s) <= 64 else '(E > 64)'}")
+        busiest = top
+        if placement == "static":
+            break
+    return Placed(routing, slots), lines, busiest
+
+
 def main(args: argparse.Namespace) -> int:
     import time
 
@@ -109,6 +147,14 @@ def main(args: argparse.Namespace) -> int:
         bad = [r for r in args.ranks if not 0 <= r < spec.world_size]
         if bad:
             raise ValueError(f"--ranks {bad}: out of range [0, {spec.world_size})")
+    placement_lines = []
+    if args.placement != "static" or args.routing != "balanced":
+        routing, placement_lines, busiest = _placed(routing, args.placement, cfg, spec, hw)
+        if args.ranks is None and args.placement != "static":
+            from meshfold.dryrun.engine import representative_ranks
+
+            first = spec.rank("moe", pp=0, edp=0, ep=busiest, etp=0)
+            args.ranks = sorted(set(representative_ranks(spec)) | {first})
     from meshfold.runtime import launch
 
     launch.preload("meshfold.dryrun")  # for the other ranks' processes: this command's code cannot change
@@ -125,6 +171,8 @@ def main(args: argparse.Namespace) -> int:
     for r in reports:
         print(f"{r.rank:>5} {r.stage:>5} {_gib(r.param_bytes)} {_gib(r.grad_bytes)} {_gib(r.optimizer_bytes)} "
               f"{_gib(r.activation_peak_bytes)} {_gib(r.peak_bytes)}")
+    for line in placement_lines:
+        print(line)
     for r in reports:
         print(f"rank {r.rank}: {len(r.collectives)} collectives, {len(r.host_reads)} host reads "
               f"({sum(1 for w, _ in r.host_reads if w == 'block_counts')} of block counts)")

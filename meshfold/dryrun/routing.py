@@ -17,6 +17,9 @@ a real run is sized from its read.
   the most rows), rounded by largest remainder so each rank's counts still sum to its pairs: the
   shares of :mod:`meshfold.plan.routing`, which the planner's ``--routing zipf:S`` charges.
   ``s = 0`` is balanced; ``s = 1`` gives expert 0 of 8 about 37% of the pairs.
+* :class:`Placed`: another model's counts under an expert placement (a permutation of the
+  experts into ep-rank slots, :mod:`meshfold.plan.placement`): the dispatch counts rows per
+  slot, so slot ``s`` gets the rows of expert ``slots[s]``; a re-balanced run is planned with it.
 * :class:`Replay`: the counts a real run read, call by call (tests compare a dry run with the
   real run it replays).
 
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 
 from meshfold.plan.routing import largest_remainder, zipf_weights
 
-__all__ = ["Balanced", "Zipf", "Replay", "parse_routing"]
+__all__ = ["Balanced", "Zipf", "Replay", "Placed", "parse_routing", "expert_rows"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,33 @@ class Replay:
 
     def describe(self) -> str:
         return "replay"
+
+
+@dataclass(frozen=True)
+class Placed:
+    """``inner``'s counts in slot order under placement ``slots`` (slot ``s`` holds expert
+    ``slots[s]``, slot ``s`` is on ep rank ``s // (E / ep)``)."""
+
+    inner: object
+    slots: tuple
+
+    def block(self, call: int, pairs: int, num_experts: int, n_ep: int, n_etp: int) -> list:
+        if len(self.slots) != num_experts or sorted(self.slots) != list(range(num_experts)):
+            raise ValueError(f"placement {list(self.slots)} is not a permutation of the layer's "
+                             f"{num_experts} experts")
+        C = self.inner.block(call, pairs, num_experts, n_ep, n_etp)
+        return [[[row[e] for e in self.slots] for row in q] for q in C]
+
+    def describe(self) -> str:
+        static = list(self.slots) == sorted(self.slots)
+        return f"{self.inner.describe()}, {'static' if static else 'balanced'} placement"
+
+
+def expert_rows(routing, pairs: int, num_experts: int, n_ep: int, n_etp: int) -> list[int]:
+    """Rows each expert (or slot, for a :class:`Placed` model) receives over one dispatch block
+    whose every rank sends ``pairs`` rows: the first call's counts summed over the block."""
+    C = routing.block(0, pairs, num_experts, n_ep, n_etp)
+    return [sum(row[e] for q in C for row in q) for e in range(num_experts)]
 
 
 def parse_routing(text: str):

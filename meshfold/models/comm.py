@@ -56,6 +56,11 @@ class MoEComm(Protocol):
         """Per-token rows [T, ...] concatenated over the attention dims ``dims`` (rank-major), and
         the offset of this rank's rows in the result (full-sequence dropping)."""
 
+    def slot_ids(self, experts_TK: torch.Tensor) -> torch.Tensor:
+        """The dispatch order of the routed experts [T, k]: each expert's slot under the expert
+        placement (one device, and the static placement: ``experts_TK`` itself). Rows are
+        permuted by slot, so the experts of one rank are contiguous whatever their ids."""
+
     def rows_sent(self, counts_E: torch.Tensor) -> int:
         """How many rows this rank sends, given its per-expert counts [E] (read on the host: the
         forward's one host read)."""
@@ -109,6 +114,9 @@ class LocalComm:
 
     def gather_tokens(self, t: torch.Tensor, dims: tuple[str, ...]) -> tuple[torch.Tensor, int]:
         return t, 0
+
+    def slot_ids(self, experts_TK):
+        return experts_TK
 
     def rows_sent(self, counts_E):
         """The rows kept when dropping, read on the host (the forward's one host read)."""

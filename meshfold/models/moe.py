@@ -158,7 +158,9 @@ class MoELayer(nn.Module):
             probs_TK = attach_loss(probs_TK, value if scale == 1 else value * scale)
         self._loss_shares, self._loss_totals = {name: v.detach() for name, v in losses.items()}, None
 
-        perm = permute(x_TH, experts_TK, probs_TK, cfg.num_experts, keep_TK, pad_to, rows=comm.rows_sent)
+        # rows in slot order (the expert placement; by default each expert's own id)
+        perm = permute(x_TH, comm.slot_ids(experts_TK), probs_TK, cfg.num_experts, keep_TK, pad_to,
+                       rows=comm.rows_sent)
         in_flight = comm.dispatch_start(perm.x_NH, perm.counts_E)  # folded: the all-to-all travels...
         shared_TH = None if self.shared is None else self.shared(x_TH, comm)  # ...while this computes
         routed = in_flight.wait()  # folded: routed.tokens, a RaggedTensor on moe (ep, etp)

@@ -90,6 +90,10 @@ class FoldedComm:
         self.ep, self.etp = spec.ep, spec.etp
         self.ep_rank = self.moe.get_local_rank("ep")
         self.overlap = True  # dispatch_start leaves the all-to-all in flight (False: waits at once)
+        # the expert placement (meshfold.parallel.expert_placement): None is the static one, where
+        # ep rank r holds experts r * E / ep ..; else slots[s] is the expert held in slot s
+        self.slots: tuple[int, ...] | None = None
+        self._slot_of_E: torch.Tensor | None = None  # the inverse of slots: expert id -> slot
 
     # ---- parameters ----
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -109,7 +113,8 @@ class FoldedComm:
         dim = MASK_LAYOUT[name]
         n = mask.shape[dim] // self.etp
         q = self.moe.get_local_rank("etp")
-        return mask[e0:e1].narrow(dim, q * n, n)
+        held = mask[e0:e1] if self.slots is None else mask[list(self.slots[e0:e1])]
+        return held.narrow(dim, q * n, n)
 
     # ---- token statistics ----
     def sum(self, t: torch.Tensor, dims: tuple[str, ...]) -> torch.Tensor:
@@ -142,8 +147,34 @@ class FoldedComm:
 
     # ---- dispatch ----
     def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """The slots this ep rank holds, ``[e0, e1)``: under the static placement, its experts."""
         n = num_experts // self.ep
         return self.ep_rank * n, (self.ep_rank + 1) * n
+
+    def slot_ids(self, experts_TK: torch.Tensor) -> torch.Tensor:
+        """The slots of the routed experts: the dispatch sends slot ``s``'s rows to ep rank
+        ``s // (E / ep)``, local expert ``s % (E / ep)``. The static placement returns
+        ``experts_TK`` itself (the same tensor, the same path)."""
+        if self._slot_of_E is None:
+            return experts_TK
+        if self._slot_of_E.device != experts_TK.device:
+            self._slot_of_E = self._slot_of_E.to(experts_TK.device)
+        return self._slot_of_E[experts_TK]
+
+    def set_slots(self, slots) -> None:
+        """Route by placement ``slots`` (a permutation of the experts; None or the identity: the
+        static placement). Only the routing: moving the weights is
+        :func:`meshfold.parallel.expert_placement.replace_experts`."""
+        if slots is None or list(slots) == list(range(len(slots))):
+            self.slots, self._slot_of_E = None, None
+            return
+        slots = tuple(int(e) for e in slots)
+        if sorted(slots) != list(range(len(slots))) or len(slots) % self.ep:
+            raise ValueError(f"expert placement {list(slots)}; valid: a permutation of range(E) with ep = "
+                             f"{self.ep} dividing E")
+        slot_of_E = torch.empty(len(slots), dtype=torch.int64)
+        slot_of_E[list(slots)] = torch.arange(len(slots))
+        self.slots, self._slot_of_E = slots, slot_of_E
 
     @functools.cached_property
     def experts_mesh(self):

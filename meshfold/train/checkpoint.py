@@ -20,6 +20,9 @@ Why these choices:
   A crash mid-save leaves only a ``.tmp`` folder, and :func:`latest` ignores those.
 * Tensors are saved under their single-device names (``model.layers.0.attn.wq``,
   ``optim.<name>.exp_avg``), so ``meshfold generate`` / ``export`` read them on one process.
+  Experts re-placed at train time (``train.expert_placement = "balanced"``) are saved in
+  single-device expert order too (moved back for the save, then again to their slots), so a
+  checkpoint resumes on any fold under either placement.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
 
+from meshfold.parallel.expert_placement import folded_moe_layers, in_expert_order, replace_experts
 from meshfold.parallel.transformer import single_device_name
 
 __all__ = ["save", "load", "latest", "verify", "newest_intact", "CheckpointError"]
@@ -196,7 +200,7 @@ def save(path_root: str | os.PathLike, step: int, model, optimizer, trainer_stat
             tmp.mkdir(parents=True)
         if dist.is_initialized():
             dist.barrier()
-        with torch.no_grad():
+        with torch.no_grad(), in_expert_order(model, optimizer):  # re-placed experts: saved in expert order
             dcp.save(_tensors(model, optimizer),
                      storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
         rng = {"torch": torch.get_rng_state().tolist()}
@@ -242,6 +246,9 @@ def load(path: str | os.PathLike, model, optimizer=None, restore_rng: bool = Tru
             state = json.load(f)
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"checkpoint {path}: trainer.json is missing or damaged ({err})") from None
+    for layer in folded_moe_layers(model):  # the checkpoint is in expert order: route by it
+        if layer.comm.slots is not None:
+            replace_experts(layer, range(layer.cfg.num_experts), optimizer)
     tensors = _tensors(model, optimizer)
     try:
         with torch.no_grad(), warnings.catch_warnings():

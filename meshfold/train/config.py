@@ -229,6 +229,14 @@ class TrainSettings:
                                          "CUDA also a memory snapshot) (default: unset, no profile)",
                                          item=int, length=2, low=1, optional=True)
     profile_ranks: str = setting("rank0", str, "which ranks train.profile_steps records", choices=("rank0", "all"))
+    expert_placement: str = setting("static", str, "which experts each ep rank holds: static (ep rank r holds "
+                                    "experts r * E / ep ..) or balanced (every train.rebalance_every steps the "
+                                    "experts are re-assigned to ep ranks from the rows routed to them since the "
+                                    "last re-assignment, lowering the busiest rank's load; weights and AdamW state "
+                                    "move with them and the math is unchanged; needs MoE layers, ep >= 2 and pp = 1)",
+                                    choices=("static", "balanced"))
+    rebalance_every: int = setting(50, int, "steps between expert re-placements with train.expert_placement = "
+                                   "balanced", low=1)
     recompute: str = setting("none", str, "activation recomputation of every transformer block: selective "
                              "keeps the matrix products' outputs and recomputes norms, RoPE, attention "
                              "core and activations; full keeps only each block's input (both replay "
@@ -417,6 +425,14 @@ class TrainConfig:
             if self.sparsity:
                 raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
                                  "all layers, which pipeline stages hold apart; use pp = 1")
+        if t.expert_placement == "balanced":
+            why = ("the model has no MoE layers" if not cfg.moe_layer_ids else
+                   f"fold.ep = {spec.ep}: one ep rank holds every expert" if spec.ep == 1 else
+                   f"fold.pp = {spec.pp}: re-placement runs without pipeline stages" if spec.pp > 1 else
+                   "[sparsity] tile masks are pruned in expert order on every rank" if self.sparsity else None)
+            if why:
+                raise ValueError(f"train.expert_placement = 'balanced' with {why}; valid: 'static', or "
+                                 f"'balanced' with MoE layers, ep >= 2, pp = 1 and no [sparsity]")
         from meshfold.parallel.transformer import check_fold
 
         check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts

@@ -35,6 +35,7 @@ from meshfold.train.optim import build_optimizer, lr_at
 from meshfold.train.progress import Progress
 from meshfold.train.tracking import Profiler, StepMemory, Trackers
 from meshfold.train.pruning import FoldedPruner
+from meshfold.train.rebalance import Rebalancer
 
 __all__ = ["train_rank", "accumulate", "microbatch_counts"]
 
@@ -179,10 +180,14 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     pruner = FoldedPruner(model, sp, opt) if sp is not None else None
     start, skipped = 0, 0
     resumed_from = None
+    rebalancer = Rebalancer(model, t.rebalance_every, spec.ep) if t.expert_placement == "balanced" else None
     if last is not None:
         state = checkpoint.load(last, model, opt)
         start, skipped = state["step"], state.get("skipped", 0)
         resumed_from = str(last)
+        saved = state.get("expert_placement")  # the weights are saved in expert order whatever it is
+        if rebalancer is not None and saved and saved["ep"] == spec.ep:
+            rebalancer.restore(saved["slots"], opt)
     peak = _all_sum(torch.tensor(_measure_peak(device=device, dtype=DTYPES[t.dtype]), device=device)).item()
     peak_hw = hardware_peak(t, world_size)
     flops = train_flops_per_step(mcfg, t.batch, t.seq)
@@ -198,8 +203,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         print(f"resumed from {resumed_from} at step {start}", flush=True)
     last_good = resumed_from
     history = []
-    # each MoE layer's expert placement (meshfold.plan.placement), kept here only: the metrics'
-    # per-ep-rank rows follow it
+    # each MoE layer's expert placement (meshfold.plan.placement) during the step: the metrics'
+    # per-ep-rank rows follow it; a balanced run's placements change between steps
     expert_slots = [static(mcfg.moe.num_experts, spec.ep) for _ in mcfg.moe_layer_ids]
     end = t.steps if t.stop_at is None else min(t.steps, t.stop_at)
     for step in range(start, end):
@@ -212,6 +217,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed, rows=own_rows)
             for layer in model.moe_layers():
                 layer.reset_step()  # the step's MoE metrics cover all of its micro-batches
+            if rebalancer is not None:
+                expert_slots = [tuple(slots) for slots in rebalancer.placements()]
             faults.before_step(injected, rank, n)
             loss = _global_loss(model, tokens, targets, spec, rank, backward=True,
                                 microbatches=t.microbatches or 1)  # the same on every rank
@@ -219,6 +226,10 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 loss = float("nan")  # all ranks stop or skip together
             if math.isfinite(loss):
                 record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, (peak_hw, peak), t0)
+                if rebalancer is not None:  # outside step_s: its cost is recorded apart
+                    placed = rebalancer.after_step(n, record["tokens_per_expert"], opt)
+                    if placed is not None:
+                        record["expert_placement"] = placed
         if math.isfinite(loss):
             record["memory"] = memory.gather()  # every rank's peaks of the step (a collective)
             if "tokens_per_expert" in record:
@@ -249,6 +260,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                      "moe": cfg.moe, "sparsity": cfg.sparsity, "seed": t.seed,
                      "dtype": t.dtype, "master_dtype": t.master_dtype,
                      "world_size": world_size, "train_steps": t.steps, "init_from": t.init_from}
+            if rebalancer is not None:
+                state["expert_placement"] = {"ep": spec.ep, "slots": rebalancer.placements()}
             crash = faults.crash_in_save(injected, n)
             last_good = str(checkpoint.save(ckpt_dir, n, model, opt, state, crash_before_rename=crash))
         profiler.end(n)

@@ -232,6 +232,25 @@ def test_routing_names_parse_and_bad_ones_say_what_is_valid():
             parse_routing(bad)
 
 
+def test_a_balanced_placement_moves_zipf_rows_off_the_busiest_ep_rank():
+    """Under Placed the dispatch counts are per slot: the same rows, permuted, so the balanced
+    placement of Zipf loads gives ep rank 0 (the static placement's busiest) fewer rows to receive."""
+    from meshfold.dryrun.routing import Placed, expert_rows
+    from meshfold.plan.placement import balanced, rank_loads, static
+
+    loads = expert_rows(Zipf(1.5), 1000, 4, 2, 1)
+    slots = balanced(loads, 2)
+    placed = expert_rows(Placed(Zipf(1.5), slots), 1000, 4, 2, 1)
+    assert placed == [loads[e] for e in slots]
+    assert max(rank_loads(loads, slots, 2)) < max(rank_loads(loads, static(4, 2), 2)) == rank_loads(loads, static(4, 2), 2)[0]
+    cfg = _cfg({"world_size": 4, "tp": 2, "ep": 2}, "float64", "none", 1)
+    received = []
+    for routing in (Zipf(1.5), Placed(Zipf(1.5), slots)):
+        (first,) = dry_run(cfg, routing, ranks=[0])
+        received.append(sum(r["bytes"] for r in first.collectives if r["kind"] == "all_to_all" and r["dim"] == "ep"))
+    assert received[1] < received[0]
+
+
 # ---- naming groups by folded dims ---------------------------------------------------------------
 @settings(max_examples=25)
 @given(spec=fold_specs(max_world_size=64), prefer=st.sampled_from(["attn", "moe"]), data=st.data())
