@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from meshfold.parallel.moe import FoldedComm
+from meshfold.parallel.moe import FoldedComm, slot_of_expert
 from meshfold.placements import all_to_all_v
 
 __all__ = ["expert_params", "replace_experts", "expert_order", "slot_order", "placement_of", "in_expert_order", "folded_moe_layers"]
@@ -64,9 +64,7 @@ def expert_order(t_E: torch.Tensor, slots: Sequence[int] | None) -> torch.Tensor
     """A tensor in slot order (dim 0 = slots) -> single-device expert order."""
     if slots is None:
         return t_E
-    slot_of_E = torch.empty(len(slots), dtype=torch.int64)
-    slot_of_E[list(slots)] = torch.arange(len(slots))
-    return t_E[slot_of_E.to(t_E.device)]
+    return t_E[slot_of_expert(slots).to(t_E.device)]
 
 
 def slot_order(t_E: torch.Tensor, slots: Sequence[int] | None) -> torch.Tensor:

@@ -75,6 +75,13 @@ ATTN = ("dp", "cp", "tp")
 MOE = ("edp", "ep", "etp")
 
 
+def slot_of_expert(slots) -> torch.Tensor:
+    """The inverse of an expert placement: ``[E]`` int64, expert id -> the slot holding it."""
+    slot_of_E = torch.empty(len(slots), dtype=torch.int64)
+    slot_of_E[list(slots)] = torch.arange(len(slots))
+    return slot_of_E
+
+
 class FoldedComm:
     """The folded mesh: ``attn`` = (dp, cp, tp) and ``moe`` = (edp, ep, etp) of this pp stage."""
 
@@ -172,9 +179,7 @@ class FoldedComm:
         if sorted(slots) != list(range(len(slots))) or len(slots) % self.ep:
             raise ValueError(f"expert placement {list(slots)}; valid: a permutation of range(E) with ep = "
                              f"{self.ep} dividing E")
-        slot_of_E = torch.empty(len(slots), dtype=torch.int64)
-        slot_of_E[list(slots)] = torch.arange(len(slots))
-        self.slots, self._slot_of_E = slots, slot_of_E
+        self.slots, self._slot_of_E = slots, slot_of_expert(slots)
 
     @functools.cached_property
     def experts_mesh(self):
