@@ -17,6 +17,8 @@ order reversed every other round; medians over rounds are reported):
   ``x [T, H] @ W1 [H, 2kF] -> silu(gate) * up -> @ W2 [kF, H]``: the k expert FFNs every token
   visits, fused into one GEMM pair (no routing, no permutation).
 * ``meshfold``: ``MoELayer`` (fp32 router, dropless, grouped GEMM through meshfold.kernels).
+* ``meshfold_fused``: the same layer with ``fused_rows`` (what ``train.compile`` sets): the
+  combine and the permute's backward as compiled one-pass loops (meshfold.kernels.combine).
 * ``experts_only``: the ceiling of ``meshfold``: exactly the expert computation it runs
   (``meshfold.kernels.expert_ffn``: grouped GEMM, SwiGLU, grouped GEMM, and their backward
   with the gradients of the rows and of both weights) on rows already permuted, with the same
@@ -104,9 +106,9 @@ QUICK_SHAPES = {  # --quick: the same expert counts and top-k, a quarter to an e
     "fine E64 top8": (64, 8, 512, 256, 2048),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-METHODS = ("dense", "meshfold", "experts_only", "titan", "titan_nocast", "hf_eager", "hf_grouped_mm")
+METHODS = ("dense", "meshfold", "meshfold_fused", "experts_only", "titan", "titan_nocast", "hf_eager", "hf_grouped_mm")
 TITAN_METHODS = ("titan", "titan_nocast")
-PEERS = ("titan", "titan_nocast", "hf_grouped_mm", "hf_eager")  # outputs compared with meshfold's
+PEERS = ("titan", "titan_nocast", "hf_grouped_mm", "hf_eager", "meshfold_fused")  # outputs compared with meshfold's
 TITAN_ENV = "MESHFOLD_TORCHTITAN_PATH"
 TITAN_INSTALL = ("pip install --no-deps --target DIR torchtitan==0.3.0 spmd-types==0.2.3 tyro, then "
                  f"--torchtitan-path DIR or {TITAN_ENV}=DIR (or --no-torchtitan to leave it out)")
@@ -241,8 +243,9 @@ def build(method, dims, dtype):
     dy = torch.randn(1, T, H, generator=torch.Generator().manual_seed(2)).to(dtype)
     if method == "dense":
         module = DenseChain(H, F_, k, dtype)
-    elif method == "meshfold":
+    elif method in ("meshfold", "meshfold_fused"):
         module = meshfold_layer(E, k, H, F_, dtype)
+        module.fused_rows = method == "meshfold_fused"
     elif method == "experts_only":
         module, x_NH, dy_NH = experts_only(E, k, H, F_, dtype, x[0].detach())
 

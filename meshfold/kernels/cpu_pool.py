@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["MAX_WORKERS", "run_tasks", "single_threaded", "serial", "serial_graph", "in_parts", "blocks"]
+__all__ = ["MAX_WORKERS", "run_tasks", "single_threaded", "serial", "serial_graph", "in_parts", "blocks",
+           "plain_cpu"]
 
 MAX_WORKERS = 8  # beyond this the Python dispatch of the parts (under the GIL) would dominate
 
@@ -167,6 +168,13 @@ def _on_caller(tensors) -> bool:
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return True
     return any(type(t) is not torch.Tensor or t.device.type != "cpu" for t in tensors)
+
+
+def plain_cpu(*tensors) -> bool:
+    """Whether every tensor is a plain CPU tensor that may leave the calling thread's dispatch
+    state (no subclass, no dispatch mode, not inside a compiled region): the condition for the
+    CPU kernels' own paths (the pool, the compiled row passes); otherwise the plain ops run."""
+    return not _on_caller(tensors)
 
 
 def serial_graph(fn, *inputs):

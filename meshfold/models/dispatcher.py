@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from meshfold.kernels import combine_reference, combine_topk, gather_rows, serial_graph
+from meshfold.kernels.combine import inverse_order
 
 __all__ = ["capacity", "drop_pairs", "keep_mask", "permute", "unpermute", "unpermute_reference", "Permuted"]
 
@@ -101,6 +102,7 @@ class Permuted:
     probs_N: torch.Tensor
     pair_N: torch.Tensor | None = None
     probs_TK: torch.Tensor | None = None
+    fused: bool = False  # the dropless row passes as compiled loops (kernels.combine, fused=True)
 
 
 def _expert_order(experts_TK, probs_TK, keep_TK, num_experts):
@@ -114,7 +116,8 @@ def _expert_order(experts_TK, probs_TK, keep_TK, num_experts):
     return order, e[order], order.div(k, rounding_mode="floor"), probs_TK.reshape(-1)[order], key, counts_E
 
 
-def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, rows=None) -> Permuted:
+def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, rows=None,
+            fused: bool = False) -> Permuted:
     """Group the kept (token, expert) pairs by expert, stable in token order.
 
     Dropped pairs are sorted behind the kept ones (sort key E) rather than filtered out with a
@@ -124,13 +127,17 @@ def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, 
     ``int(counts_E.sum())``). With ``pad_to`` (pad-to-capacity) every expert gets exactly
     ``pad_to`` rows, zero-filled, so the number of rows is static and nothing is read.
     The sort keys and counts are small [T*k] ops, run on one thread (:func:`serial_graph`).
+    ``fused`` (dropless, unpadded): the gather's backward and the combine run as compiled
+    one-pass loops (:mod:`meshfold.kernels.combine`, ``train.compile``).
     """
     T, k = experts_TK.shape
     order, e, token, p, key, counts_E = serial_graph(
         lambda e_, p_, keep: _expert_order(e_, p_, keep, num_experts), experts_TK, probs_TK, keep_TK)
     if pad_to is None:
         if keep_TK is None:
-            return Permuted(gather_rows(x_TH, token), counts_E, token, p, pair_N=order, probs_TK=probs_TK)
+            row_TK = inverse_order(order).view(T, k) if fused else None
+            return Permuted(gather_rows(x_TH, token, row_TK), counts_E, token, p, pair_N=order,
+                            probs_TK=probs_TK, fused=fused)
         n = int(counts_E.sum()) if rows is None else rows(counts_E)
         token, p = token[:n], p[:n]
         return Permuted(gather_rows(x_TH, token), counts_E, token, p)
@@ -157,7 +164,7 @@ def unpermute(y_NH: torch.Tensor, perm: Permuted, num_tokens: int) -> torch.Tens
     as the definition the fast path is tested against, :func:`unpermute_reference`.
     """
     if perm.pair_N is not None:
-        return combine_topk(y_NH, perm.probs_TK, perm.pair_N, perm.token_N)
+        return combine_topk(y_NH, perm.probs_TK, perm.pair_N, perm.token_N, perm.fused)
     return unpermute_reference(y_NH, perm, num_tokens)
 
 

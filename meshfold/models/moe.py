@@ -106,7 +106,13 @@ class MoELayer(nn.Module):
     become DTensors as ``meshfold.parallel.layouts.MOE_LAYOUT`` says, or the layout table given for
     parameters of the user's own, and ``comm`` a :class:`~meshfold.parallel.moe.FoldedComm`); every
     rank must build the layer with identical initial weights (e.g. the same ``torch.manual_seed``).
+
+    ``fused_rows`` (False; :func:`meshfold.parallel.compile.compile_model` sets it, for
+    ``train.compile``): the dropless permute's backward and the combine run as compiled one-pass
+    loops on CPU (:mod:`meshfold.kernels.combine`); the same values up to the order of a sum.
     """
+
+    fused_rows = False
 
     def __init__(self, cfg: MoEConfig, dtype: torch.dtype | None = None, *,
                  router: nn.Module | None = None, experts: nn.Module | None = None):
@@ -160,7 +166,7 @@ class MoELayer(nn.Module):
 
         # rows in slot order (the expert placement; by default each expert's own id)
         perm = permute(x_TH, comm.slot_ids(experts_TK), probs_TK, cfg.num_experts, keep_TK, pad_to,
-                       rows=comm.rows_sent)
+                       rows=comm.rows_sent, fused=self.fused_rows)
         in_flight = comm.dispatch_start(perm.x_NH, perm.counts_E)  # folded: the all-to-all travels...
         shared_TH = None if self.shared is None else self.shared(x_TH, comm)  # ...while this computes
         routed = in_flight.wait()  # folded: routed.tokens, a RaggedTensor on moe (ep, etp)

@@ -15,8 +15,12 @@ gathers, the MoE dispatch, FSDP2) and no host read (the ragged dispatch's counts
 * the dense SwiGLU MLP (``MLP.ffn``: both projections, with ``silu(gate) * up`` fused between
   them and into their backward).
 
-SDPA is one fused kernel already, and the MoE layers (router, dispatch, experts, combine) have
-ragged, data-dependent shapes and collectives between their parts: they stay eager.
+SDPA is one fused kernel already. The MoE layers (router, dispatch, experts, combine) have
+ragged, data-dependent shapes and collectives between their parts, so they are not compiled
+whole; on CPU their dropless row passes (the combine, forward and backward, and the permute's
+backward: memory-bound passes over the [T * k, H] rows) become compiled one-pass loops
+(``MoELayer.fused_rows``, :mod:`meshfold.kernels.combine`), whose shapes are static too (T * k
+rows per rank). Measured in benchmarks/RESULTS.md ("Issue 32").
 
 Each hook is set per instance (the model's classes and parameter names are unchanged), and every
 module of a kind gets the same compiled function, so a model of identical blocks compiles one graph
@@ -36,6 +40,7 @@ from torch import nn
 from meshfold.kernels import swiglu_reference
 from meshfold.models.attention import Attention, apply_rope_qk
 from meshfold.models.layers import MLP, RMSNorm, rms_norm
+from meshfold.models.moe import MoELayer
 
 __all__ = ["COMPILED_KINDS", "swiglu_mlp", "compile_model", "uncompile_model", "compiled_hooks"]
 
@@ -82,6 +87,9 @@ def compile_model(model: nn.Module) -> list[str]:
             attr, fn = hook
             setattr(module, attr, _compiled(fn))
             names.append(name)
+        elif isinstance(module, MoELayer):
+            module.fused_rows = True
+            names.append(name)
     return names
 
 
@@ -91,9 +99,12 @@ def uncompile_model(model: nn.Module) -> None:
         hook = _kind(module)
         if hook is not None and hook[0] in module.__dict__:
             delattr(module, hook[0])
+        elif isinstance(module, MoELayer) and "fused_rows" in module.__dict__:
+            del module.fused_rows
 
 
 def compiled_hooks(model: nn.Module) -> list[str]:
     """Names of ``model``'s modules that compute through a compiled hook now."""
     return [name for name, m in model.named_modules()
-            if (hook := _kind(m)) is not None and hook[0] in m.__dict__]
+            if ((hook := _kind(m)) is not None and hook[0] in m.__dict__)
+            or (isinstance(m, MoELayer) and "fused_rows" in m.__dict__)]

@@ -243,8 +243,9 @@ class TrainSettings:
                              "the forward's routing); results are identical, memory smaller",
                              choices=RECOMPUTE)
     compile: bool = setting(False, bool, "torch.compile each block's elementwise work from outside the model "
-                            "(meshfold.parallel.compile: the RMSNorms, RoPE and the dense SwiGLU MLPs); the "
-                            "MoE layers, collectives and host reads stay eager. The first step compiles (slow on "
+                            "(meshfold.parallel.compile: the RMSNorms, RoPE and the dense SwiGLU MLPs, and on CPU "
+                            "the MoE layers' dropless combine and permute-backward row passes); routing, "
+                            "dispatch, expert GEMMs, collectives and host reads stay eager. The first step compiles (slow on "
                             "CPU: tens of seconds per distinct shape), later steps reuse the graphs")
 
 
