@@ -19,10 +19,10 @@ Legend: T = tokens, k = top-k, N = expert-major rows, H = hidden.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
-
-import functools
 
 from meshfold.kernels.cpu_pool import in_parts, plain_cpu, serial
 
