@@ -19,11 +19,10 @@ Legend: T = tokens, k = top-k, N = expert-major rows, H = hidden.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.autograd.function import once_differentiable
 
+from meshfold.kernels.compiled import compiled
 from meshfold.kernels.cpu_pool import in_parts, plain_cpu, serial
 
 __all__ = ["COMBINE_ROWS", "combine_grads", "combine_reference", "combine_topk", "gather_rows",
@@ -48,12 +47,6 @@ def inverse_order(order_N: torch.Tensor) -> torch.Tensor:
 
 def _use_fused(row_TK, *tensors) -> bool:
     return row_TK is not None and plain_cpu(*tensors)
-
-
-@functools.cache
-def _compiled(fn):
-    """One compiled function per plain one (static shapes: a training run's do not change)."""
-    return torch.compile(fn, dynamic=False)
 
 
 def sum_topk_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, w_TK: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,20 +96,21 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, g_NH):
         token_N, row_TK = ctx.saved_tensors
         if _use_fused(row_TK, g_NH, token_N) and ctx.num_tokens:
-            return _compiled(sum_topk_rows)(g_NH.contiguous(), row_TK), None, None
+            return compiled(sum_topk_rows)(g_NH.contiguous(), row_TK), None, None
         return scatter_rows(g_NH, token_N, ctx.num_tokens), None, None
 
 
 def combine_topk(y_NH: torch.Tensor, probs_TK: torch.Tensor, pair_N: torch.Tensor,
-                 token_N: torch.Tensor, fused: bool = False) -> torch.Tensor:
+                 token_N: torch.Tensor, row_TK: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, H] = sum over each token's k rows of probs * y, in y's dtype: the dropless combine.
 
     ``y_NH`` expert-major rows, ``probs_TK`` the routing weights, ``pair_N`` each row's
     token-major pair index (``t * k + j``), ``token_N`` each row's token. Same values as
-    :func:`combine_reference` (to y's rounding of the weights in bf16). ``fused``: for plain CPU
-    tensors, both passes as compiled loops (:func:`sum_topk_rows`, :func:`combine_grads`).
+    :func:`combine_reference` (to y's rounding of the weights in bf16). ``row_TK`` (as for
+    :func:`gather_rows`, the inverse of ``pair_N``): given for plain CPU tensors, both passes run
+    as compiled loops (:func:`sum_topk_rows`, :func:`combine_grads`).
     """
-    return _CombineTopK.apply(y_NH, probs_TK, pair_N, token_N, fused)
+    return _CombineTopK.apply(y_NH, probs_TK, pair_N, token_N, row_TK)
 
 
 def combine_reference(y_NH: torch.Tensor, token_N: torch.Tensor, probs_N: torch.Tensor,
@@ -154,13 +148,13 @@ class _CombineTopK(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y_NH, probs_TK, pair_N, token_N, fused):
+    def forward(ctx, y_NH, probs_TK, pair_N, token_N, row_TK):
         y, p_TK = y_NH.detach(), probs_TK.detach().to(y_NH.dtype)
-        row_P = inverse_order(pair_N)  # the row of each token-major pair
-        ctx.fused = fused and p_TK.numel() > 0 and _use_fused(row_P, y, p_TK)
+        ctx.fused = p_TK.numel() > 0 and _use_fused(row_TK, y, p_TK)
         if ctx.fused:
-            out_TH = _compiled(sum_topk_rows)(y.contiguous(), row_P.view(p_TK.shape), p_TK)
+            out_TH = compiled(sum_topk_rows)(y.contiguous(), row_TK, p_TK)
         else:
+            row_P = inverse_order(pair_N) if row_TK is None else row_TK.reshape(-1)  # each pair's row
             out_TH = _combine_forward(y, p_TK, row_P)
         ctx.save_for_backward(y, p_TK, pair_N, token_N)
         ctx.probs_dtype = probs_TK.dtype
@@ -172,8 +166,8 @@ class _CombineTopK(torch.autograd.Function):
         y, p_TK, pair_N, token_N = ctx.saved_tensors
         need_dy, need_dprobs = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.fused and need_dy and need_dprobs:
-            dy_NH, dprobs_N = _compiled(combine_grads)(dout_TH.contiguous(), token_N, y.contiguous(),
-                                                       p_TK.reshape(-1)[pair_N])
+            dy_NH, dprobs_N = compiled(combine_grads)(dout_TH.contiguous(), token_N, y.contiguous(),
+                                                      p_TK.reshape(-1)[pair_N])
             dprobs_TK = torch.empty(pair_N.numel(), dtype=ctx.probs_dtype, device=y.device).index_copy_(
                 0, pair_N, dprobs_N.to(ctx.probs_dtype)).view(p_TK.shape)
             return dy_NH, dprobs_TK, None, None, None

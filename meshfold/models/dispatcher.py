@@ -102,7 +102,12 @@ class Permuted:
     probs_N: torch.Tensor
     pair_N: torch.Tensor | None = None
     probs_TK: torch.Tensor | None = None
-    fused: bool = False  # the dropless row passes as compiled loops (kernels.combine, fused=True)
+    row_TK: torch.Tensor | None = None  # fused: the row of each token-major pair (kernels.combine)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the dropless row passes run as compiled loops (:mod:`meshfold.kernels.combine`)."""
+        return self.row_TK is not None
 
 
 def _expert_order(experts_TK, probs_TK, keep_TK, num_experts):
@@ -137,7 +142,7 @@ def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, 
         if keep_TK is None:
             row_TK = inverse_order(order).view(T, k) if fused else None
             return Permuted(gather_rows(x_TH, token, row_TK), counts_E, token, p, pair_N=order,
-                            probs_TK=probs_TK, fused=fused)
+                            probs_TK=probs_TK, row_TK=row_TK)
         n = int(counts_E.sum()) if rows is None else rows(counts_E)
         token, p = token[:n], p[:n]
         return Permuted(gather_rows(x_TH, token), counts_E, token, p)
@@ -164,7 +169,7 @@ def unpermute(y_NH: torch.Tensor, perm: Permuted, num_tokens: int) -> torch.Tens
     as the definition the fast path is tested against, :func:`unpermute_reference`.
     """
     if perm.pair_N is not None:
-        return combine_topk(y_NH, perm.probs_TK, perm.pair_N, perm.token_N, perm.fused)
+        return combine_topk(y_NH, perm.probs_TK, perm.pair_N, perm.token_N, perm.row_TK)
     return unpermute_reference(y_NH, perm, num_tokens)
 
 

@@ -32,12 +32,11 @@ evaluation).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from meshfold.kernels import swiglu_reference
+from meshfold.kernels.compiled import compiled
 from meshfold.models.attention import Attention, apply_rope_qk
 from meshfold.models.layers import MLP, RMSNorm, rms_norm
 from meshfold.models.moe import MoELayer
@@ -54,18 +53,14 @@ def swiglu_mlp(x_TH: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return swiglu_reference((x_TH @ w_gate_up.reshape(H, 2 * F)).view(-1, 2, F)) @ w_down
 
 
-# module class -> (hook attribute, the plain function the compiled one replaces, what is compiled)
+# module class -> (hook attribute, the plain function the compiled one replaces); None: the
+# attribute is a flag set to True, the module's own compiled loops (MoELayer.fused_rows)
 COMPILED_KINDS: dict[type, tuple[str, object]] = {
     RMSNorm: ("norm", rms_norm),
     Attention: ("rotate", apply_rope_qk),
     MLP: ("ffn", swiglu_mlp),
+    MoELayer: ("fused_rows", None),
 }
-
-
-@functools.cache
-def _compiled(fn):
-    """One compiled function per plain one, shared by every module (one code object)."""
-    return torch.compile(fn, dynamic=False)
 
 
 def _kind(module: nn.Module):
@@ -85,10 +80,7 @@ def compile_model(model: nn.Module) -> list[str]:
         hook = _kind(module)
         if hook is not None:
             attr, fn = hook
-            setattr(module, attr, _compiled(fn))
-            names.append(name)
-        elif isinstance(module, MoELayer):
-            module.fused_rows = True
+            setattr(module, attr, True if fn is None else compiled(fn))
             names.append(name)
     return names
 
@@ -99,12 +91,9 @@ def uncompile_model(model: nn.Module) -> None:
         hook = _kind(module)
         if hook is not None and hook[0] in module.__dict__:
             delattr(module, hook[0])
-        elif isinstance(module, MoELayer) and "fused_rows" in module.__dict__:
-            del module.fused_rows
 
 
 def compiled_hooks(model: nn.Module) -> list[str]:
     """Names of ``model``'s modules that compute through a compiled hook now."""
     return [name for name, m in model.named_modules()
-            if ((hook := _kind(m)) is not None and hook[0] in m.__dict__)
-            or (isinstance(m, MoELayer) and "fused_rows" in m.__dict__)]
+            if (hook := _kind(m)) is not None and hook[0] in m.__dict__]
