@@ -41,7 +41,7 @@ from meshfold.mesh import FoldSpec
 from meshfold.plan.hardware import HARDWARE
 from meshfold.train.optim import NO_DECAY_KINDS
 
-__all__ = ["TrainConfig", "load_config", "parse_override", "master_dtype"]
+__all__ = ["TrainConfig", "Resolved", "load_config", "parse_override", "master_dtype"]
 
 
 @dataclass(frozen=True)
@@ -382,11 +382,22 @@ class TrainConfig:
         except ValueError as err:
             raise ValueError(f"train.init_from {self.train.init_from}: {err}") from None
 
+    def resolve(self) -> "Resolved":
+        """These settings checked once (:meth:`validate`) and completed (``train.master_dtype``
+        resolved), as a :class:`Resolved` copy the run reads and nothing rewrites; ``self`` is left
+        as it was."""
+        cfg = dataclasses.replace(self, model=dict(self.model), moe=dict(self.moe), fold=dict(self.fold),
+                                  train=dataclasses.replace(self.train), data=dataclasses.replace(self.data),
+                                  sparsity=dict(self.sparsity))
+        spec, mcfg = cfg.validate()
+        cfg.train.master_dtype = master_dtype(cfg.train.dtype, cfg.train.master_dtype)
+        return Resolved(cfg, spec, mcfg)
+
     def validate(self):
         """Everything about the settings themselves that can be checked before any process starts
         (files and folders: meshfold.train.preflight); returns (spec, model cfg)."""
         self.check_types()
-        self.train.master_dtype = master_dtype(self.train.dtype, self.train.master_dtype)
+        master_dtype(self.train.dtype, self.train.master_dtype)  # a master dtype narrower than the compute one
         spec = self.fold_spec()
         cfg = self.model_config()
         t = self.train
@@ -438,6 +449,21 @@ class TrainConfig:
 
         check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts
         return spec, cfg
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A run's settings, validated once: ``cfg`` (the settings, ``train.master_dtype`` resolved),
+    ``spec`` (the fold) and ``model`` (the model config). Made by :meth:`TrainConfig.resolve`
+    before any rank starts; the ranks, the build and the dry run read it and change nothing."""
+
+    cfg: TrainConfig
+    spec: FoldSpec
+    model: Any
+
+    @property
+    def train(self) -> TrainSettings:
+        return self.cfg.train
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -14,7 +14,7 @@ def load_trained(run_or_checkpoint: str):
     from meshfold.models.transformer import MoETransformer
     from meshfold.train import checkpoint
     from meshfold.train.config import TrainConfig
-    from meshfold.train.loop import DTYPES
+    from meshfold.train.build import DTYPES
 
     path = Path(run_or_checkpoint)
     if (path / "checkpoints").is_dir():

@@ -62,7 +62,7 @@ def _train(rank, world_size, cfg, wandb_log):
     sys.modules["wandb"] = _fake_wandb(wandb_log)
     loop._update = update_allocating
     try:
-        return {**loop.train_rank(rank, world_size, cfg), **state}
+        return {**loop.train_rank(rank, world_size, cfg.resolve()), **state}
     finally:
         del sys.modules["wandb"]
         loop._update = update
