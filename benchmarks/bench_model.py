@@ -15,8 +15,9 @@ Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 
     count, identical for both); the MFU peak is a dense fp32 GEMM (1024^3, one thread) measured
     in the same run just before and just after the steps, the better of the two.
 (b) **Folds on gloo ranks** (1, 2, 4 processes, one thread each, on this machine's cores): the
-    same step, folded (``parallelize`` with FSDP2 data parallelism unless a row says
-    ``allreduce``; pp folds through ``Pipeline`` with 2 microbatches), AdamW on the local shards,
+    same step, folded as ``meshfold train`` builds it (``meshfold.train.build.build``: FSDP2
+    data parallelism unless a row says ``allreduce``; pp folds with 2 microbatches; AdamW's
+    groups from ``build_optimizer``) on the local shards,
     global batch 8 x 256 fixed. tokens/s = global tokens / median step time (the
     slowest rank). MFU against the sum of the ranks' dense GEMM rates, measured concurrently.
 (c) **Per-rank peak memory vs cp** at one sequence of 2048 tokens, fold ``cp = world`` (dp = tp =
@@ -29,7 +30,7 @@ Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 
     gradient buffers (the parameter bytes, the same for every cp).
 
 (d) **Eager vs compiled, fp32 vs bf16 compute, 4 gloo ranks** (one thread each), the ``meshfold
-    train`` step (``parallelize`` with FSDP2, AdamW as ``meshfold train`` builds it, fold attn tp2
+    train`` step (``meshfold.train.build.build`` with ``train.compile`` and ``train.dtype``, fold attn tp2
     x dp2 | moe ep4, the default run's) of two models (:data:`STEP_MODELS`), tiny-mixtral's
     otherwise: ``issue`` (4 layers, hidden 512, ffn 1024, its 4 heads and 4 experts top-2, batch
     8 x 512) and ``100m`` (4 layers, hidden 768, 12 heads, 8 experts of ffn 1280 top-2, 96M
@@ -63,7 +64,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshfold import FoldSpec, fold  # noqa: E402
+from meshfold import fold  # noqa: E402
 from meshfold.runtime.launch import spawn  # noqa: E402
 from meshfold.models import MoETransformer, get_config  # noqa: E402
 from meshfold.interop.hf import save_pretrained  # noqa: E402

@@ -1,10 +1,13 @@
-"""The per-rank training loop of ``meshfold train``.
+"""The per-rank training loop of ``meshfold train``: build, restore, loop, finish.
 
-Every rank describes the same model on the meta device (same seed), lays it out on the folded
-mesh and materializes only its own shards, then trains on its slice of each global batch (batch
-over dp, sequence over cp x tp; with pp, through the pipeline schedule). ``model.loss`` is the global mean loss on every rank, and each rank's backward is its
-share: the sum of its tokens' cross-entropy over the global token count, so the gradients add up
-to the single-device ones. Rank 0 shows progress and writes metrics.
+Every rank builds the same job (:func:`meshfold.train.build.build`: the model described on the
+meta device with the same seed, laid out on the folded mesh as a
+:class:`~meshfold.parallel.pipeline.Pipeline`, each rank materializing only its own shards),
+then trains on its slice of each global batch (batch over dp, sequence over cp x tp) through the
+model's schedule (pipeline stages with pp > 1, gradient accumulation with pp = 1). The step's
+loss is the global mean loss on every rank, and each rank's backward is its share: the sum of
+its tokens' cross-entropy over the global token count, so the gradients add up to the
+single-device ones. Rank 0 shows progress and writes metrics.
 """
 
 from __future__ import annotations

@@ -158,3 +158,29 @@ def test_init_from_builds_the_checkpoints_shapes(worlds, tmp_path):
                                             (TWO, ("model.layers=3",), {})])[0]
     assert loaded["init_from"] == direct["init_from"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 3
+
+
+# ---- meshfold dryrun reads meshfold train's settings ---------------------------------------------
+def _error_line(argv, capsys) -> str:
+    from meshfold.cli import main as cli_main
+
+    assert cli_main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0].split(": error: ", 1)[1]
+
+
+def test_dryrun_reads_a_train_config_file_and_names_its_settings(tmp_path, capsys):
+    config = tmp_path / "job.toml"
+    config.write_text('[fold]\nworld_size = 4\ntp = 2\nep = 2\n[train]\nbatch = 5\n')
+    line = _error_line(["dryrun", "--config", str(config)], capsys)
+    assert line == _error_line(["train", "--config", str(config)], capsys)
+    assert line.startswith("train.batch = 5 is not divisible by dp = 2"), line
+
+
+def test_dryrun_set_refuses_what_it_cannot_stand_for_before_any_rank(capsys, monkeypatch):
+    from meshfold.dryrun import engine
+
+    monkeypatch.setattr(engine, "dry_run_rank", lambda *a: pytest.fail("a rank started"))
+    line = _error_line(["dryrun", "--set", "train.compile=true"], capsys)
+    assert line.startswith("train.compile = true:"), line
