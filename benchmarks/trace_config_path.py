@@ -117,7 +117,7 @@ def trace(out_dir: str) -> dict:
         if name != prev and name in seen:
             returns += 1
     files = sorted(set(path))
-    return {"files": len(files), "climbs": climbs, "returns": returns, "file_list": files}
+    return {"files": len(files), "climbs": climbs, "returns": returns, "file_list": files, "path": path}
 
 
 def main() -> None:

@@ -57,7 +57,7 @@ from torch import nn
 
 from meshfold.catalog import SCHEDULES, check_choice
 from meshfold.models.moe import MoELayer, add_step_entries
-from meshfold.models.transformer import MoETransformer, cross_entropy_sum
+from meshfold.models.transformer import cross_entropy_sum
 from meshfold.parallel.data_parallel import reduce_gradients
 from meshfold.parallel.plan import Plan, check_plan, restrict
 from meshfold.parallel.transformer import model_plan, parallelize
@@ -104,7 +104,7 @@ class ModelChunk(nn.Module):
         super().__init__()
         whole = model_plan(model) if plan is None else plan
         check_plan(model, whole)
-        if isinstance(model, MoETransformer) and model.cfg.tie_embeddings:
+        if getattr(getattr(model, "cfg", None), "tie_embeddings", False):  # one tensor on two stages
             raise ValueError("tie_embeddings: the head is the embedding matrix, which a pipeline chunk cannot "
                              "hold on two stages; untie them, or use parallelize without a pipeline")
         self.cfg = getattr(model, "cfg", None)
@@ -182,10 +182,12 @@ class _CountedCalls:
         self.log.clear()
 
 
-def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int, num_blocks: int | None = None) -> None:
+def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int, num_blocks: int | None = None,
+                   tied: bool = False) -> None:
     """Raise ``ValueError`` naming the setting if this pipeline cannot run (no process needed).
     ``cfg``: a :class:`~meshfold.models.transformer.TransformerConfig` (its layers and tied
-    embeddings), or None with ``num_blocks`` for a model of one's own."""
+    embeddings), or None with ``num_blocks`` (and ``tied``: whether the model ties its
+    embedding and head) for a model of one's own."""
     check_choice("schedule", schedule, SCHEDULES)
     if not (isinstance(virtual, int) and virtual >= 1):
         raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
@@ -200,7 +202,7 @@ def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int,
     if schedule == "interleaved-1f1b" and microbatches % pp:
         raise ValueError(f"microbatches = {microbatches} is not a multiple of pp = {pp} "
                          f"(the interleaved schedule runs them in rounds of pp)")
-    if cfg is not None and cfg.tie_embeddings and pp > 1:
+    if (tied or (cfg is not None and cfg.tie_embeddings)) and pp > 1:
         raise ValueError("tie_embeddings with pp > 1: the embedding (first stage) and the head "
                          "(last stage) would have to be one tensor; untie them or use pp = 1")
     chunk_layers(cfg.layers if cfg is not None else num_blocks, pp * virtual)
@@ -237,8 +239,8 @@ class Pipeline:
             self._accumulating(model, folded, microbatches, plan)
             return
         num_blocks = len(_blocks(model, plan))
-        check_pipeline(pp, model.cfg if isinstance(model, MoETransformer) else None, microbatches, schedule, virtual,
-                       num_blocks)
+        tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+        check_pipeline(pp, None, microbatches, schedule, virtual, num_blocks, tied)
         self.folded, self.microbatches = folded, microbatches
         n = pp * virtual
         layers = chunk_layers(num_blocks, n)

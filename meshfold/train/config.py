@@ -460,10 +460,10 @@ class Resolved:
     cfg: TrainConfig
     spec: FoldSpec
     model: Any
+    train: TrainSettings = field(init=False, repr=False)  # cfg.train, the settings read most
 
-    @property
-    def train(self) -> TrainSettings:
-        return self.cfg.train
+    def __post_init__(self):
+        object.__setattr__(self, "train", self.cfg.train)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
