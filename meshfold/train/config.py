@@ -389,8 +389,9 @@ class TrainConfig:
         cfg = dataclasses.replace(self, model=dict(self.model), moe=dict(self.moe), fold=dict(self.fold),
                                   train=dataclasses.replace(self.train), data=dataclasses.replace(self.data),
                                   sparsity=dict(self.sparsity))
+        cfg.check_types()
+        cfg.train.master_dtype = master_dtype(cfg.train.dtype, cfg.train.master_dtype)  # the model config reads it
         spec, mcfg = cfg.validate()
-        cfg.train.master_dtype = master_dtype(cfg.train.dtype, cfg.train.master_dtype)
         return Resolved(cfg, spec, mcfg)
 
     def validate(self):
