@@ -69,7 +69,7 @@ from meshfold.placements.collectives import debug_checks_enabled
 from meshfold.placements.token_dispatch import block_counts, dispatch_start, rows_sent
 from meshfold.runtime import spmd
 
-__all__ = ["FoldedComm", "parallelize_moe", "place", "local_slices", "moe_param_layout", "check_moe_fold"]
+__all__ = ["FoldedComm", "BlockCounts", "parallelize_moe", "place", "local_slices", "moe_param_layout", "check_moe_fold"]
 
 ATTN = ("dp", "cp", "tp")
 MOE = ("edp", "ep", "etp")

@@ -28,7 +28,7 @@ R = Replicate()
 
 def transformer_plan(cfg, layers: list[int] | None = None, first: bool = True, last: bool = True) -> Plan:
     """The plan of a :class:`~meshfold.models.transformer.MoETransformer` of ``cfg`` (GQA or
-    MLA), from :data:`TRANSFORMER_LAYOUT`, :data:`MLA_LAYOUT` and :data:`MOE_LAYOUT`; with
+    MLA), from the tables of :mod:`meshfold.parallel.layouts` (transformer, MLA, MoE); with
     ``layers`` (ids) and ``first`` / ``last``, the plan of a pipeline chunk holding those layers
     and the embeddings (first) or the final norm and head (last). Every entry names parameters or
     modules the model has, so the plan passes :func:`~meshfold.parallel.plan.check_plan`. The
@@ -85,7 +85,8 @@ def check_fold(cfg, spec) -> None:
     """Raise ``ValueError`` naming the model size that does not divide over ``spec`` (a
     :class:`~meshfold.mesh.FoldSpec`): heads, kv_heads and the dense ffn over ``tp``, and the MoE
     sizes (:func:`~meshfold.parallel.moe.check_moe_fold`). Needs no mesh, so a config can
-    be checked before any process starts; :func:`parallelize` runs the same checks."""
+    be checked before any process starts; :func:`~meshfold.parallel.transformer.parallelize` runs
+    the same checks (the plan's ``check``)."""
     if getattr(cfg, "mla", None) is not None:
         check_mla_fold(cfg.heads, spec.tp)
     for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
