@@ -4,10 +4,13 @@ A run folder (``train.out_dir``) holds one training run: ``checkpoints/``, ``met
 plots, ``logs/``, ``run.json`` (the run's identity, and which tokenizer if any made its ids) and,
 for a run on tokens, ``tokenizer.json``, a copy of that tokenizer. Three rules keep it whole:
 
-* **One run at a time.** The launcher holds an exclusive ``flock`` on ``<out_dir>/.lock`` for
-  the run's life. The kernel drops it however the process ends (even SIGKILL), so a lock left
-  by a dead run is simply taken over; a live holder makes a second run fail at once, naming its
-  PID.
+* **One run at a time.** The launcher (global rank 0 under torchrun) holds an exclusive
+  ``flock`` on ``<out_dir>/.lock`` for the run's life. The kernel (on NFS, the server) drops it
+  however the process ends (even SIGKILL), so a lock file left by a dead run is simply taken
+  over: the PID and host written in it only name the holder to a refused run, never decide
+  whether it lives. A live holder makes a second run fail at once, naming its PID and host; a
+  filesystem that refuses locks is an error, not a run without one. Across nodes the lock is
+  as good as the filesystem's ``flock`` (docs/cluster.md).
 * **A rerun continues the same run or refuses.** ``run.json`` records every setting that
   changes what is trained (model, MoE, sparsity, data, seed, batch, sequence, micro-batches,
   optimizer and schedule, dtype). A rerun whose settings differ fails before any rank starts,
@@ -63,7 +66,11 @@ class RunLock:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+                f.close()  # a filesystem without locks (NFS without lockd, Lustre noflock): never run unlocked
+                raise ValueError(f"train.out_dir {self.out}: its filesystem refuses file locks "
+                                 f"({errno.errorcode.get(err.errno, err.errno)}: {err.strerror}), so one run "
+                                 f"per folder cannot be ensured; choose a folder on a filesystem with locking "
+                                 f"(an NFS mount without nolock, Lustre mounted with flock)") from None
             f.seek(0)
             holder = _holder(f.read())
             f.close()
