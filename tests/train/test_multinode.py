@@ -205,3 +205,33 @@ def test_the_slurm_script_starts_one_agent_per_node_with_a_fold_for_all_their_gp
 
     spec, _ = _config(build_parser(load="train").parse_args(train)).validate()
     assert (spec.world_size, spec.tp, spec.ep) == (16, 2, 4)
+
+
+def _resume_point_of(rank, world_size, folders, resume):
+    from meshfold.train.rundir import resume_point
+
+    try:
+        return str(resume_point(Path(folders[rank]), resume))
+    except ValueError as err:
+        return f"ValueError: {err}"
+
+
+def test_ranks_that_do_not_share_the_run_folder_fail_together_naming_them(tmp_path, worlds):
+    """A run folder local to each node (here: one folder per rank) is refused on every rank, at
+    start, naming the ranks that do not see rank 0's folder; on a shared folder every rank
+    resumes from rank 0's newest complete checkpoint. (Before this check, such a job trained to
+    the end, each checkpoint's shards split across the nodes' folders.)"""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        folder.mkdir()
+    got = worlds(2).run(_resume_point_of, [str(f) for f in folders], True)
+    assert all(g.startswith(f"ValueError: train.out_dir {f} is not one folder for every rank: ranks [1] on "
+                            f"{socket.gethostname()} do not see") for g, f in zip(got, folders)), got
+    assert not any(p.name.startswith(".rank0-") for f in folders for p in f.iterdir())  # the probe is removed
+    shared = [str(folders[0])] * 2
+    for step in (2, 4):
+        (folders[0] / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    (folders[0] / "checkpoints" / "step_000006.tmp").mkdir()  # an interrupted save: never resumed from
+    newest = str(folders[0] / "checkpoints" / "step_000004")
+    assert worlds(2).run(_resume_point_of, shared, True) == [newest, newest]
+    assert worlds(2).run(_resume_point_of, shared, False) == ["None", "None"]
