@@ -36,6 +36,7 @@ from meshfold.train.progress import Progress
 from meshfold.train.tracking import Profiler, StepMemory, Trackers
 from meshfold.train.pruning import FoldedPruner
 from meshfold.train.rebalance import Rebalancer
+from meshfold.train.rundir import resume_point
 
 __all__ = ["train_rank", "accumulate", "microbatch_counts"]
 
@@ -150,7 +151,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         retain_freed_memory()  # reuse large activation buffers across steps (meshfold.runtime.malloc)
     folded = fold(spec, device.type)
     compute = DTYPES[t.dtype]
-    last = checkpoint.latest(ckpt_dir) if t.resume else None
+    last = resume_point(out, t.resume)  # rank 0's choice, once every rank sees the folder
     if t.init_from is not None and last is None:  # (a resume reads its own checkpoint instead)
         from meshfold.interop.hf import from_pretrained
         from meshfold.parallel.recompute import apply_recompute
