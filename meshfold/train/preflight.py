@@ -43,6 +43,14 @@ def check_data(cfg) -> None:
     from meshfold.data.tokens import is_token_folder, read_index
 
     paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq
+    if cfg.data.weights:
+        from meshfold.data.mixture import check_mixture
+
+        if cfg.data.tokenizer:
+            raise ValueError("data.weights with data.tokenizer: a mixture's sources are token folders; tokenize "
+                             "each source with meshfold tokenize, then name the folders in data.paths")
+        check_mixture(paths, cfg.data.weights, vf, seq, cfg.model_config().vocab)
+        return
     if cfg.data.tokenizer and paths and is_token_folder(paths):
         raise ValueError(f"data.tokenizer with --data {paths[0]}, which is tokenized already: drop one of them")
     if cfg.data.tokenizer and not (paths and is_token_folder(paths)):
