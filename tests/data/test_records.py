@@ -197,3 +197,40 @@ def test_records_reach_the_shards_in_order_across_many_encode_batches(tok_file, 
     stream = TokenStream(tmp_path / "out")
     assert stream[0:len(stream)].tolist() == _expected(load_tokenizer(tok_file), docs)
     assert np.asarray(stream[0:5]).dtype == np.uint16
+
+
+def write_examples(folder) -> None:
+    """The small dataset docs/data.md's commands run on: DOCS repeated in every format."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for kind in ("jsonl", "jsonl.gz", "json", "parquet", "saved"):
+        _write(kind, folder, docs=DOCS * 60)
+
+
+def test_the_commands_docs_data_md_shows_run(tmp_path, monkeypatch):
+    """The tokenize commands of docs/data.md's Records section, on the dataset its first line writes."""
+    import shlex
+    from pathlib import Path
+
+    from meshfold.cli import main
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    block = doc.split("## Records")[1].split("```bash")[1].split("```")[0]
+    lines = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert lines[0] == "python -m tests.data.test_records data/examples"
+    monkeypatch.chdir(tmp_path)
+    write_examples("data/examples")
+    tokenizes = [shlex.split(line) for line in lines if line.startswith("meshfold tokenize")]
+    assert len(tokenizes) == 5
+    for argv in tokenizes:
+        assert main(argv[1:]) == 0, argv
+    sizes = {json.loads(p.read_text())["tokens"] for p in Path("data").glob("tok-*/index.json")}
+    assert len(sizes) == 1  # every format holds the same documents
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_examples(sys.argv[1] if len(sys.argv) > 1 else "data/examples")
