@@ -22,7 +22,7 @@ from meshfold.data.files import corpus_files, default_corpus_paths
 from meshfold.data.records import is_records_file
 from meshfold.data.tokens import TokenStream, is_token_folder
 
-__all__ = ["ByteCorpus", "load_corpus", "split_point", "split_sizes", "corpus_description"]
+__all__ = ["ByteCorpus", "load_corpus", "split_point", "split_sizes", "corpus_description", "text_only"]
 
 
 def split_point(total: int, val_fraction: float) -> int:
@@ -30,7 +30,7 @@ def split_point(total: int, val_fraction: float) -> int:
     return int(total * (1 - val_fraction))
 
 
-def _text_only(files: list[Path]) -> None:
+def text_only(files: list[Path]) -> None:
     """Byte-level training reads text files whole; records (JSON Lines, Parquet, a saved dataset)
     would be trained on as their JSON or binary bytes, so they are refused, naming the way in."""
     for f in files:
@@ -40,8 +40,8 @@ def _text_only(files: list[Path]) -> None:
 
 
 def split_sizes(files: list[Path], val_fraction: float) -> tuple[int, int]:
-    """(train, validation) bytes :func:`load_corpus` will make of ``files``, from their sizes."""
-    _text_only(files)
+    """(train, validation) bytes :func:`load_corpus` will make of ``files``, from their sizes
+    (for records, the size of their sources: what ``data.tokenizer`` is checked against first)."""
     try:
         total = sum(f.stat().st_size for f in files) + max(0, len(files) - 1)  # joined by newlines
     except OSError as err:
@@ -100,7 +100,7 @@ def load_corpus(paths: list[str | Path] | None = None, val_fraction: float = 0.0
         cut = split_point(len(stream), val_fraction)
         return ByteCorpus(_Window(stream, 0, cut), _Window(stream, cut, len(stream)))
     files = default_corpus_paths() if not paths else corpus_files(paths)
-    _text_only(files)
+    text_only(files)
     chunks = []
     for f in files:
         try:

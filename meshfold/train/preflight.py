@@ -38,7 +38,7 @@ def check_launch(world_size: int) -> list[str]:
 
 def check_data(cfg) -> None:
     """The training text exists and gives one batch of ``train.seq + 1`` bytes in each split."""
-    from meshfold.data.corpus import split_point, split_sizes
+    from meshfold.data.corpus import split_point, split_sizes, text_only
     from meshfold.data.files import corpus_files, default_corpus_paths
     from meshfold.data.tokens import is_token_folder, read_index
 
@@ -72,6 +72,8 @@ def check_data(cfg) -> None:
     else:
         unit = "bytes"
         files = corpus_files(paths) if paths else default_corpus_paths()
+        if not cfg.data.tokenizer:
+            text_only(files)
         n_train, n_val = split_sizes(files, vf)
     where = f"data {' '.join(map(str, paths))}" if paths else "the standard library's text"
     for split, n in (("training", n_train), ("validation", n_val)):

@@ -148,15 +148,36 @@ def test_a_dataset_name_is_not_fetched_and_the_error_says_how_to_save_one(tmp_pa
     assert "name the folder: data/fineweb" in err
 
 
-def test_byte_level_training_refuses_records_naming_the_way_in(tmp_path):
+def test_byte_level_training_refuses_records_and_data_tokenizer_takes_them(tok_file, tmp_path):
+    from meshfold.data.corpus import load_corpus
     from meshfold.train import preflight
     from meshfold.train.config import load_config
 
     cfg = load_config(None, ["train.seq=16"])
-    cfg.data.paths = [str(_write("jsonl", tmp_path))]
+    cfg.data.paths = [str(_write("jsonl", tmp_path, docs=DOCS * 20))]
     with pytest.raises(ValueError, match=r"d.jsonl holds records, which byte-level training does not read; "
                                          r"tokenize them \(data.tokenizer"):
         preflight.check_data(cfg)
+    with pytest.raises(ValueError, match=r"d.jsonl holds records"):
+        load_corpus(cfg.data.paths)
+    cfg = load_config(None, ["train.seq=16", "model.vocab=300", f"data.tokenizer={json.dumps(str(tok_file))}"])
+    cfg.data.paths = [str(tmp_path / "d.jsonl")]
+    preflight.check_data(cfg)
+
+
+def test_data_tokenizer_reads_records_and_reuses_tokens_only_for_the_same_reader(tok_file, tmp_path):
+    from meshfold.data.tokens import tokenize_for_run
+
+    _write("parquet", tmp_path, field="content")
+    said = io.StringIO()
+    run = [[str(tmp_path / "d.parquet")], str(tok_file), tmp_path / "tokens"]
+    tokenize_for_run(*run, stream=said, reader=Reader("content"))
+    stream = TokenStream(tmp_path / "tokens")
+    assert stream[0:len(stream)].tolist() == _expected(load_tokenizer(tok_file), DOCS)
+    tokenize_for_run(*run, stream=said, reader=Reader("content"))
+    assert "reusing the tokens" in said.getvalue().splitlines()[-1]
+    with pytest.raises(ValueError, match="no column 'text'"):  # another field: read again, not reused
+        tokenize_for_run(*run, stream=said, reader=Reader("text"))
 
 
 class _Terminal(io.StringIO):
