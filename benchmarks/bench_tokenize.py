@@ -98,7 +98,8 @@ def main() -> None:
                          "text_mb_per_s": text_mb / s, "text_mb_per_cpu_s": text_mb / cpu,
                          "read_only_mb_per_s": read / 1e6 / read_s, "read_only_mb_per_cpu_s": read / 1e6 / read_cpu})
         base = rows[0]["text_mb_per_cpu_s"]
-        print(f"{len(docs):,} documents, {text_mb:.1f} MB of text, vocab {args.vocab}; {platform.processor() or platform.machine()}")
+        machine = platform.processor() or platform.machine()
+        print(f"{len(docs):,} documents, {text_mb:.1f} MB of text, vocab {args.vocab}; {machine}")
         print(f"{'reader':<14}{'disk MB':>8}{'wall s':>8}{'CPU s':>8}{'MB/s':>7}{'MB/CPU s':>10}{'vs text':>9}"
               f"{'read only MB/s':>16}{'MB/CPU s':>10}")
         for r in rows:

@@ -91,8 +91,9 @@ class Reader:
         if not isinstance(record, dict):
             raise ValueError(f"{where}: a {type(record).__name__}, not an object with a {self.text_field!r} field")
         if self.text_field not in record:
-            raise ValueError(f"{where}: no field {self.text_field!r} (fields: {', '.join(map(str, record)) or 'none'}); "
-                             f"name the text with --text-field (data.text_field)")
+            fields = ", ".join(map(str, record)) or "none"
+            raise ValueError(f"{where}: no field {self.text_field!r} (fields: {fields}); name the text with "
+                             f"--text-field (data.text_field)")
         text = record[self.text_field]
         if not isinstance(text, str):
             raise ValueError(f"{where}: field {self.text_field!r} is a {type(text).__name__}, not a string")
@@ -185,9 +186,9 @@ def documents(paths: list[Path], reader: Reader | None = None) -> Iterator[tuple
 def not_a_folder(path: str) -> str:
     """The error for a ``--data`` / tokenize path that does not exist: a hub dataset name is not
     fetched, and the message says how to save one to disk."""
-    hint = ""
+    hint, folder = "", f"data/{Path(path).name}"
     if not path.startswith((".", "/", "~")) and not Path(path).suffix:
         hint = (f"; if {path!r} is a Hugging Face dataset name, meshfold does not download it: save it to disk "
-                f"first, python -c \"import datasets; datasets.load_dataset({path!r}).save_to_disk('data/{Path(path).name}')\", "
-                f"then name the folder: data/{Path(path).name}")
+                f"first, python -c \"import datasets; datasets.load_dataset({path!r}).save_to_disk('{folder}')\", "
+                f"then name the folder: {folder}")
     return f"{path}: no such file or folder{hint}"

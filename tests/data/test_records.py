@@ -134,7 +134,8 @@ def test_bad_columns_of_parquet_and_saved_datasets_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"ints.parquet: no column 'body' \(columns: text\)"):
         list(documents([tmp_path / "ints.parquet"], Reader("body")))
     saved = _write("saved", tmp_path)
-    with pytest.raises(ValueError, match=r"saved: no split 'test' \(splits: train, validation\); name one with --split"):
+    with pytest.raises(ValueError, match=r"saved: no split 'test' \(splits: train, validation\); name one with "
+                                         r"--split"):
         list(documents([saved], Reader(split="test")))
 
 
