@@ -115,9 +115,11 @@ def _main(args: argparse.Namespace, local: bool) -> int:
                 print(_nothing_to_train(done, cfg, _latest_checkpoint(out)))
                 return 0
         if cfg.data.tokenizer:  # local only: the ranks start after the folder is filled
+            from meshfold.data.records import Reader
             from meshfold.data.tokens import tokenize_for_run
 
-            cfg.data.paths = [str(tokenize_for_run(cfg.data.paths, cfg.data.tokenizer, out / "tokens"))]
+            reader = Reader(cfg.data.text_field, cfg.data.split)
+            cfg.data.paths = [str(tokenize_for_run(cfg.data.paths, cfg.data.tokenizer, out / "tokens", reader=reader))]
             cfg.data.tokenizer = None  # the ranks read the tokens (run.json keeps what made them)
             preflight.check_data(cfg)  # the size again, now in tokens
         return _launch(cfg, spec, out, rank)

@@ -260,6 +260,12 @@ class DataSettings:
     tokenizer: str | None = setting(None, str, "a Hugging Face tokenizers tokenizer.json, or a checkpoint folder "
                                     "holding one: the text is tokenized into <out_dir>/tokens/ before the ranks "
                                     "start (default: unset, byte-level)", optional=True)
+    text_field: str = setting("text", str, "the field (JSON Lines, JSON) or column (Parquet, a save_to_disk "
+                              "folder) holding each record's text (meshfold.data.records)")
+    split: str = setting("train", str, "the split of a save_to_disk DatasetDict folder to read")
+    weights: list = setting([], list, "a mixture: one weight per data.paths entry, each a token folder; "
+                            "each step's rows are drawn from the folders in these proportions, and validation "
+                            "loss is reported per folder (default: empty, one source)", item=float, low=0)
 
 
 # MoEConfig fields that change parameter shapes: a train.init_from checkpoint fixes them

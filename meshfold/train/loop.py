@@ -174,8 +174,10 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             compile_model(module)
     opt = build_optimizer(model, t)
     from meshfold.data.corpus import load_corpus
+    from meshfold.data.mixture import load_mixture
 
-    corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
+    corpus = (load_mixture(cfg.data.paths, cfg.data.weights, cfg.data.val_fraction) if cfg.data.weights
+              else load_corpus(cfg.data.paths or None, cfg.data.val_fraction))
     own_rows = batch_rows(t.batch, spec, rank)  # the only rows of each global batch this rank reads
     sp = mcfg.moe.expert_sparsity if mcfg.moe is not None else None
     pruner = FoldedPruner(model, sp, opt) if sp is not None else None
@@ -235,8 +237,12 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             record["memory"] = memory.gather()  # every rank's peaks of the step (a collective)
             if "tokens_per_expert" in record:
                 record.update(ep_load_metrics(record["tokens_per_expert"], expert_slots, spec.ep))
+            if cfg.data.weights:  # the mixture's draw, summed over a run to check it against the weights
+                record["data_rows"] = corpus.rows_by_source(step, t.batch, t.seed)
             if n % t.eval_every == 0 or n == t.steps:
                 record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
+                for name, part in getattr(corpus, "parts", {}).items():
+                    record.setdefault("val_loss_by_source", {})[name] = evaluate(model, part, cfg, spec, rank)
             if rank == 0:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()

@@ -38,11 +38,19 @@ def check_launch(world_size: int) -> list[str]:
 
 def check_data(cfg) -> None:
     """The training text exists and gives one batch of ``train.seq + 1`` bytes in each split."""
-    from meshfold.data.corpus import split_point, split_sizes
+    from meshfold.data.corpus import split_point, split_sizes, text_only
     from meshfold.data.files import corpus_files, default_corpus_paths
     from meshfold.data.tokens import is_token_folder, read_index
 
     paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq
+    if cfg.data.weights:
+        from meshfold.data.mixture import check_mixture
+
+        if cfg.data.tokenizer:
+            raise ValueError("data.weights with data.tokenizer: a mixture's sources are token folders; tokenize "
+                             "each source with meshfold tokenize, then name the folders in data.paths")
+        check_mixture(paths, cfg.data.weights, vf, seq, cfg.model_config().vocab)
+        return
     if cfg.data.tokenizer and paths and is_token_folder(paths):
         raise ValueError(f"data.tokenizer with --data {paths[0]}, which is tokenized already: drop one of them")
     if cfg.data.tokenizer and not (paths and is_token_folder(paths)):
@@ -64,6 +72,8 @@ def check_data(cfg) -> None:
     else:
         unit = "bytes"
         files = corpus_files(paths) if paths else default_corpus_paths()
+        if not cfg.data.tokenizer:
+            text_only(files)
         n_train, n_val = split_sizes(files, vf)
     where = f"data {' '.join(map(str, paths))}" if paths else "the standard library's text"
     for split, n in (("training", n_train), ("validation", n_val)):
