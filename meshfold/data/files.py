@@ -75,28 +75,30 @@ def _tokens_not_text(folder: Path) -> str | None:
     return None
 
 
-def corpus_files(paths: list[str | Path]) -> list[Path]:
+def corpus_files(paths: list[str | Path], given_as: str = "--data") -> list[Path]:
     """The text files ``--data`` names: files as given (a binary one is refused), folders' files
     in sorted order without hidden files and folders (``.git/``, ``.venv/``) or binary files.
-    A token folder is refused here: it is read as tokens (:mod:`meshfold.data.tokens`), never as text."""
+    A token folder is refused here: it is read as tokens (:mod:`meshfold.data.tokens`), never as text.
+    Errors name the paths as the command took them, ``given_as`` (``meshfold tokenize`` takes
+    them as its file arguments, not ``--data``)."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
             problem = _tokens_not_text(p)
             if problem:
-                raise ValueError(problem)
+                raise ValueError(problem.replace("--data", given_as, 1))
             for f in sorted(p.rglob("*")):
                 rel = f.relative_to(p).parts
                 if f.is_file() and not any(part.startswith(".") for part in rel) and not _is_binary(f):
                     files.append(f)
         elif p.is_file():
             if _is_binary(p):
-                raise ValueError(f"--data {p} is a binary file (a NUL byte in its first 8 KiB), not text; "
+                raise ValueError(f"{given_as} {p} is a binary file (a NUL byte in its first 8 KiB), not text; "
                                  f"name text files, or a folder (whose binary files are skipped)")
             files.append(p)
         else:
-            raise ValueError(f"--data {p}: no such file or folder")
+            raise ValueError(f"{given_as} {p}: no such file or folder")
     if not files:
-        raise ValueError(f"--data {' '.join(map(str, paths))}: no text files found (hidden and binary "
+        raise ValueError(f"{given_as} {' '.join(map(str, paths))}: no text files found (hidden and binary "
                          f"files are skipped)")
     return files
