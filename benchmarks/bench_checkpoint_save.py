@@ -2,7 +2,8 @@
 
 A save with checksums hashes every file it wrote (BLAKE2b, :func:`meshfold.train.checkpoint.checksum`);
 the baseline is the same save with that step replaced by nothing, measured alternately in the same
-run (median of ``--repeats``). Then the candidate hashes over the largest shard's bytes, for the
+run (median of ``--repeats``); with the ``xxhash`` package installed, also the save hashing with
+XXH3 instead. Then the candidate hashes over the largest shard's bytes, for the
 choice of hash. Prints a table and writes JSON::
 
     python benchmarks/bench_checkpoint_save.py --model tiny-moe --repeats 7 --json out.json
@@ -24,6 +25,11 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+
+try:
+    import xxhash
+except ImportError:  # optional: only compared when installed
+    xxhash = None
 
 from meshfold.models.transformer import MoETransformer
 from meshfold.train import checkpoint
@@ -47,37 +53,52 @@ def main() -> None:
     cfg = TrainConfig(model={"name": args.model})
     model = MoETransformer(cfg.model_config())
     opt = torch.optim.AdamW(model.parameters())
-    times = {"with checksums": [], "without": []}
+    variants = {"with checksums": contextlib.nullcontext,
+                "without": lambda: mock.patch.object(checkpoint, "_checksums", lambda folder, rank: {})}
+    if xxhash is not None:  # the same save hashing with XXH3 instead (an optional package)
+        variants["with xxh3 instead"] = lambda: mock.patch.object(checkpoint, "checksum", _xxh3_file)
+    times = {label: [] for label in variants}
+    cpu = {label: [] for label in variants}  # this process's CPU seconds: less shaken by other load
     with tempfile.TemporaryDirectory() as root:
         for i in range(args.repeats):
-            for label in times:  # alternated: a load change on the machine hits both alike
-                off = mock.patch.object(checkpoint, "_checksums", lambda folder, rank: {})
-                with off if label == "without" else contextlib.nullcontext():
-                    t0 = time.perf_counter()
+            for label, patch in variants.items():  # alternated: a load change on the machine hits all alike
+                with patch():
+                    t0, c0 = time.perf_counter(), time.process_time()
                     final = checkpoint.save(root, i + 1, model, opt, {"step": i + 1})
                     times[label].append(time.perf_counter() - t0)
+                    cpu[label].append(time.process_time() - c0)
         shard = max(final.glob("*.safetensors"), key=lambda p: p.stat().st_size)
         data = shard.read_bytes()
         mb = sum(p.stat().st_size for p in final.iterdir()) / 1e6
     hashes = {"blake2b (16 bytes)": lambda b: hashlib.blake2b(b, digest_size=16).digest(),
               "sha256": lambda b: hashlib.sha256(b).digest(), "crc32 (zlib)": zlib.crc32}
+    if xxhash is not None:
+        hashes["xxh3_128 (xxhash)"] = lambda b: xxhash.xxh3_128(b).digest()
     speed = {}
     for name, fn in hashes.items():
         best = min(_timed(fn, data) for _ in range(3))
         speed[name] = len(data) / best / 1e6
     med = {k: statistics.median(v) for k, v in times.items()}
-    slower = med["with checksums"] / med["without"] - 1
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    slower = {k: v / med["without"] - 1 for k, v in med.items() if k != "without"}
+    slower_cpu = {k: v / med_cpu["without"] - 1 for k, v in med_cpu.items() if k != "without"}
     print(f"CPU: {_cpu()}; model {args.model}, checkpoint {mb:.1f} MB")
-    print(f"{'save':<18}{'median s':>10}")
+    print(f"{'save':<20}{'median s':>10}{'CPU s':>8}{'slower':>8}{'CPU':>8}")
     for k, v in med.items():
-        print(f"{k:<18}{v:>10.3f}")
-    print(f"checksums add {slower * 100:+.1f}%")
+        more = f"{slower[k] * 100:>+7.1f}%{slower_cpu[k] * 100:>+7.1f}%" if k in slower else ""
+        print(f"{k:<20}{v:>10.3f}{med_cpu[k]:>8.3f}{more}")
     print(f"{'hash':<20}{'MB/s':>8}")
     for k, v in speed.items():
         print(f"{k:<20}{v:>8.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": _cpu(), "model": args.model, "MB": mb, "save_s": times,
-                                               "median_s": med, "slower": slower, "hash_MB_s": speed}, indent=1))
+                                               "median_s": med, "slower": slower,
+                                               "cpu_s": cpu, "median_cpu_s": med_cpu, "slower_cpu": slower_cpu, "hash_MB_s": speed}, indent=1))
+
+
+def _xxh3_file(file) -> str:
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, xxhash.xxh3_128).hexdigest()
 
 
 def _timed(fn, data) -> float:

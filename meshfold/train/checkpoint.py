@@ -110,10 +110,6 @@ def verify(path: str | os.PathLike) -> str | None:
             raise bad(f"{name} is truncated ({got:,} of {size:,} bytes)")
         if size is not None and got != size:
             raise bad(f"{name} is {got:,} bytes, not the {size:,} trainer.json lists")
-    sums = state.get("checksums")
-    for name, digest in (sums or {}).items():
-        if checksum(path / name) != digest:
-            raise bad(f"{name} is damaged (its contents do not match the checksum trainer.json lists)")
     for name in sorted(p.name for p in path.glob("rng_rank*.json")):
         parse(name)
     shards = sorted(path.glob("*.safetensors"))
@@ -132,6 +128,12 @@ def verify(path: str | os.PathLike) -> str | None:
             raise bad(f"{shard.name} is damaged (its safetensors header is unreadable; {size:,} bytes)") from None
         if size != 8 + n + end:
             raise bad(f"{shard.name} is truncated ({size:,} of {8 + n + end:,} bytes)")
+    sums = state.get("checksums")
+    for name, digest in (sums or {}).items():  # last: the checks above name a cause more precisely
+        if not (path / name).is_file():
+            raise bad(f"{name} is missing; trainer.json lists its checksum")
+        if checksum(path / name) != digest:
+            raise bad(f"{name} is damaged (its contents do not match the checksum trainer.json lists)")
     return None if sums is not None else f"note: checkpoint {path} {NO_CHECKSUMS}"
 
 
