@@ -104,8 +104,8 @@ def _main(args: argparse.Namespace, local: bool) -> int:
     try:
         if rank == 0:
             preflight.check_writable(out)
-            preflight.check_resume(out, cfg.train.resume)
-            notes = prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
+            notes = preflight.check_resume(out, cfg.train.resume)
+            notes += prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
             done = _steps_done(out) if cfg.train.resume and local else 0
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
             if local and done < end:

@@ -222,7 +222,7 @@ def tokenize(files: list[str], out: str | Path, tokenizer: str | None = None, tr
         check_vocab(train_vocab)
     out = Path(out)
     _check_out(out, force)
-    paths = corpus_files(files)
+    paths = corpus_files(files, given_as="meshfold tokenize file argument")
     if not any(source_bytes(f) for f in paths):
         raise ValueError(f"{' '.join(map(str, files))}: the files are empty (0 bytes); nothing to tokenize")
     tok = None if train_vocab is not None else load_tokenizer(tokenizer)

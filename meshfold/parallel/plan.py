@@ -213,6 +213,13 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
             if not found:
                 raise ValueError(f"Plan.{field_name} pattern {pattern!r} matches none of {where} "
                                  f"({_sample(modules)})")
+    for path, pattern in layers.items():  # else its parameters would be blamed on Plan.params
+        own = [n for n, _ in modules[path].named_parameters()]
+        if not any(n in plan.moe[pattern] for n in own):
+            raise ValueError(f"Plan.moe pattern {pattern!r} matches {path!r}, a {type(modules[path]).__name__} "
+                             f"that is not an MoE layer: none of its parameters ({', '.join(own[:4]) or 'none'}) "
+                             f"is in the pattern's layout table ({', '.join(list(plan.moe[pattern])[:4])}); valid: "
+                             f"patterns of MoE layers only")
     for pattern, found in matching(plan.params, dense).items():
         if not found:
             raise ValueError(f"Plan.params pattern {pattern!r} matches no parameter outside the MoE "

@@ -9,7 +9,6 @@ to the single-device ones. Rank 0 shows progress and writes metrics.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from meshfold.train import checkpoint, faults
 from meshfold.train.config import TrainConfig
 from meshfold.train.expert_load import ep_load_metrics
 from meshfold.train.flops import train_flops_per_step
+from meshfold.train.metrics_log import resume_metrics, write_row
 from meshfold.train.optim import build_optimizer, lr_at
 from meshfold.train.progress import Progress
 from meshfold.train.tracking import Profiler, StepMemory, Trackers
@@ -195,8 +195,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     peak_hw = hardware_peak(t, world_size)
     flops = train_flops_per_step(mcfg, t.batch, t.seq)
     n_global = t.batch * t.seq
-    if rank == 0:
-        _truncate_metrics(out / "metrics.jsonl", start)
+    if rank == 0 and (note := resume_metrics(out / "metrics.jsonl", start, skipped, resumed_from or "")):
+        print(note, flush=True)
     metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
     progress = Progress(t.steps, start) if rank == 0 else None
     memory = StepMemory(device, t.tensor_memory, state=lambda: _state_tensors(model, opt))
@@ -244,8 +244,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 for name, part in getattr(corpus, "parts", {}).items():
                     record.setdefault("val_loss_by_source", {})[name] = evaluate(model, part, cfg, spec, rank)
             if rank == 0:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+                write_row(metrics_file, record)
                 progress.update(record)
                 trackers.log(record)
             history.append(record)
@@ -350,25 +349,6 @@ def _moe_metrics(model) -> list[dict]:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return [m for _, m in sorted({i: m for part in everyone for i, m in part}.items())]
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep only rows up to ``step``: a run resumed from an earlier checkpoint than its last
-    logged step rewrites those steps, and the log should say what the model really went through."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in rows if _step_of(line) <= step]
-    if len(kept) != len(rows):
-        path.write_text("".join(line + "\n" for line in kept))
-
-
-def _step_of(line: str) -> float:
-    """A metrics row's step; a row cut short by a killed run reads as never written."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
 
 
 @torch.no_grad()

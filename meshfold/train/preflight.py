@@ -98,16 +98,17 @@ def check_writable(out: Path) -> None:
                              f"writable folder or choose another --out-dir") from None
 
 
-def check_resume(out: Path, resume: bool) -> None:
-    """The newest checkpoint a resume would read is whole; else name the damaged file and the
-    newest intact checkpoint (which is not used silently: the user decides)."""
+def check_resume(out: Path, resume: bool) -> list[str]:
+    """The newest checkpoint a resume would read is whole and its files match their checksums;
+    else name the damaged file and the newest intact checkpoint (which is not used silently: the
+    user decides). Returns the note on a checkpoint that carries no checksums."""
     from meshfold.train.checkpoint import newest_intact
 
     if not resume:
-        return
-    intact, damaged = newest_intact(out / "checkpoints")
+        return []
+    intact, damaged, note = newest_intact(out / "checkpoints")
     if damaged is None:
-        return
+        return [note] if note else []
     if intact is None:
         raise ValueError(f"{damaged}; no earlier checkpoint is intact: start over with "
                          f"train.resume=false (the damaged run is moved aside)")

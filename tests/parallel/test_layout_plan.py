@@ -167,6 +167,7 @@ def test_plan_patterns_match_whole_segments():
     (dict(tp={"blocks.*.attn": SequenceParallel()}), "Plan.tp pattern 'blocks.\\*.attn' matches none"),
     (dict(context={"blocks.*.ln": "ring"}), "'blocks.0.ln' \\(Norm\\), which has no 'context' hook"),
     (dict(moe={"layers.*.mlp": MOE}), "Plan.moe pattern 'layers.\\*.mlp' matches none"),
+    (dict(moe={"blocks.*.mixer": MOE}), "Plan.moe pattern .blocks.\\*.mixer. matches .blocks.0.mixer., a \\w+ that is not an MoE layer"),
     (dict(fsdp=("blocks.*.mlp",)), "Plan.fsdp pattern 'blocks.\\*.mlp' matches none"),
     (dict(tp_summed=("blocks.*.norm",)), "Plan.tp_summed pattern 'blocks.\\*.norm' matches none"),
     (dict(recompute=("layers.*",)), "Plan.recompute pattern 'layers.\\*' matches none"),
