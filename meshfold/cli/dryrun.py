@@ -165,6 +165,21 @@ def _placed(routing, placement: str, cfg, spec, hw):
     return Placed(routing, slots), lines, busiest
 
 
+def _check_json_target(path: str) -> None:
+    """``--json``'s folder exists and takes files."""
+    import os
+    from pathlib import Path
+
+    folder = Path(path).resolve().parent
+    if Path(path).is_dir():
+        raise ValueError(f"--json {path} is a folder; give a file path for the report")
+    if not folder.is_dir():
+        raise ValueError(f"--json {path}: the folder {folder} does not exist; create it or give a path "
+                         f"in an existing folder")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--json {path}: the folder {folder} is not writable; give a path in a writable folder")
+
+
 def main(args: argparse.Namespace) -> int:
     import time
 
@@ -172,10 +187,16 @@ def main(args: argparse.Namespace) -> int:
     from meshfold.dryrun.routing import parse_routing
     from meshfold.plan.hardware import hardware
 
+    if args.json:
+        _check_json_target(args.json)  # before the dry run, not after its minutes of work
     routing = parse_routing(args.routing)
     hw = hardware(args.gpu)
     cfg = train_config(args)
     spec = cfg.fold_spec()
+    if args.placement == "balanced" and spec.ep == 1:  # as meshfold train refuses it
+        raise ValueError(f"--placement balanced with ep = 1 (--fold {args.fold}): one ep rank holds every "
+                         f"expert, so there is nothing to re-place; valid: --placement static, or balanced "
+                         f"with EP >= 2")
     if args.ranks:
         bad = [r for r in args.ranks if not 0 <= r < spec.world_size]
         if bad:

@@ -103,8 +103,8 @@ def _main(args: argparse.Namespace, local: bool) -> int:
     try:
         if rank == 0:
             preflight.check_writable(out)
-            preflight.check_resume(out, cfg.train.resume)
-            notes = prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
+            notes = preflight.check_resume(out, cfg.train.resume)
+            notes += prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
             done = _steps_done(out) if cfg.train.resume and local else 0
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
             if local and done < end:
@@ -127,10 +127,12 @@ def _tokenized(run, out: Path):
     made them."""
     import dataclasses
 
+    from meshfold.data.records import Reader
     from meshfold.data.tokens import tokenize_for_run
     from meshfold.train import preflight
 
-    tokens = tokenize_for_run(run.cfg.data.paths, run.cfg.data.tokenizer, out / "tokens")
+    reader = Reader(run.cfg.data.text_field, run.cfg.data.split)
+    tokens = tokenize_for_run(run.cfg.data.paths, run.cfg.data.tokenizer, out / "tokens", reader=reader)
     data = dataclasses.replace(run.cfg.data, paths=[str(tokens)], tokenizer=None)
     run = dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, data=data))
     preflight.check_data(run.cfg)  # the size again, now in tokens

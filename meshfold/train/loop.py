@@ -12,7 +12,6 @@ single-device ones. Rank 0 shows progress and writes metrics.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -32,8 +31,10 @@ from meshfold.train.build import DTYPES, Built, build
 from meshfold.train.config import Resolved
 from meshfold.train.expert_load import ep_load_metrics
 from meshfold.train.flops import train_flops_per_step
+from meshfold.train.metrics_log import resume_metrics, write_row
 from meshfold.train.optim import lr_at
 from meshfold.train.progress import Progress
+from meshfold.train.rundir import resume_point
 from meshfold.train.tracking import Profiler, StepMemory, Trackers
 
 __all__ = ["train_rank", "evaluate", "hardware_peak"]
@@ -96,12 +97,17 @@ def train_rank(rank: int, world_size: int, run: Resolved) -> dict:
     if device.type == "cpu" and t.retain_cpu_memory:
         retain_freed_memory()  # reuse large activation buffers across steps (meshfold.runtime.malloc)
     folded = fold(run.spec, device.type)
-    last = checkpoint.latest(out / "checkpoints") if t.resume else None
+    last = resume_point(out, t.resume)  # rank 0's choice, once every rank sees the folder
     built = build(run, folded, init_from=last is None)  # a resume reads its own checkpoint instead
     from meshfold.data.corpus import load_corpus
+    from meshfold.data.mixture import load_mixture
 
-    corpus = load_corpus(run.cfg.data.paths or None, run.cfg.data.val_fraction)
+    data = run.cfg.data
+    corpus = (load_mixture(data.paths, data.weights, data.val_fraction) if data.weights
+              else load_corpus(data.paths or None, data.val_fraction))
     start, skipped = _restore(last, built, run.spec)
+    if rank == 0 and (note := resume_metrics(out / "metrics.jsonl", start, skipped, str(last or ""))):
+        print(note, flush=True)  # the rows the checkpoint covers are kept, a torn or later row is not
     log = _Log(run, rank, world_size, device, built, start)
     if rank == 0 and last is not None:
         print(f"resumed from {last} at step {start}", flush=True)
@@ -133,8 +139,6 @@ class _Log:
         measured = _all_sum(torch.tensor(_measure_peak(device=device, dtype=DTYPES[t.dtype]), device=device)).item()
         self.peaks = (hardware_peak(t, world_size), measured)
         self.flops = train_flops_per_step(run.model, t.batch, t.seq)
-        if rank == 0:
-            _truncate_metrics(out / "metrics.jsonl", start)
         self.metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
         self.progress = Progress(t.steps, start) if rank == 0 else None
         self.memory = StepMemory(device, t.tensor_memory, state=lambda: _state_tensors(built.model, built.optimizer))
@@ -143,8 +147,7 @@ class _Log:
 
     def write(self, record: dict) -> None:
         if self.rank == 0:
-            self.metrics_file.write(json.dumps(record) + "\n")
-            self.metrics_file.flush()
+            write_row(self.metrics_file, record)
             self.progress.update(record)
             self.trackers.log(record)
 
@@ -196,8 +199,12 @@ def _loop(run: Resolved, rank, world_size, built: Built, corpus, log: _Log, inje
             record["memory"] = log.memory.gather()  # every rank's peaks of the step (a collective)
             if "tokens_per_expert" in record:
                 record.update(ep_load_metrics(record["tokens_per_expert"], expert_slots, spec.ep))
+            if run.cfg.data.weights:  # the mixture's draw, summed over a run to check it against the weights
+                record["data_rows"] = corpus.rows_by_source(step, t.batch, t.seed)
             if n % t.eval_every == 0 or n == t.steps:
                 record["val_loss"] = evaluate(model, corpus, run.cfg, spec, rank)
+                for name, part in getattr(corpus, "parts", {}).items():
+                    record.setdefault("val_loss_by_source", {})[name] = evaluate(model, part, run.cfg, spec, rank)
             log.write(record)
             history.append(record)
         elif t.skip_nonfinite:
@@ -286,23 +293,6 @@ def _update(built: Built, t, n, loss, skipped, n_global, flops, peaks, t0) -> di
     return record
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep only rows up to ``step``: a run resumed from an earlier checkpoint than its last
-    logged step rewrites those steps, and the log should say what the model really went through."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in rows if _step_of(line) <= step]
-    if len(kept) != len(rows):
-        path.write_text("".join(line + "\n" for line in kept))
-
-
-def _step_of(line: str) -> float:
-    """A metrics row's step; a row cut short by a killed run reads as never written."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
 
 
 @torch.no_grad()
