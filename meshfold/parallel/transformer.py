@@ -76,8 +76,6 @@ from meshfold.parallel.moe import FoldedComm, moe_param_layout, parallelize_moe,
 from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel, model_plan, resolve
 from meshfold.parallel.recompute import apply_recompute, check_recompute
 from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
-# meshfold.train.config still imports check_fold from here; its home is transformer_plan
-from meshfold.parallel.transformer_plan import check_fold  # noqa: F401
 
 __all__ = ["parallelize", "param_layouts", "model_plan", "full_state_dict", "single_device_name", "LocalShard",
            "sequence_parallel", "vocab_parallel", "GlobalLogits", "GlobalMeanLoss"]

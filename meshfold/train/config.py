@@ -462,7 +462,7 @@ class TrainConfig:
             if why:
                 raise ValueError(f"train.expert_placement = 'balanced' with {why}; valid: 'static', or "
                                  f"'balanced' with MoE layers, ep >= 2, pp = 1 and no [sparsity]")
-        from meshfold.parallel.transformer import check_fold
+        from meshfold.parallel.transformer_plan import check_fold
 
         check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts
         return spec, cfg
