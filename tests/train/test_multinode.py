@@ -92,7 +92,7 @@ def test_two_agents_train_refuse_a_second_job_and_resume_bit_exactly_after_a_sto
     proc = meshfold_here("train", "--steps", STEPS, "--out-dir", reference, *SMALL, "--set", "train.ckpt_every=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
-    first = start_agents(run, "first", faults="step_sleep=4")  # slow enough to be hit mid-run
+    first = start_agents(run, "first", faults="step_sleep=8")  # slow enough to be hit mid-run, even on a loaded machine
     try:
         wait_until(lambda: (run / "metrics.jsonl").exists() or any(a.poll() is not None for a in first),
                    240, "the first job's step 1")
