@@ -195,8 +195,9 @@ def _why(err: OSError, folder: Path, model, optimizer) -> str:
 
 def _checkpoint_bytes(model, optimizer) -> int:
     """Bytes of every tensor a checkpoint of ``model`` holds, at their global shapes (DCP writes
-    each once, whichever ranks share it)."""
-    with torch.no_grad(), in_expert_order(model, optimizer):
+    each once, whichever ranks share it). Local: the sizes do not depend on where the experts
+    are placed, so no experts are moved (a collective that a rank failing alone would wait in)."""
+    with torch.no_grad():
         return sum(t.numel() * t.element_size() for t in _tensors(model, optimizer).values())
 
 
@@ -281,8 +282,10 @@ def save(path_root: str | os.PathLike, step: int, model, optimizer, trainer_stat
         cause = _cause(err)
         if not isinstance(cause, OSError):
             raise
-        if rank == 0:  # a partial save left behind would starve the next try of the same space
-            shutil.rmtree(tmp, ignore_errors=True)
+        # whichever rank fails removes the partial save (a rank may fail alone, writing its own RNG
+        # file, and the ranks waiting for it are then stopped): left behind, it would starve the
+        # next try of the same space
+        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write checkpoint {tmp}: {_why(cause, tmp, model, optimizer)}") from None
     if crash_before_rename and rank == 0:
         os._exit(3)

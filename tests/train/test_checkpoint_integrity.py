@@ -135,3 +135,37 @@ def test_a_full_disk_names_the_folder_and_the_space_needed_and_removes_the_parti
     assert f"needs about {needed:,} bytes" in str(err.value) and "are free there" in str(err.value)
     assert not (tmp_path / "checkpoints" / "step_000004.tmp").exists()
     assert checkpoint.latest(tmp_path / "checkpoints").name == "step_000002"
+
+
+def test_a_full_disk_on_a_rank_failing_alone_removes_the_partial_save_and_moves_no_experts(tmp_path, monkeypatch):
+    """Rank 1 of 2 runs out of space writing its own RNG file while rank 0 waits at the barrier
+    after it: rank 1 must remove the partial save itself, and must not enter a collective (moving
+    re-placed experts back is one) that rank 0 is not in."""
+    import contextlib
+
+    model, opt = saved_run(tmp_path, steps=(2,))
+    tmp = tmp_path / "checkpoints" / "step_000004.tmp"
+    moves = []
+
+    @contextlib.contextmanager
+    def counted(model, optimizer):  # a collective on a run with re-placed experts
+        moves.append(1)
+        yield
+
+    def shard_written(state, storage_writer):
+        tmp.mkdir()  # (rank 0 made the folder before the first barrier)
+        (tmp / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"\0" * 1000)
+
+    def full_disk(obj, f, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(checkpoint.dist, "barrier", lambda: None)
+    monkeypatch.setattr(checkpoint, "in_expert_order", counted)
+    monkeypatch.setattr(checkpoint.dcp, "save", shard_written)
+    monkeypatch.setattr(checkpoint.json, "dump", full_disk)  # rank 1's rng_rank1.json
+    with pytest.raises(checkpoint.CheckpointError, match="step_000004.tmp: No space left on device; a checkpoint"):
+        checkpoint.save(tmp_path / "checkpoints", 4, model, opt, {"step": 4})
+    assert not tmp.exists()
+    assert len(moves) == 1  # around the shard's write only, which every rank enters
