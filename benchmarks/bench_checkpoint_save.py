@@ -5,7 +5,8 @@ each hash of :data:`~meshfold.train.checkpoint.CHECKSUMS`: XXH3-128, what a save
 BLAKE2b, what checkpoints recorded before); the baseline is the same save with that step replaced
 by nothing. The variants are measured alternately in the same run (a load change on the machine
 hits all alike); the table gives each one's median of ``--repeats`` and its spread (min-max) in
-wall and CPU seconds, and the change of the medians against the baseline. Then the candidate
+wall and CPU seconds, the change of the medians against the baseline, and the CPU-time ratio of
+each save to the baseline save of the same repeat (median, quartiles, min-max). Then the candidate
 hashes over the largest shard's bytes, for the choice of hash. Prints a table and writes JSON::
 
     python benchmarks/bench_checkpoint_save.py --model tiny-moe --repeats 7 --json out.json
@@ -58,9 +59,12 @@ def main() -> None:
     times = {label: [] for label in variants}
     cpu = {label: [] for label in variants}  # this process's CPU seconds: less shaken by other load
     with tempfile.TemporaryDirectory() as root:
-        step, final = 0, None
-        for _ in range(args.repeats):
-            for label, patch in variants.items():  # alternated: a load change on the machine hits all alike
+        final = checkpoint.save(root, 0, model, opt, {"step": 0})  # untimed: the first save's one-time costs
+        step = 0
+        for i in range(args.repeats):
+            labels = list(variants)[i % len(variants):] + list(variants)[:i % len(variants)]
+            for label in labels:  # alternated, in turn first: a load change on the machine hits all alike
+                patch = variants[label]
                 if final is not None:  # one checkpoint on disk at a time, removed before the clock starts
                     shutil.rmtree(final)
                 step += 1  # a new folder each time: no save replaces an older one while timed
@@ -89,6 +93,14 @@ def main() -> None:
     for k, v in med.items():
         more = f"{slower[k] * 100:>+7.1f}%{slower_cpu[k] * 100:>+7.1f}%" if k in slower else ""
         print(f"{k:<14}{v:>10.3f}{_spread(times[k]):>16}{med_cpu[k]:>8.3f}{_spread(cpu[k]):>16}{more}")
+    # each repeat's saves ran back to back: their CPU-time ratio to that repeat's baseline is less
+    # shaken by load that changes over the run than a ratio of medians
+    paired = {k: sorted(c / b - 1 for c, b in zip(v, cpu["without"])) for k, v in cpu.items() if k != "without"}
+    print(f"{'save':<14}{'CPU vs without, same repeat: median':>38}{'quartiles':>20}{'min-max':>20}")
+    for k, v in paired.items():
+        q1, _, q3 = statistics.quantiles(v, n=4) if len(v) > 1 else (v[0],) * 3
+        print(f"{k:<14}{statistics.median(v) * 100:>+37.1f}%{q1 * 100:>+9.1f}%..{q3 * 100:>+7.1f}%"
+              f"{v[0] * 100:>+9.1f}%..{v[-1] * 100:>+7.1f}%")
     print(f"{'hash':<20}{'MB/s':>8}")
     for k, v in speed.items():
         print(f"{k:<20}{v:>8.0f}")
@@ -96,6 +108,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"cpu": _cpu(), "model": args.model, "MB": mb, "save_s": times,
                                                "median_s": med, "slower": slower, "cpu_s": cpu,
                                                "median_cpu_s": med_cpu, "slower_cpu": slower_cpu,
+                                               "cpu_vs_without_same_repeat": paired,
                                                "hash_MB_s": speed, "loadavg": os.getloadavg()}, indent=1))
 
 
