@@ -5,8 +5,9 @@ Layout of ``<out_dir>/checkpoints/``::
     step_000100/            a complete checkpoint (renamed into place only when every rank is done)
         shard-*.safetensors DCP's Hugging Face storage: tensors + JSON sharding metadata
         trainer.json        step, config, fold, metrics counters (rank 0); written last, it
-                            lists every other file with its size and BLAKE2b checksum, so a
-                            lost shard or a flipped byte in one is seen before a rank reads it
+                            lists every other file with its size and XXH3-128 checksum (and the
+                            checksum's name), so a lost shard or a flipped byte in one is seen
+                            before a rank reads it
         rng_rank0.json ...  each rank's torch RNG state (CPU, and its GPU's under CUDA)
     step_000200.tmp/        a save in progress or interrupted: never read
 
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
 
 from meshfold.parallel.expert_placement import folded_moe_layers, in_expert_order, replace_experts
@@ -65,18 +67,28 @@ def latest(ckpt_dir: str | os.PathLike) -> Path | None:
     return done[-1][1] if done else None
 
 
-def checksum(file: str | os.PathLike) -> str:
-    """BLAKE2b (16-byte digest, hex) of a file's bytes: catches a flipped byte that leaves the
-    size and the safetensors header intact (a bad disk block, a partial copy). BLAKE2b is in the
-    standard library and, unlike a CRC, not fooled by a systematic change."""
+# checksum name -> hash (hashlib-style: update, hexdigest). A save writes with CHECKSUM and records
+# its name in trainer.json; a checkpoint that records checksums but no name used BLAKE2b.
+CHECKSUMS = {"xxh3-128": xxhash.xxh3_128, "blake2b-128": lambda: hashlib.blake2b(digest_size=16)}
+CHECKSUM = "xxh3-128"
+_UNNAMED_CHECKSUM = "blake2b-128"
+
+
+def checksum(file: str | os.PathLike, name: str = CHECKSUM) -> str:
+    """The hex digest of a file's bytes by the hash ``name`` of :data:`CHECKSUMS`: catches a
+    flipped byte that leaves the size and the safetensors header intact (a bad disk block, a
+    partial copy). XXH3-128 reads at several GB/s, so hashing every file a save wrote costs a
+    save little; like BLAKE2b (which checkpoints once recorded) and unlike a CRC it mixes every
+    byte into 128 bits, so a systematic change does not cancel out."""
     with open(file, "rb") as f:
-        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+        return hashlib.file_digest(f, CHECKSUMS[name]).hexdigest()
 
 
 def verify(path: str | os.PathLike) -> str | None:
     """Check a checkpoint folder's files without loading them into a model: every file
     trainer.json lists is there at its size (each rank's shard and RNG state; a checkpoint
-    written before that list needs an RNG file per rank of its world) and with its checksum,
+    written before that list needs an RNG file per rank of its world) and with its checksum (by
+    the hash trainer.json names, one of :data:`CHECKSUMS`; BLAKE2b where it names none),
     trainer.json and the RNG files parse, and every safetensors file is whole (its header parses
     and the file is as long as the header says). Raises :class:`CheckpointError` naming the
     first bad file; returns a one-line note for a checkpoint written before checksums were
@@ -129,11 +141,16 @@ def verify(path: str | os.PathLike) -> str | None:
         if size != 8 + n + end:
             raise bad(f"{shard.name} is truncated ({size:,} of {8 + n + end:,} bytes)")
     sums = state.get("checksums")
+    algorithm = state.get("checksum_algorithm", _UNNAMED_CHECKSUM)
+    if sums is not None and not (isinstance(algorithm, str) and algorithm in CHECKSUMS):
+        raise bad(f"trainer.json records checksum_algorithm {algorithm!r}, which this meshfold does not "
+                  f"know (known: {', '.join(sorted(CHECKSUMS))})")
     for name, digest in (sums or {}).items():  # last: the checks above name a cause more precisely
         if not (path / name).is_file():
             raise bad(f"{name} is missing; trainer.json lists its checksum")
-        if checksum(path / name) != digest:
-            raise bad(f"{name} is damaged (its contents do not match the checksum trainer.json lists)")
+        if checksum(path / name, algorithm) != digest:
+            raise bad(f"{name} is damaged (its contents do not match the {algorithm} checksum trainer.json "
+                      f"lists)")
     return None if sums is not None else f"note: checkpoint {path} {NO_CHECKSUMS}"
 
 
@@ -178,8 +195,9 @@ def _why(err: OSError, folder: Path, model, optimizer) -> str:
 
 def _checkpoint_bytes(model, optimizer) -> int:
     """Bytes of every tensor a checkpoint of ``model`` holds, at their global shapes (DCP writes
-    each once, whichever ranks share it)."""
-    with torch.no_grad(), in_expert_order(model, optimizer):
+    each once, whichever ranks share it). Local: the sizes do not depend on where the experts
+    are placed, so no experts are moved (a collective that a rank failing alone would wait in)."""
+    with torch.no_grad():
         return sum(t.numel() * t.element_size() for t in _tensors(model, optimizer).values())
 
 
@@ -188,7 +206,7 @@ def _checksums(folder: Path, rank: int) -> dict[str, str]:
     the files (collective): a save's hashing takes a rank's part of the time, not the world's."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     names = sorted(p.name for p in folder.iterdir())
-    mine = {name: checksum(folder / name) for name in names[rank::world]}
+    mine = {name: checksum(folder / name, CHECKSUM) for name in names[rank::world]}
     if world == 1:
         return mine
     every: list[dict] = [{} for _ in range(world)]
@@ -258,13 +276,16 @@ def save(path_root: str | os.PathLike, step: int, model, optimizer, trainer_stat
         if rank == 0:  # last, listing every rank's files: verify() then knows a checkpoint is whole
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
             with open(tmp / "trainer.json", "w") as f:
-                json.dump({**trainer_state, "files": files, "checksums": sums}, f, indent=1)
+                json.dump({**trainer_state, "files": files, "checksum_algorithm": CHECKSUM,
+                           "checksums": sums}, f, indent=1)
     except (OSError, CheckpointException) as err:
         cause = _cause(err)
         if not isinstance(cause, OSError):
             raise
-        if rank == 0:  # a partial save left behind would starve the next try of the same space
-            shutil.rmtree(tmp, ignore_errors=True)
+        # whichever rank fails removes the partial save (a rank may fail alone, writing its own RNG
+        # file, and the ranks waiting for it are then stopped): left behind, it would starve the
+        # next try of the same space
+        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write checkpoint {tmp}: {_why(cause, tmp, model, optimizer)}") from None
     if crash_before_rename and rank == 0:
         os._exit(3)

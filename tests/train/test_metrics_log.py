@@ -54,3 +54,18 @@ def test_rows_after_the_checkpoint_go_without_a_note_and_skipped_steps_are_no_ga
     path.write_bytes(whole[:-3])  # row 8 torn: after the checkpoint at 6, so nothing is lost
     assert resume_metrics(path, 6, skipped=1) is None
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 4, 5, 6]
+
+
+def test_a_row_damaged_or_missing_before_the_last_is_recorded_as_a_gap_where_it_was(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    whole = logged(path, range(1, 9))
+    lines = whole.splitlines(keepends=True)
+    for k in range(1, 8):  # row k (not the last) cut short but for its newline, or gone
+        for damaged, why in ((lines[k - 1][:9] + b"\n", "a row cut short at byte"), (b"", "1 rows missing")):
+            path.write_bytes(b"".join(lines[:k - 1]) + damaged + b"".join(lines[k:]))
+            note = resume_metrics(path, 8, skipped=0, checkpoint="step_000008")
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            assert [r["step"] for r in rows] == list(range(1, 9)), (k, why)
+            assert rows[k - 1]["gap"] == [k, k] and [r for r in rows if "gap" in r] == [rows[k - 1]], (k, why)
+            assert note is not None and why in note and f"steps {k}-{k}," in note and "\n" not in note, (k, why)
+            assert resume_metrics(path, 8, skipped=0) is None  # the next resume keeps it as it is
