@@ -83,7 +83,8 @@ def _check(paths, weights, *overrides):
     from meshfold.train import preflight
     from meshfold.train.config import load_config
 
-    cfg = load_config(None, ["model.vocab=512", "train.seq=16", f"data.weights={json.dumps(weights)}", *overrides])
+    listed = ", ".join(map(repr, weights))  # TOML, as a config file writes them: inf and nan included
+    cfg = load_config(None, ["model.vocab=512", "train.seq=16", f"data.weights=[{listed}]", *overrides])
     cfg.data.paths = paths
     preflight.check_data(cfg)
 
@@ -108,6 +109,26 @@ def test_bad_mixtures_fail_before_any_rank_starts_naming_the_source(sources, tmp
         _check(sources, [1, 1, 1], "train.seq=512")
     with pytest.raises(ValueError, match="its tokenizer has 512 ids but model.vocab = 256"):
         _check(sources, [1, 1, 1], "model.vocab=256")
+
+
+def test_weights_that_are_not_finite_fail_before_any_rank_and_huge_finite_ones_draw_in_proportion(sources):
+    """Settings accept any float, and an infinite weight would otherwise make every rank's draw fail."""
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=rf"data.weights \[1, {bad}, 1\]: {bad} is not a finite number; "
+                                             r"valid: numbers >= 0, not all 0"):
+            _check(sources, [1, bad, 1])
+    huge = [1e308, 1e308, 0]  # finite, though their sum is not
+    _check(sources, huge)
+    drawn = np.sum([load_mixture(sources, huge).rows_by_source(s, 8, seed=0) for s in range(50)], axis=0)
+    assert drawn[2] == 0 and abs(drawn[0] - 200) < 5 * np.sqrt(400 * 0.25), drawn
+
+
+def test_a_dataset_name_among_the_sources_says_how_to_save_it(sources, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"data.paths HuggingFaceFW/fineweb: no such file or folder; if "
+                                         r"'HuggingFaceFW/fineweb' is a Hugging Face dataset name, meshfold does not "
+                                         r"download it: save it to disk first"):
+        _check(sources[:2] + ["HuggingFaceFW/fineweb"], [1, 1, 1])
 
 
 @pytest.mark.multirank
