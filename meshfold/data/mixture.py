@@ -49,6 +49,9 @@ def check_mixture(paths: list, weights: list, val_fraction: float, seq: int, mod
         raise ValueError(f"data.weights {weights}: {bad[0]!r} is {what}; valid: numbers >= 0, not all 0")
     if not sum(weights) > 0:
         raise ValueError(f"data.weights {weights} are all 0; valid: numbers >= 0, not all 0")
+    if not math.isfinite(sum(weights)):  # each row's source is drawn with probability w / sum(w)
+        raise ValueError(f"data.weights {weights}: their sum is not a finite number; scale them down (only "
+                         f"their proportions matter)")
     indexes, first = [], None
     for path in map(Path, paths):
         if not path.exists():
@@ -84,9 +87,7 @@ class Mixture:
 
     def __init__(self, parts: dict[str, ByteCorpus], weights: list[float]):
         self.parts = parts
-        w = np.asarray(weights, dtype=np.float64)
-        w = w / w.max()  # first: weights near the largest float would sum to infinity
-        self.p = w / w.sum()
+        self.p = np.asarray(weights, dtype=np.float64) / float(sum(weights))
 
     def sources(self, split: str, step: int, batch: int, seed: int) -> np.ndarray:
         """[batch] the source index each row of ``step``'s batch reads."""
