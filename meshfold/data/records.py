@@ -24,7 +24,7 @@ RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 # data formats meshfold does not read: named, one is an error rather than a binary file skipped
 # or a compressed file read as text
 UNREAD_SUFFIXES = (".csv", ".tsv", ".arrow", ".feather", ".json.gz", ".gz", ".zst", ".bz2", ".xz", ".zip",
-                   ".tar", ".parquet.gz")
+                   ".tar", ".parquet.gz", ".ndjson", ".jsonlines")
 DATASET_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes (DatasetDict, Dataset)
 
 

@@ -107,6 +107,7 @@ BAD = [
     ("empty.jsonl", "", r"empty.jsonl: no records \(an empty source\)"),
     ("table.csv", "text\nhello\n", r"table.csv: meshfold does not read .csv files; valid: .jsonl, .jsonl.gz, "
                                    r".json, .parquet, a folder written by datasets' save_to_disk"),
+    ("lines.ndjson", '{"text": "ok"}\n', r"lines.ndjson: meshfold does not read .ndjson files; valid: .jsonl"),
 ]
 
 
@@ -125,6 +126,24 @@ def test_bad_input_is_one_line_naming_the_file_and_record_and_leaves_out_as_it_w
     assert re.search(message, err) and "\n" not in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging left
+
+
+def test_an_interruption_midway_leaves_out_as_it_was(tok_file, tmp_path):
+    """Ctrl-C midway through the sources (the staging folder written): --out keeps the tokenization it held, and no
+    staging folder is left beside it."""
+    out = tmp_path / "out"
+    tokenize([str(_write("jsonl", tmp_path))], out, tokenizer=str(tok_file))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    class Interrupted(Reader):
+        def documents(self, path):
+            yield from list(super().documents(path))[:3]
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tokenize([str(tmp_path / "d.jsonl")] * 3, out, tokenizer=str(tok_file), force=True, reader=Interrupted())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "out"]
 
 
 def test_bad_columns_of_parquet_and_saved_datasets_are_named(tmp_path):
