@@ -15,12 +15,14 @@ splits in the same proportions.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from meshfold.data.corpus import ByteCorpus, load_corpus, split_point
+from meshfold.data.records import not_a_folder
 from meshfold.data.tokens import TOKENIZER, read_index
 
 __all__ = ["Mixture", "check_mixture", "load_mixture"]
@@ -37,17 +39,23 @@ def _vocabulary(folder: Path, index: dict):
 
 def check_mixture(paths: list, weights: list, val_fraction: float, seq: int, model_vocab: int | None = None) -> list:
     """The indexes of a mixture's sources, after checking what would otherwise fail in the ranks:
-    one non-negative weight per source, not all zero; each source a token folder whose vocabulary
+    one finite, non-negative weight per source, not all zero; each source a token folder whose vocabulary
     is the others' (and fits ``model_vocab``), with more than ``seq + 1`` tokens in each split."""
     if len(weights) != len(paths):
         raise ValueError(f"data.weights has {len(weights)} weights for {len(paths)} data.paths; give one per path")
-    bad = [w for w in weights if not w >= 0]
+    bad = [w for w in weights if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)]
     if bad:
-        raise ValueError(f"data.weights {weights}: {bad[0]!r} is negative; valid: numbers >= 0, not all 0")
+        what = "negative" if isinstance(bad[0], (int, float)) and bad[0] < 0 else "not a finite number"
+        raise ValueError(f"data.weights {weights}: {bad[0]!r} is {what}; valid: numbers >= 0, not all 0")
     if not sum(weights) > 0:
         raise ValueError(f"data.weights {weights} are all 0; valid: numbers >= 0, not all 0")
+    if not math.isfinite(sum(weights)):  # each row's source is drawn with probability w / sum(w)
+        raise ValueError(f"data.weights {weights}: their sum is not a finite number; scale them down (only "
+                         f"their proportions matter)")
     indexes, first = [], None
     for path in map(Path, paths):
+        if not path.exists():
+            raise ValueError(f"data.paths {not_a_folder(str(path))}")
         if not (path / "index.json").is_file():
             raise ValueError(f"data.paths {path}: a mixture's sources are token folders (meshfold tokenize "
                              f"--out {path} ...), and {path} has no index.json")

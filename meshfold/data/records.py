@@ -24,7 +24,7 @@ RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 # data formats meshfold does not read: named, one is an error rather than a binary file skipped
 # or a compressed file read as text
 UNREAD_SUFFIXES = (".csv", ".tsv", ".arrow", ".feather", ".json.gz", ".gz", ".zst", ".bz2", ".xz", ".zip",
-                   ".tar", ".parquet.gz")
+                   ".tar", ".parquet.gz", ".ndjson", ".jsonlines")
 DATASET_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes (DatasetDict, Dataset)
 
 
@@ -152,7 +152,14 @@ class Reader:
         except ImportError:
             raise ValueError(f'{path}: reading a saved dataset needs datasets: pip install "meshfold[datasets]"'
                              ) from None
-        data = datasets.load_from_disk(str(path))
+        try:
+            data = datasets.load_from_disk(str(path))
+        except Exception as err:  # noqa: BLE001 - datasets raises its own, pyarrow's and builtin types
+            empty = _empty_saved(path)  # datasets cannot load a dataset (or split) saved with no rows
+            if empty is not None:
+                raise ValueError(f"{empty}: no records (an empty source); remove it or fill it") from None
+            raise ValueError(f"{path}: not a readable save_to_disk folder ({type(err).__name__}: "
+                             f"{' '.join(str(err).split())}); save the dataset again") from None
         if isinstance(data, datasets.DatasetDict):
             if self.split not in data:
                 raise ValueError(f"{path}: no split {self.split!r} (splits: {', '.join(data)}); name one with "
@@ -168,6 +175,18 @@ class Reader:
         column = data.select_columns([self.text_field])
         for i, record in enumerate(column):  # reads the memory-mapped Arrow files a batch at a time
             yield self._text(record, f"{path} row {i}"), size * i // rows
+
+
+def _empty_saved(path: Path) -> Path | None:
+    """The folder (the dataset, or one split of it) that ``save_to_disk`` wrote without any data
+    file, or None."""
+    for state in sorted(Path(path).glob("**/state.json")):
+        try:
+            if not json.loads(state.read_text()).get("_data_files"):
+                return state.parent
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
 
 
 def documents(paths: list[Path], reader: Reader | None = None) -> Iterator[tuple[str, int]]:

@@ -50,6 +50,8 @@ IDENTITY_TRAIN = ("batch", "seq", "lr", "min_lr_ratio", "warmup", "weight_decay"
 # what a run.json written before these settings existed trained with (the micro-batch count was
 # not recorded: such a run continues with any)
 BEFORE_RECORDED = {"train.betas": [0.9, 0.95], "train.eps": 1e-8, "train.no_weight_decay": []}
+# data settings a run.json written before mixtures and records existed trained with
+DATA_BEFORE_RECORDED = {"data.weights": [], "data.text_field": "text", "data.split": "train"}
 
 
 class RunLock:
@@ -129,6 +131,8 @@ def identity(cfg, mcfg) -> dict:
     out["data.paths"] = [os.path.abspath(p) for p in cfg.data.paths] or "Python standard library"
     out["data.val_fraction"] = cfg.data.val_fraction
     out["data.tokenizer"] = os.path.abspath(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    out["data.weights"] = list(cfg.data.weights)  # which source each row reads
+    out["data.text_field"], out["data.split"] = cfg.data.text_field, cfg.data.split  # what records give
     return json.loads(json.dumps(out, default=str))  # as it reads back from run.json
 
 
@@ -152,6 +156,8 @@ def _recorded(out: Path, cfg, now: dict) -> tuple[dict, int | None]:
             if "train.batch" in ident:  # recorded before the optimizer's settings and micro-batches
                 for key, value in {**BEFORE_RECORDED, "train.microbatches": now["train.microbatches"]}.items():
                     ident.setdefault(key, value)
+            for key, value in DATA_BEFORE_RECORDED.items():
+                ident.setdefault(key, value)
             return ident, rec.get("steps")
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path} is damaged ({err}); move it aside to continue the run "

@@ -3,6 +3,7 @@ row is a window of the source it was drawn from, batches are a function of (seed
 source validates on its own split, and bad mixtures fail before any rank starts."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,6 +68,23 @@ def test_batches_are_a_function_of_seed_and_step_and_dp_ranks_read_their_own_row
     assert not (mix.batch("train", 9, 8, 16, seed=2)[0] == full).all()
 
 
+def test_a_batch_is_the_draw_docs_config_md_states(sources):
+    """Written from docs/config.md's words alone: a reimplementation reads the rows a run reads."""
+    weights, seed, step, batch, seq = [0.5, 0.2, 0.3], 4, 6, 16, 8
+    mix = load_mixture(sources, weights, val_fraction=0.1)
+    for split, stream in (("train", 2), ("val", 3)):
+        parts = [np.fromfile(Path(s) / "shard-00000.bin", dtype=np.uint16).astype(np.int64) for s in sources]
+        cut = int(SIZE * 0.9)
+        parts = [p[:cut] if split == "train" else p[cut:] for p in parts]
+        rng = np.random.default_rng([seed, step, stream])
+        src = rng.choice(3, size=batch, p=np.array(weights) / sum(weights))
+        u = rng.random(batch)
+        rows = [parts[src[r]][int(u[r] * (len(parts[src[r]]) - seq - 1)):][:seq + 1] for r in range(batch)]
+        tokens, targets = mix.batch(split, step, batch, seq, seed)
+        assert np.array_equal(tokens.numpy(), np.stack(rows)[:, :-1]), split
+        assert np.array_equal(targets.numpy(), np.stack(rows)[:, 1:]), split
+
+
 def test_each_source_validates_on_its_own_held_out_split(sources):
     mix = load_mixture(sources, [0.5, 0.25, 0.25], val_fraction=0.1)
     cut = int(SIZE * 0.9)
@@ -83,7 +101,8 @@ def _check(paths, weights, *overrides):
     from meshfold.train import preflight
     from meshfold.train.config import load_config
 
-    cfg = load_config(None, ["model.vocab=512", "train.seq=16", f"data.weights={json.dumps(weights)}", *overrides])
+    listed = ", ".join(map(repr, weights))  # TOML, as a config file writes them: inf and nan included
+    cfg = load_config(None, ["model.vocab=512", "train.seq=16", f"data.weights=[{listed}]", *overrides])
     cfg.data.paths = paths
     preflight.check_data(cfg)
 
@@ -108,6 +127,24 @@ def test_bad_mixtures_fail_before_any_rank_starts_naming_the_source(sources, tmp
         _check(sources, [1, 1, 1], "train.seq=512")
     with pytest.raises(ValueError, match="its tokenizer has 512 ids but model.vocab = 256"):
         _check(sources, [1, 1, 1], "model.vocab=256")
+
+
+def test_weights_that_are_not_finite_fail_before_any_rank_starts(sources):
+    """Settings take any float (a TOML inf or nan), and such weights would break every rank's draw."""
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=rf"data.weights \[1, {bad}, 1\]: {bad} is not a finite number; "
+                                             r"valid: numbers >= 0, not all 0"):
+            _check(sources, [1, bad, 1])
+    with pytest.raises(ValueError, match=r"data.weights \[1e\+308, 1e\+308, 0\]: their sum is not a finite number"):
+        _check(sources, [1e308, 1e308, 0])
+
+
+def test_a_dataset_name_among_the_sources_says_how_to_save_it(sources, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"data.paths HuggingFaceFW/fineweb: no such file or folder; if "
+                                         r"'HuggingFaceFW/fineweb' is a Hugging Face dataset name, meshfold does not "
+                                         r"download it: save it to disk first"):
+        _check(sources[:2] + ["HuggingFaceFW/fineweb"], [1, 1, 1])
 
 
 @pytest.mark.multirank

@@ -107,6 +107,7 @@ BAD = [
     ("empty.jsonl", "", r"empty.jsonl: no records \(an empty source\)"),
     ("table.csv", "text\nhello\n", r"table.csv: meshfold does not read .csv files; valid: .jsonl, .jsonl.gz, "
                                    r".json, .parquet, a folder written by datasets' save_to_disk"),
+    ("lines.ndjson", '{"text": "ok"}\n', r"lines.ndjson: meshfold does not read .ndjson files; valid: .jsonl"),
 ]
 
 
@@ -127,6 +128,24 @@ def test_bad_input_is_one_line_naming_the_file_and_record_and_leaves_out_as_it_w
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging left
 
 
+def test_an_interruption_midway_leaves_out_as_it_was(tok_file, tmp_path):
+    """Ctrl-C midway through the sources (the staging folder written): --out keeps the tokenization it held, and no
+    staging folder is left beside it."""
+    out = tmp_path / "out"
+    tokenize([str(_write("jsonl", tmp_path))], out, tokenizer=str(tok_file))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    class Interrupted(Reader):
+        def documents(self, path):
+            yield from list(super().documents(path))[:3]
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tokenize([str(tmp_path / "d.jsonl")] * 3, out, tokenizer=str(tok_file), force=True, reader=Interrupted())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "out"]
+
+
 def test_bad_columns_of_parquet_and_saved_datasets_are_named(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     with pytest.raises(ValueError, match=r"ints.parquet: column 'text' is int64, not strings"):
@@ -137,6 +156,41 @@ def test_bad_columns_of_parquet_and_saved_datasets_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"saved: no split 'test' \(splits: train, validation\); name one with "
                                          r"--split"):
         list(documents([saved], Reader(split="test")))
+
+
+def test_bad_values_in_parquet_and_saved_datasets_are_named_by_row_or_column(tmp_path):
+    import datasets
+
+    pq.write_table(pa.table({"text": ["ok", None]}), tmp_path / "null.parquet")
+    with pytest.raises(ValueError, match=r"null.parquet row 1: column 'text' is null, not a string"):
+        list(documents([tmp_path / "null.parquet"]))
+    datasets.Dataset.from_dict({"text": ["ok", None]}).save_to_disk(str(tmp_path / "none"))
+    with pytest.raises(ValueError, match=r"none row 1: field 'text' is a NoneType, not a string"):
+        list(documents([tmp_path / "none"]))
+    datasets.Dataset.from_dict({"text": [1, 2]}).save_to_disk(str(tmp_path / "ints"))
+    with pytest.raises(ValueError, match=r"ints: column 'text' is Value\('int64'\), not strings"):
+        list(documents([tmp_path / "ints"]))
+    with pytest.raises(ValueError, match=r"ints: no column 'body' \(columns: text\); name the text with --text-field"):
+        list(documents([tmp_path / "ints"], Reader("body")))
+
+
+def test_an_empty_or_damaged_saved_dataset_is_one_line_naming_the_folder(tmp_path, capsys):
+    """datasets itself fails to load a dataset saved with no rows (an IndexError deep inside it)."""
+    import datasets
+
+    from meshfold.cli import main
+
+    rows = datasets.Dataset.from_dict({"text": ["ok"]})
+    datasets.DatasetDict({"train": rows, "test": rows.select([])}).save_to_disk(str(tmp_path / "split"))
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "damaged"))
+    next((tmp_path / "damaged").glob("*.arrow")).unlink()
+    capsys.readouterr()  # datasets' own progress bars
+    for name, message in (("split", r"split/test: no records \(an empty source\)"),
+                          ("damaged", r"damaged: not a readable save_to_disk folder \(.*\); save the dataset again")):
+        assert main(["tokenize", "--train-tokenizer", "260", "--out", str(tmp_path / "o"), str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert re.search(message, err) and "\n" not in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_dataset_name_is_not_fetched_and_the_error_says_how_to_save_one(tmp_path, capsys):

@@ -212,6 +212,33 @@ def test_a_run_recorded_before_master_dtype_resumes_only_if_its_weights_were_fp3
             assert prepare(lock, now.cfg, now.model) == []
 
 
+@pytest.mark.parametrize("setting, other", [("data.weights", "[0.5, 0.5]"), ("data.text_field", "body"),
+                                            ("data.split", "validation")])
+def test_a_rerun_that_would_read_other_batches_or_records_is_refused_naming_the_setting(tmp_path, setting, other):
+    """A mixture's weights decide which source each row reads, and the field and split decide what
+    records are tokenized: resuming with others would not read the batches the run began with."""
+    import json
+
+    from meshfold.train.rundir import RunLock, identity, prepare
+
+    def config(*settings):
+        cfg = load_config(None, [f"train.out_dir={json.dumps(str(tmp_path))}", *settings])
+        return cfg, cfg.validate()[1]
+
+    run = ['data.paths=["a/", "b/"]', "data.weights=[0.7, 0.3]"]
+    with RunLock(tmp_path) as lock:
+        prepare(lock, *config(*run))
+        assert prepare(lock, *config(*run)) == []  # the same run continues
+        with pytest.raises(ValueError, match=rf"holds a run with other settings: {setting} "):
+            prepare(lock, *config(*run, f"{setting}={other}"))
+    byte_level = config()
+    recorded = {k: v for k, v in identity(*byte_level).items() if k.split(".")[0] != "data"
+                or k in ("data.paths", "data.val_fraction", "data.tokenizer")}  # a run.json from before them
+    (tmp_path / "run.json").write_text(json.dumps({"identity": recorded, "steps": 200}))
+    with RunLock(tmp_path) as lock:
+        assert prepare(lock, *byte_level) == []
+
+
 def test_a_config_that_is_not_utf8_or_is_a_folder_is_named_as_the_config(tmp_path):
     bad = tmp_path / "latin1.toml"
     bad.write_bytes("[train]\n# d\xe9j\xe0 vu\nsteps = 3\n".encode("latin-1"))
