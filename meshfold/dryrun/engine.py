@@ -389,7 +389,7 @@ def dry_run(cfg, routing=None, ranks=None, last_here: bool = False, device: str 
     if device not in DEVICES:
         raise ValueError(f"device = {device!r}; valid: {', '.join(DEVICES)}")
     if device == "cuda" and fake_cuda.why_unavailable():
-        raise RuntimeError(f"device = 'cuda': {fake_cuda.why_unavailable()}")
+        raise ValueError(f"device = 'cuda': {fake_cuda.why_unavailable()}")
     chosen = representative_ranks(cfg.fold_spec()) if ranks is None else list(ranks)
     elsewhere = chosen[:-1] if last_here else chosen
     if not elsewhere:

@@ -54,7 +54,7 @@ def why_unavailable() -> str | None:
     """Why a fake-CUDA dry run cannot run in this process (None: it can)."""
     if not torch.backends.cuda.is_built():
         return (f"torch {torch.__version__} is built without CUDA; the fake-CUDA dry run needs torch's "
-                f"CUDA wheel (pip install torch=={torch.__version__.split('+')[0]} from the CUDA index)")
+                f"CUDA wheel (measured with torch 2.14.1+cu130; no GPU needed)")
     if torch.cuda.is_available():
         return "a real GPU is visible: run the step on it (meshfold train) rather than on fake CUDA"
     if not os.path.exists(_library()):
