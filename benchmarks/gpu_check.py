@@ -260,7 +260,7 @@ def memory(out: Path) -> dict:
     report = out / "memory_dryrun.json"
     cmd = [sys.executable, "-m", "meshfold", "dryrun", "--model", MEMORY_RUN["model.name"], "--gpus", "1",
            "--fold", "1/1/1/1", "--seq", str(MEMORY_RUN["train.seq"]), "--gbs", str(MEMORY_RUN["train.batch"]),
-           "--mbs", str(MEMORY_RUN["train.batch"]), "--dtype", "bfloat16", "--gpu", "h200", "--json", str(report)]
+           "--mbs", str(MEMORY_RUN["train.batch"]), "--dtype", "bfloat16", "--gpu", "h200", "--device", "cuda", "--json", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     (out / "memory_dryrun.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:

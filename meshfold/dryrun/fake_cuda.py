@@ -27,7 +27,8 @@ even for fake tensors; each shim is the smallest that answers, and each is liste
   guard's default stream), for the duration of the dry run. It needs the CUDA wheel's
   ``libtorch_cuda.so`` with its symbol table (the released wheels ship it).
 
-Needs torch built with CUDA (``torch.backends.cuda.is_built()``); a CPU-only wheel fails earlier
+On a machine with a GPU none of this is needed: the fake tensors stand on the real device, whose
+context is created first (the autograd engine asks for it). Needs torch built with CUDA (``torch.backends.cuda.is_built()``); a CPU-only wheel fails earlier
 (``distribute_tensor``'s ``.contiguous()`` on a fake CUDA tensor: ``PyTorch is not linked with
 support for cuda devices``).
 """
@@ -55,9 +56,7 @@ def why_unavailable() -> str | None:
     if not torch.backends.cuda.is_built():
         return (f"torch {torch.__version__} is built without CUDA; the fake-CUDA dry run needs torch's "
                 f"CUDA wheel (measured with torch 2.14.1+cu130; no GPU needed)")
-    if torch.cuda.is_available():
-        return "a real GPU is visible: run the step on it (meshfold train) rather than on fake CUDA"
-    if not os.path.exists(_library()):
+    if not torch.cuda.is_available() and not os.path.exists(_library()):
         return f"{_library()} not found"
     return None
 
@@ -220,5 +219,9 @@ def fake_cuda():
     reason = why_unavailable()
     if reason is not None:
         raise RuntimeError(f"--device cuda: {reason}")
+    if torch.cuda.is_available():  # a real device answers everything once it has a context
+        torch.empty(1, device="cuda")
+        yield
+        return
     with _primary_context_answered(), mock.patch.object(torch.cuda, "current_device", lambda: 0), _streams():
         yield
