@@ -19,9 +19,10 @@ JOBS = [("tiny-mixtral", {"world_size": 8, "pp": 2, "ep": 2, "tp": 2}),
         ("tiny-deepseek-v3", {"world_size": 8, "cp": 2, "ep": 4, "tp": 2, "etp": 2})]
 
 # host reads a CUDA step may make besides the dispatch's one per MoE layer forward: the loss and
-# the gradient norm once per step, AdamW's step counters (host tensors), and the ring's check of
-# its positions layout (parallel/ring_attention.py)
-STEP_READS = ("train/loop.py", "optim/optimizer.py", "parallel/ring_attention.py", "?")
+# the gradient norm once per step, the pipeline schedule's step, AdamW's step counters (host
+# tensors), and the ring's check of its positions layout (parallel/ring_attention.py), once per
+# forward (the layers share their positions)
+STEP_READS = ("train/loop.py", "parallel/pipeline.py", "optim/optimizer.py", "parallel/ring_attention.py", "?")
 
 
 def _cfg(model: str, fold: dict) -> TrainConfig:
@@ -71,3 +72,5 @@ def test_the_cuda_dry_run_has_the_cpu_dry_runs_state_and_collectives(model, fold
         assert len(counts) == len(on_cuda.expert_rows)  # one per MoE layer forward
         others = [where for what, where in on_cuda.host_reads if what != "block_counts"]
         assert all(where.startswith(STEP_READS) for where in others), others
+        forwards = cfg.train.microbatches or 1
+        assert sum(where.startswith("parallel/ring_attention.py") for where in others) <= forwards
