@@ -15,8 +15,9 @@ Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 
     count, identical for both); the MFU peak is a dense fp32 GEMM (1024^3, one thread) measured
     in the same run just before and just after the steps, the better of the two.
 (b) **Folds on gloo ranks** (1, 2, 4 processes, one thread each, on this machine's cores): the
-    same step, folded (``parallelize`` with FSDP2 data parallelism unless a row says
-    ``allreduce``; pp folds through ``Pipeline`` with 2 microbatches), AdamW on the local shards,
+    same step, folded as ``meshfold train`` builds it (``meshfold.train.build.build``: FSDP2
+    data parallelism unless a row says ``allreduce``; pp folds with 2 microbatches; AdamW's
+    groups from ``build_optimizer``) on the local shards,
     global batch 8 x 256 fixed. tokens/s = global tokens / median step time (the
     slowest rank). MFU against the sum of the ranks' dense GEMM rates, measured concurrently.
 (c) **Per-rank peak memory vs cp** at one sequence of 2048 tokens, fold ``cp = world`` (dp = tp =
@@ -29,7 +30,7 @@ Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 
     gradient buffers (the parameter bytes, the same for every cp).
 
 (d) **Eager vs compiled, fp32 vs bf16 compute, 4 gloo ranks** (one thread each), the ``meshfold
-    train`` step (``parallelize`` with FSDP2, AdamW as ``meshfold train`` builds it, fold attn tp2
+    train`` step (``meshfold.train.build.build`` with ``train.compile`` and ``train.dtype``, fold attn tp2
     x dp2 | moe ep4, the default run's) of two models (:data:`STEP_MODELS`), tiny-mixtral's
     otherwise: ``issue`` (4 layers, hidden 512, ffn 1024, its 4 heads and 4 experts top-2, batch
     8 x 512) and ``100m`` (4 layers, hidden 768, 12 heads, 8 experts of ffn 1280 top-2, 96M
@@ -63,14 +64,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshfold import FoldSpec, fold  # noqa: E402
+from meshfold import fold  # noqa: E402
 from meshfold.runtime.launch import spawn  # noqa: E402
 from meshfold.models import MoETransformer, get_config  # noqa: E402
 from meshfold.interop.hf import save_pretrained  # noqa: E402
-from meshfold.parallel.pipeline import Pipeline  # noqa: E402
-from meshfold.parallel.transformer import parallelize  # noqa: E402
-from meshfold.parallel.data_parallel import reduce_gradients  # noqa: E402
 from meshfold.parallel.batch import shard_batch  # noqa: E402
+from meshfold.train.build import build  # noqa: E402
+from meshfold.train.config import TrainConfig  # noqa: E402
 from meshfold.train.flops import train_flops_per_step  # noqa: E402
 from peak_rss import peak_rss_mib  # noqa: E402  (benchmarks/peak_rss.py)
 
@@ -90,6 +90,24 @@ def model_config():
     moe = replace(base.moe, hidden=256, ffn=512, num_experts=8, topk=2)
     return replace(base, hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, ffn=512, moe=moe,
                    max_seq=S_LONG)
+
+
+def job(world_size, fold_kwargs=None, model=None, moe=None, **train):
+    """The resolved settings of a ``meshfold train`` job of ``model_config()`` (or ``model`` /
+    ``moe`` fields over tiny-mixtral) on ``world_size`` ranks: what ``build`` lays out, as
+    training and the dry run do. ``fold_kwargs`` may name ``data_parallel`` and ``schedule``."""
+    kw = dict(fold_kwargs or {})
+    settings = {"data_parallel": kw.pop("data_parallel", "fsdp"), **train}
+    schedule = kw.pop("schedule", None)
+    if schedule is not None:
+        settings.update(schedule=schedule, virtual=2 if schedule == "interleaved-1f1b" else 1,
+                        microbatches=MICROBATCHES)
+    model = model or dict(hidden=256, layers=4, heads=8, kv_heads=4, head_dim=32, ffn=512, max_seq=S_LONG)
+    moe = moe or dict(ffn=512, num_experts=8, topk=2)
+    cfg = TrainConfig(model={"name": "tiny-mixtral", **model}, moe=moe, fold={"world_size": world_size, **kw})
+    for key, value in settings.items():
+        setattr(cfg.train, key, value)
+    return cfg.resolve()
 
 
 def batch(b, s, seed=0):
@@ -172,41 +190,31 @@ def part_a(rounds: int) -> dict:
 
 
 # ------------------------------------------------------------------ (b) folds on gloo ranks
-def _train_step(model, opt, tokens, targets, spec, rank):
-    """``model`` is a parallelized MoETransformer or, with pp > 1, a Pipeline."""
+def _train_step(model, opt, tokens, targets, spec, rank) -> float:
+    """One step of the folded ``model`` (any pp) as ``meshfold train`` runs it; the global loss."""
     lt, pos = shard_batch(tokens, spec, rank)
     ltg, _ = shard_batch(targets, spec, rank)
-    if isinstance(model, Pipeline):
-        model.step(lt, ltg, pos)
-        chunks = model.chunks
-    else:
-        model.loss(lt, ltg, pos).backward()  # the global mean loss
-        chunks = [model]
-    for chunk in chunks:
-        reduce_gradients(chunk)  # a no-op under FSDP2, which reduce-scattered in backward
+    loss = model.step(lt, ltg, pos)
+    model.reduce_gradients()  # a no-op under FSDP2, which reduce-scattered in backward
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return loss.item()
 
 
-def _build(cfg, world_size, kw):
-    kw = dict(kw)
-    data_parallel, schedule = kw.pop("data_parallel", "fsdp"), kw.pop("schedule", None)
-    spec = FoldSpec(world_size, **kw)
+def _build(world_size, kw):
+    run = job(world_size, kw)
     torch.manual_seed(0)
-    if spec.pp > 1:
-        model = Pipeline(MoETransformer(cfg), fold(spec), MICROBATCHES, schedule,
-                         virtual=2 if schedule == "interleaved-1f1b" else 1, data_parallel=data_parallel)
-    else:
-        model = parallelize(MoETransformer(cfg), fold(spec), data_parallel=data_parallel)
-    return spec, model, fold_name(spec, data_parallel, schedule)
+    built = build(run, fold(run.spec))
+    name = fold_name(run.spec, run.train.data_parallel, kw.get("schedule"))
+    return run.spec, built.model, built.optimizer, name
 
 
 def scaling_worker(rank, world_size, fold_kwargs: list, rounds: int) -> list:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    cfg = model_config()
     tokens, targets = batch(B, S)
+
     def summed_gemm_rate():  # all ranks at once: what the machine gives this many processes
         dist.barrier()
         rate = torch.tensor(gemm_rate(seconds=0.5), dtype=torch.float64)
@@ -216,8 +224,7 @@ def scaling_worker(rank, world_size, fold_kwargs: list, rounds: int) -> list:
     peak = summed_gemm_rate()
     out = []
     for kw in fold_kwargs:
-        spec, model, name = _build(cfg, world_size, kw)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        spec, model, opt, name = _build(world_size, kw)
         _train_step(model, opt, tokens, targets, spec, rank)  # warm-up
         times = []
         for _ in range(rounds):
@@ -249,14 +256,10 @@ def memory_worker(rank, world_size) -> dict:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: tensors >= 64 KiB are mmapped, freed to the OS
     torch.set_num_threads(1)
-    spec = FoldSpec(world_size, cp=world_size)
-    cfg = model_config()
     tokens, targets = batch(1, S_LONG)
-    torch.manual_seed(0)
     # whole replicas (no FSDP2), so weights, gradients and optimizer state are the same for every
     # cp and only activations can shrink
-    model = parallelize(MoETransformer(cfg), fold(spec), data_parallel="allreduce")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    spec, model, opt, _ = _build(world_size, dict(cp=world_size, data_parallel="allreduce"))
     _train_step(model, opt, tokens, targets, spec, rank)  # gradients, AdamW state, gloo buffers
     t0 = time.perf_counter()
     peak = peak_rss_mib(lambda: _train_step(model, opt, tokens, targets, spec, rank))
@@ -312,37 +315,27 @@ def _rank_gemm_rates(shape, seconds=0.5) -> dict:
 def compile_worker(rank, world_size, name, rounds: int) -> dict:
     import torch.distributed as dist
 
-    from meshfold.parallel.compile import compile_model
-    from meshfold.train.config import TrainSettings
-    from meshfold.train.optim import build_optimizer
-
     torch.set_num_threads(1)
     cfg = step_config(name)
-    b, s = STEP_MODELS[name][2:]
-    spec = FoldSpec(world_size, tp=2, ep=4)
+    fields, moe, b, s = STEP_MODELS[name]
     tokens, targets = batch(b, s)
-    lt, pos = shard_batch(tokens, spec, rank)
-    ltg, _ = shard_batch(targets, spec, rank)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     runs = {}
     for compiled, dtype in VARIANTS:
+        run = job(world_size, dict(tp=2, ep=4), model={**fields, "max_seq": s}, moe={**moe, "topk": 2},
+                  compile=compiled, dtype=dtype)
         torch.manual_seed(0)
-        model = parallelize(MoETransformer(cfg, device="meta"), fold(spec), compute_dtype=dtypes[dtype])
-        if compiled:
-            compile_model(model)
-        runs[(compiled, dtype)] = model, build_optimizer(model, TrainSettings())
+        built = build(run, fold(run.spec))
+        runs[(compiled, dtype)] = built.model, built.optimizer
+    spec = run.spec
 
     def step(key):
         model, opt = runs[key]
         dist.barrier()
         t0 = time.perf_counter()
-        loss = model.loss(lt, ltg, pos)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _train_step(model, opt, tokens, targets, spec, rank)
         slowest = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        return slowest.item(), loss.item()
+        return slowest.item(), loss
 
     first = {key: step(key) for key in runs}  # compilation, allocator, AdamW state
     times = {key: [] for key in runs}

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _rank(rank, world_size, cfg):
+def _rank(rank, world_size, run):
     from meshfold.train import tracking
     from meshfold.train.loop import train_rank
 
@@ -45,7 +45,7 @@ def _rank(rank, world_size, cfg):
             yield  # this step's tensor_mib repeats the last counted step's
 
     tracking.StepMemory.step = every_other
-    return train_rank(rank, world_size, cfg)
+    return train_rank(rank, world_size, run)
 
 
 def _one_process(rounds: int) -> dict:
@@ -102,10 +102,10 @@ def main(argv=None) -> int:
         cfg = load_config(None, [f"train.steps={args.steps}", f"train.eval_every={args.steps}",
                                  f"train.ckpt_every={args.steps}", "train.tensor_memory=true",
                                  f"train.out_dir={json.dumps(str(out))}"])
-        spec, mcfg = cfg.validate()
+        run = cfg.resolve()
         with RunLock(out) as lock:
-            prepare(lock, cfg, mcfg)
-        spawn(_rank, spec.world_size, cfg, timeout=cfg.train.timeout)
+            prepare(lock, run.cfg, run.model)
+        spawn(_rank, run.spec.world_size, run, timeout=cfg.train.timeout)
         rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     on = [r["step_s"] for r in rows if r["step"] > 1 and r["step"] % 2]
     off = [r["step_s"] for r in rows if r["step"] > 1 and not r["step"] % 2]

@@ -253,7 +253,7 @@ def memory(out: Path) -> dict:
     _init_nccl()
     try:
         torch.cuda.reset_peak_memory_stats()
-        train_rank(0, 1, cfg)
+        train_rank(0, 1, cfg.resolve())
         measured = torch.cuda.max_memory_allocated()
     finally:
         dist.destroy_process_group()

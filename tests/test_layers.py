@@ -33,8 +33,8 @@ def loaded_by(package: str, before: str = "") -> list[str]:
 
 
 def test_the_import_contracts_hold():
-    """Layers, models without placements or parallel, a torch-free planner, hypothesis only in
-    meshfold.testing.strategies, no circles: ``lint-imports`` exits 0."""
+    """Layers, models without placements or parallel, parallelize naming no model, a torch-free
+    planner, hypothesis only in meshfold.testing.strategies, no circles: ``lint-imports`` exits 0."""
     pytest.importorskip("importlinter", reason="needs import-linter, a test extra: pip install -e '.[test]'")
     proc = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports; "
                            "raise SystemExit(lint_imports(no_cache=True, no_logo=True))"],

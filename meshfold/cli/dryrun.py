@@ -25,17 +25,21 @@ GIB = 1024 ** 3
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a named model config (meshfold.models.configs)")
-    parser.add_argument("--gpus", type=int, required=True, help="ranks of the job (world size)")
-    parser.add_argument("--fold", required=True, metavar="CP/TP/EP/PP[/ETP]",
-                        help="the fold in the paper's notation; ETP defaults to TP")
-    parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
-    parser.add_argument("--gbs", type=int, default=256, help="global batch in sequences (default 256)")
-    parser.add_argument("--mbs", type=int, default=1,
+    parser.add_argument("--config", help="TOML settings file, as meshfold train reads it (sections model, moe, "
+                                         "fold, train, data): the job dry-run is the job trained")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one setting, as meshfold train's --set (repeatable)")
+    parser.add_argument("--model", help="a named model config (meshfold.models.configs); needed without --config")
+    parser.add_argument("--gpus", type=int, help="ranks of the job (world size); needed without --config")
+    parser.add_argument("--fold", metavar="CP/TP/EP/PP[/ETP]",
+                        help="the fold in the paper's notation; ETP defaults to TP; needed without --config")
+    parser.add_argument("--seq", type=int, help="tokens per sequence (default 4096)")
+    parser.add_argument("--gbs", type=int, help="global batch in sequences (default 256)")
+    parser.add_argument("--mbs", type=int,
                         help="micro-batch in sequences per dp rank: gbs / dp / mbs micro-batches (default 1)")
-    parser.add_argument("--recompute", default="none", choices=RECOMPUTE)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float64"),
-                        help="compute dtype (master weights and AdamW state: float32 or wider)")
+    parser.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default none)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32", "float64"),
+                        help="compute dtype (default bfloat16; master weights and AdamW state: float32 or wider)")
     parser.add_argument("--gpu", default="h100", help="hardware preset whose memory is the budget (default h100)")
     parser.add_argument("--routing", default="balanced", help="balanced (default) or zipf:S, e.g. zipf:1.0")
     parser.add_argument("--placement", default="static", choices=("static", "balanced"),
@@ -76,24 +80,52 @@ def _in_flags(err: ValueError) -> ValueError:
     return ValueError(text)
 
 
-def train_config(args):
-    """The :class:`~meshfold.train.config.TrainConfig` a ``meshfold train`` of these settings uses."""
-    from meshfold.train.config import TrainConfig
+# the flags' values without --config / --set (meshfold train's defaults are for a laptop run)
+DEFAULTS = {"seq": 4096, "gbs": 256, "mbs": 1, "recompute": "none", "dtype": "bfloat16"}
 
-    cfg = TrainConfig(model={"name": args.model}, fold=parse_fold(args.fold, args.gpus))
+
+def train_config(args):
+    """The :class:`~meshfold.train.config.TrainConfig` a ``meshfold train`` of these settings uses:
+    ``--config`` / ``--set`` as ``meshfold train`` reads them, then the flags given; without
+    ``--config`` / ``--set``, ``--model``, ``--gpus`` and ``--fold`` name the job."""
+    from meshfold.train.config import TrainConfig, load_config
+
+    settings = args.config is not None or bool(args.set)
+    if settings:
+        cfg = load_config(args.config, args.set)
+    else:
+        missing = [f for f, v in (("--model", args.model), ("--gpus", args.gpus), ("--fold", args.fold)) if v is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: name the job with --model, --gpus and --fold, or give "
+                             f"meshfold train's settings with --config / --set")
+        cfg = TrainConfig(model={"name": args.model})
+        for key, value in DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    if args.model is not None:
+        cfg.model = {"name": args.model}
+    if args.fold is not None:
+        cfg.fold = parse_fold(args.fold, args.gpus if args.gpus is not None else cfg.fold.get("world_size", 1))
+    elif args.gpus is not None:
+        cfg.fold = {**cfg.fold, "world_size": args.gpus}
     t = cfg.train
-    t.batch, t.seq, t.dtype, t.recompute, t.gpu = args.gbs, args.seq, args.dtype, args.recompute, args.gpu
+    for key, name in (("gbs", "batch"), ("seq", "seq"), ("dtype", "dtype"), ("recompute", "recompute"),
+                      ("gpu", "gpu")):
+        if getattr(args, key) is not None:
+            setattr(t, name, getattr(args, key))
     try:
         cfg.check_types()
         spec = cfg.fold_spec()  # the fold's one-line errors, as meshfold layout and train give them
-        if args.gbs % spec.dp == 0:  # (else validate names it) the micro-batches --mbs makes
-            per_rank = args.gbs // spec.dp
+        if args.mbs is not None and t.batch % spec.dp == 0:  # (else validate names it) the micro-batches --mbs makes
+            per_rank = t.batch // spec.dp
             if args.mbs < 1 or per_rank % args.mbs:
                 raise ValueError(f"--mbs {args.mbs}: gbs / dp = {per_rank} sequences per dp rank is not a "
                                  f"multiple of it (valid: divisors of {per_rank})")
             t.microbatches = per_rank // args.mbs
-        cfg.validate()  # the model's and the settings' checks, as meshfold train runs them
+        cfg.resolve()  # the model's and the settings' checks, as meshfold train runs them
     except ValueError as err:
+        if settings:
+            raise
         raise _in_flags(err) from None
     return cfg
 
@@ -109,18 +141,19 @@ def _placed(routing, placement: str, cfg, spec, hw):
     from meshfold.dryrun.routing import Placed, expert_rows
     from meshfold.plan.placement import balanced, max_over_mean, rank_loads, static
 
-    _, mcfg = cfg.validate()
+    mcfg = cfg.model_config()
     moe = mcfg.moe
+    microbatches = cfg.train.microbatches or spec.pp
     if moe is None:
         raise ValueError(f"--placement {placement}: model {cfg.model['name']!r} has no MoE layers")
     E = moe.num_experts
-    pairs = cfg.train.batch // spec.dp // cfg.train.microbatches * cfg.train.seq // (spec.cp * spec.tp) * moe.topk
+    pairs = cfg.train.batch // spec.dp // microbatches * cfg.train.seq // (spec.cp * spec.tp) * moe.topk
     loads = expert_rows(routing, pairs, E, spec.ep, spec.etp)  # one micro-batch, one layer
     slots = static(E, spec.ep) if placement == "static" else balanced(loads, spec.ep)
-    scale = cfg.train.microbatches * len(mcfg.moe_layer_ids)  # rows per step over the MoE layers
+    scale = microbatches * len(mcfg.moe_layer_ids)  # rows per step over the MoE layers
     two = 2 if moe.expert_kind == "swiglu" else 1
     lines = [f"expert rows per ep rank per step ({len(mcfg.moe_layer_ids)} MoE layers x "
-             f"{cfg.train.microbatches} micro-batches; each etp rank computes ffn / etp of them):"]
+             f"{microbatches} micro-batches; each etp rank computes ffn / etp of them):"]
     busiest = 0
     for name, s in (("static", static(E, spec.ep)), (placement, slots)):
         rows = [scale * x for x in rank_loads(loads, s, spec.ep)]
@@ -135,6 +168,21 @@ def _placed(routing, placement: str, cfg, spec, hw):
     return Placed(routing, slots), lines, busiest
 
 
+def _check_json_target(path: str) -> None:
+    """``--json``'s folder exists and takes files."""
+    import os
+    from pathlib import Path
+
+    folder = Path(path).resolve().parent
+    if Path(path).is_dir():
+        raise ValueError(f"--json {path} is a folder; give a file path for the report")
+    if not folder.is_dir():
+        raise ValueError(f"--json {path}: the folder {folder} does not exist; create it or give a path "
+                         f"in an existing folder")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--json {path}: the folder {folder} is not writable; give a path in a writable folder")
+
+
 def main(args: argparse.Namespace) -> int:
     import time
 
@@ -142,10 +190,16 @@ def main(args: argparse.Namespace) -> int:
     from meshfold.dryrun.routing import parse_routing
     from meshfold.plan.hardware import hardware
 
+    if args.json:
+        _check_json_target(args.json)  # before the dry run, not after its minutes of work
     routing = parse_routing(args.routing)
     hw = hardware(args.gpu)
     cfg = train_config(args)
     spec = cfg.fold_spec()
+    if args.placement == "balanced" and spec.ep == 1:  # as meshfold train refuses it
+        raise ValueError(f"--placement balanced with ep = 1 (--fold {args.fold}): one ep rank holds every "
+                         f"expert, so there is nothing to re-place; valid: --placement static, or balanced "
+                         f"with EP >= 2")
     if args.ranks:
         bad = [r for r in args.ranks if not 0 <= r < spec.world_size]
         if bad:
@@ -165,10 +219,12 @@ def main(args: argparse.Namespace) -> int:
     reports = dry_run(cfg, routing, args.ranks, last_here=True, device=args.device)  # the command exits after it
     wall = time.perf_counter() - t0
     budget = hw.usable_bytes
-    print(f"meshfold dryrun: {args.model} on {spec.world_size} ranks, fold {args.fold} "
+    t, name = cfg.train, cfg.train.init_from or cfg.model.get("name", "model")
+    fold_text = args.fold or f"{spec.cp}/{spec.tp}/{spec.ep}/{spec.pp}/{spec.etp}"
+    print(f"meshfold dryrun: {name} on {spec.world_size} ranks, fold {fold_text} "
           f"(tp{spec.tp} cp{spec.cp} dp{spec.dp} pp{spec.pp} | etp{spec.etp} ep{spec.ep} edp{spec.edp}), "
-          f"gbs {args.gbs} x seq {args.seq}, {cfg.train.microbatches} micro-batches, {args.dtype} on fake {args.device}, "
-          f"recompute {args.recompute}, routing {routing.describe()}; {wall:.1f} s")
+          f"gbs {t.batch} x seq {t.seq}, {t.microbatches or spec.pp} micro-batches, {t.dtype} on fake {args.device}, "
+          f"recompute {t.recompute}, data_parallel {t.data_parallel}, routing {routing.describe()}; {wall:.1f} s")
     print(f"{'rank':>5} {'stage':>5} {'params':>9} {'grads':>9} {'optim':>9} {'act.peak':>9} {'peak':>9}  GiB "
           f"(usable on {hw.name}: {budget / GIB:.2f})")
     for r in reports:
@@ -183,7 +239,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {kind:>14} over {dim:<10} {n / 2 ** 20:12.1f} MiB")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "world_size": spec.world_size, "fold": args.fold,
+            json.dump({"model": name, "world_size": spec.world_size, "fold": fold_text,
                        "routing": routing.describe(), "gpu": hw.name, "usable_bytes": budget,
                        "wall_s": round(wall, 2), "ranks": [r.to_json() for r in reports]}, f, indent=1)
     over = [r for r in reports if r.peak_bytes > budget]

@@ -36,7 +36,7 @@ def main_export(args: argparse.Namespace) -> int:
     from meshfold.train.trained import load_trained
 
     model, state = load_trained(args.checkpoint)
-    from meshfold.train.loop import DTYPES
+    from meshfold.train.build import DTYPES
 
     dtype = args.dtype or state.get("dtype", "float32")
     save_pretrained(model, args.out, arch=args.arch, dtype=DTYPES[dtype])

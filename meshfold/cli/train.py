@@ -37,10 +37,9 @@ def _config(args):
         overrides.append(f"train.steps={args.steps}")
     if args.out_dir is not None:
         overrides.append(f"train.out_dir={json.dumps(args.out_dir)}")
-    cfg = load_config(args.config, overrides)
     if args.data:
-        cfg.data.paths = list(args.data)
-    return cfg
+        overrides.append(f"data.paths={json.dumps(list(args.data))}")
+    return load_config(args.config, overrides)
 
 
 class Stopped(KeyboardInterrupt):
@@ -80,8 +79,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace, local: bool) -> int:
-    cfg = _config(args)
-    spec, mcfg = cfg.validate()  # every setting checked before any process starts
+    run = _config(args).resolve()  # every setting checked once, before any process starts
+    cfg, spec, mcfg = run.cfg, run.spec, run.model
     from meshfold.train import faults, preflight
     from meshfold.train.tracking import check_trackers
 
@@ -104,8 +103,8 @@ def _main(args: argparse.Namespace, local: bool) -> int:
     try:
         if rank == 0:
             preflight.check_writable(out)
-            preflight.check_resume(out, cfg.train.resume)
-            notes = prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
+            notes = preflight.check_resume(out, cfg.train.resume)
+            notes += prepare(lock, cfg, mcfg)  # last: a run that fails a check records nothing
             done = _steps_done(out) if cfg.train.resume and local else 0
             end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
             if local and done < end:
@@ -115,15 +114,29 @@ def _main(args: argparse.Namespace, local: bool) -> int:
                 print(_nothing_to_train(done, cfg, _latest_checkpoint(out)))
                 return 0
         if cfg.data.tokenizer:  # local only: the ranks start after the folder is filled
-            from meshfold.data.tokens import tokenize_for_run
-
-            cfg.data.paths = [str(tokenize_for_run(cfg.data.paths, cfg.data.tokenizer, out / "tokens"))]
-            cfg.data.tokenizer = None  # the ranks read the tokens (run.json keeps what made them)
-            preflight.check_data(cfg)  # the size again, now in tokens
-        return _launch(cfg, spec, out, rank)
+            run = _tokenized(run, out)
+        return _launch(run, out, rank)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _tokenized(run, out: Path):
+    """``run`` reading the tokens ``data.tokenizer`` makes of its text files (once, into
+    ``<out>/tokens``) instead of the text: the ranks read the tokens, and run.json keeps what
+    made them."""
+    import dataclasses
+
+    from meshfold.data.records import Reader
+    from meshfold.data.tokens import tokenize_for_run
+    from meshfold.train import preflight
+
+    reader = Reader(run.cfg.data.text_field, run.cfg.data.split)
+    tokens = tokenize_for_run(run.cfg.data.paths, run.cfg.data.tokenizer, out / "tokens", reader=reader)
+    data = dataclasses.replace(run.cfg.data, paths=[str(tokens)], tokenizer=None)
+    run = dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, data=data))
+    preflight.check_data(run.cfg)  # the size again, now in tokens
+    return run
 
 
 def _start_rank_server() -> None:
@@ -167,14 +180,15 @@ def _print_header(cfg, spec, mcfg, out: Path, notes: list[str]) -> None:
         print(f"  {line}", flush=True)
 
 
-def _launch(cfg, spec, out: Path, rank: int) -> int:
+def _launch(run, out: Path, rank: int) -> int:
     """Run the ranks; every way the job can end becomes one or two lines and an exit code."""
     from meshfold.runtime.launch import RankError, spawn
     from meshfold.train.loop import train_rank
     from meshfold.train.plots import write_plots
 
+    cfg = run.cfg
     try:  # train.timeout bounds each collective; the run itself may take as long as it needs
-        results = spawn(train_rank, spec.world_size, cfg, timeout=cfg.train.timeout)
+        results = spawn(train_rank, run.spec.world_size, run, timeout=cfg.train.timeout)
     except RankError as err:
         log = _write_failure_log(out, err)
         summary = err.summary if len(err.summary) <= 600 else err.summary[:600] + " ..."

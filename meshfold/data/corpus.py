@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from meshfold.data.files import corpus_files, default_corpus_paths
+from meshfold.data.records import is_records_file
 from meshfold.data.tokens import TokenStream, is_token_folder
 
-__all__ = ["ByteCorpus", "load_corpus", "split_point", "split_sizes", "corpus_description"]
+__all__ = ["ByteCorpus", "load_corpus", "split_point", "split_sizes", "corpus_description", "text_only"]
 
 
 def split_point(total: int, val_fraction: float) -> int:
@@ -29,8 +30,18 @@ def split_point(total: int, val_fraction: float) -> int:
     return int(total * (1 - val_fraction))
 
 
+def text_only(files: list[Path]) -> None:
+    """Byte-level training reads text files whole; records (JSON Lines, Parquet, a saved dataset)
+    would be trained on as their JSON or binary bytes, so they are refused, naming the way in."""
+    for f in files:
+        if f.is_dir() or is_records_file(f):
+            raise ValueError(f"--data {f} holds records, which byte-level training does not read; tokenize them "
+                             f"(data.tokenizer, or meshfold tokenize --tokenizer T --out DIR {f})")
+
+
 def split_sizes(files: list[Path], val_fraction: float) -> tuple[int, int]:
-    """(train, validation) bytes :func:`load_corpus` will make of ``files``, from their sizes."""
+    """(train, validation) bytes :func:`load_corpus` will make of ``files``, from their sizes
+    (for records, the size of their sources: what ``data.tokenizer`` is checked against first)."""
     try:
         total = sum(f.stat().st_size for f in files) + max(0, len(files) - 1)  # joined by newlines
     except OSError as err:
@@ -89,6 +100,7 @@ def load_corpus(paths: list[str | Path] | None = None, val_fraction: float = 0.0
         cut = split_point(len(stream), val_fraction)
         return ByteCorpus(_Window(stream, 0, cut), _Window(stream, cut, len(stream)))
     files = default_corpus_paths() if not paths else corpus_files(paths)
+    text_only(files)
     chunks = []
     for f in files:
         try:

@@ -12,6 +12,8 @@ import os
 import sysconfig
 from pathlib import Path
 
+from meshfold.data.records import check_suffix, is_dataset_folder, is_records_file, not_a_folder
+
 __all__ = ["corpus_files", "default_corpus_paths", "is_token_index"]
 
 # What marks a token folder (:mod:`meshfold.data.tokens`), so that text never reads one as text.
@@ -75,28 +77,39 @@ def _tokens_not_text(folder: Path) -> str | None:
     return None
 
 
-def corpus_files(paths: list[str | Path]) -> list[Path]:
-    """The text files ``--data`` names: files as given (a binary one is refused), folders' files
+def corpus_files(paths: list[str | Path], given_as: str = "--data") -> list[Path]:
+    """The sources ``--data`` names: files as given (a binary one is refused), folders' files
     in sorted order without hidden files and folders (``.git/``, ``.venv/``) or binary files.
-    A token folder is refused here: it is read as tokens (:mod:`meshfold.data.tokens`), never as text."""
+    Record files (JSON Lines, JSON, Parquet: :mod:`meshfold.data.records`) are kept whatever their
+    bytes, a folder written by ``save_to_disk`` is one source, and a data format meshfold does
+    not read is refused. A token folder is refused here: it is read as tokens
+    (:mod:`meshfold.data.tokens`), never as text.
+    Errors name the paths as the command took them, ``given_as`` (``meshfold tokenize`` takes
+    them as its file arguments, not ``--data``)."""
     files = []
     for p in map(Path, paths):
-        if p.is_dir():
+        if is_dataset_folder(p):
+            files.append(p)
+        elif p.is_dir():
             problem = _tokens_not_text(p)
             if problem:
-                raise ValueError(problem)
+                raise ValueError(problem.replace("--data", given_as, 1))
             for f in sorted(p.rglob("*")):
                 rel = f.relative_to(p).parts
-                if f.is_file() and not any(part.startswith(".") for part in rel) and not _is_binary(f):
+                if not f.is_file() or any(part.startswith(".") for part in rel):
+                    continue
+                check_suffix(f)
+                if is_records_file(f) or not _is_binary(f):
                     files.append(f)
         elif p.is_file():
-            if _is_binary(p):
-                raise ValueError(f"--data {p} is a binary file (a NUL byte in its first 8 KiB), not text; "
+            check_suffix(p)
+            if not is_records_file(p) and _is_binary(p):
+                raise ValueError(f"{given_as} {p} is a binary file (a NUL byte in its first 8 KiB), not text; "
                                  f"name text files, or a folder (whose binary files are skipped)")
             files.append(p)
         else:
-            raise ValueError(f"--data {p}: no such file or folder")
+            raise ValueError(f"{given_as} {not_a_folder(str(p))}")
     if not files:
-        raise ValueError(f"--data {' '.join(map(str, paths))}: no text files found (hidden and binary "
+        raise ValueError(f"{given_as} {' '.join(map(str, paths))}: no text files found (hidden and binary "
                          f"files are skipped)")
     return files

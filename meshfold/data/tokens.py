@@ -6,7 +6,8 @@ A token folder holds shards of flat token ids and one small JSON index::
                              "eos_id": e, "tokenizer": "...", "tokens": N,
                              "shards": [{"file": ..., "tokens": n}, ...]}
     DIR/shard-00000.bin     ids as little-endian uint16 (vocab <= 65536) or uint32, EOS between
-    DIR/shard-00001.bin     documents (a document is one input file)
+    DIR/shard-00001.bin     documents (a text file, or a record of a JSON Lines, JSON, Parquet
+                            or saved-dataset source: :mod:`meshfold.data.records`)
     DIR/tokenizer.json      the tokenizer that made the ids (trained by --train-tokenizer, or a
                             copy of --tokenizer's): the folder decodes without anything else
 
@@ -38,6 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from meshfold.data.files import FORMAT, INDEX, SHARD_GLOB, corpus_files, default_corpus_paths, is_token_index
+from meshfold.data.progress import Progress
+from meshfold.data.records import Reader, documents, source_bytes
 
 __all__ = ["TokenStream", "is_token_folder", "load_tokenizer", "read_index", "tokenize", "tokenizer_file",
            "train_tokenizer", "write_shards"]
@@ -91,7 +94,7 @@ def check_vocab(vocab: int) -> None:
                          f"(uint32 ids)")
 
 
-def train_tokenizer(files: list[Path], vocab: int, out: Path):
+def train_tokenizer(files: list[Path], vocab: int, out: Path, reader: Reader | None = None):
     """Train a byte-level BPE tokenizer of exactly ``vocab`` ids on ``files`` (offline); saves and
     returns it. BPE stops when no pair of tokens is left to merge, so a short text cannot make a
     large vocabulary: that is an error naming the size the text gives, never a smaller tokenizer."""
@@ -102,7 +105,7 @@ def train_tokenizer(files: list[Path], vocab: int, out: Path):
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train([str(f) for f in files], trainer)
+    tok.train_from_iterator((text for text, _ in documents(files, reader)), trainer)
     made = tok.get_vocab_size(with_added_tokens=True)
     if made < vocab:
         raise ValueError(f"--train-tokenizer {vocab:,}: byte-level BPE on this text stops at {made:,} ids (no pair "
@@ -113,22 +116,27 @@ def train_tokenizer(files: list[Path], vocab: int, out: Path):
 
 
 def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_tokens: int = 1 << 27,
-                 stream=None, extra: dict | None = None) -> dict:
-    """Tokenize ``files`` (one document each) into ``out``'s shards and index, beside a copy of
-    the tokenizer (``tokenizer.json``: what decodes the ids, e.g. for ``meshfold generate``);
-    returns the index.
+                 stream=None, extra: dict | None = None, reader: Reader | None = None) -> dict:
+    """Tokenize the documents of ``files`` (a text file is one document, a record of a JSON Lines,
+    JSON, Parquet or saved-dataset source is one: :mod:`meshfold.data.records`) into ``out``'s
+    shards and index, the end-of-text id between documents, beside a copy of the tokenizer
+    (``tokenizer.json``: what decodes the ids, e.g. for ``meshfold generate``); returns the index.
 
-    Shows a progress line per file on ``stream`` (None: ``sys.stdout`` when called); the index
-    is written last, so an interrupted run leaves a folder ``meshfold train`` refuses (no
-    index) rather than a silently short one."""
+    Documents are encoded a batch at a time (``encode_batch``, the tokenizer's own threads) and
+    written shard by shard, so memory holds one batch and one shard. A progress line is drawn on
+    ``stream`` (None: ``sys.stdout`` when called) when it is a terminal. The index is written
+    last, so an interrupted run leaves a folder ``meshfold train`` refuses (no index) rather than
+    a silently short one."""
     stream = sys.stdout if stream is None else stream
+    reader = reader or Reader()
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     eos = eos_id(tok)
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX).unlink(missing_ok=True)
     tok.save(str(out / TOKENIZER))
-    shards, buf, total = [], [], 0
+    shards, buf, total, records, pending = [], [], 0, 0, 0
+    progress = Progress(stream, sum(source_bytes(f) for f in files))
 
     def flush():
         ids = np.concatenate(buf).astype(dtype) if buf else np.zeros(0, dtype)
@@ -137,27 +145,40 @@ def write_shards(tok, files: list[Path], out: Path, tokenizer_name: str, shard_t
         shards.append({"file": name, "tokens": int(ids.size)})
         buf.clear()
 
-    pending = 0
-    for n, f in enumerate(files, 1):
-        ids = tok.encode(f.read_text(encoding="utf-8", errors="replace")).ids
-        doc = np.asarray(([eos] if total else []) + ids, dtype=np.int64)
-        buf.append(doc)
-        pending += doc.size
-        total += doc.size
-        if pending >= shard_tokens:
-            flush()
-            pending = 0
-        done = int(24 * n / len(files))
-        stream.write(f"\r[{'#' * done}{'.' * (24 - done)}] {n}/{len(files)} files  {total:,} tokens\033[K")
-        stream.flush()
+    done = 0
+    for texts, done in _batches(documents(files, reader)):
+        for enc in tok.encode_batch(texts):
+            doc = np.asarray(([eos] if total else []) + enc.ids, dtype=np.int64)
+            buf.append(doc)
+            pending += doc.size
+            total += doc.size
+            if pending >= shard_tokens:
+                flush()
+                pending = 0
+        records += len(texts)
+        progress.update(records, done, total)
     if buf or not shards:
         flush()
-    stream.write("\n")
+    progress.update(records, progress.total, total, final=True)
+    if records == 0:
+        raise ValueError(f"{' '.join(map(str, files))}: no documents (empty sources); nothing to tokenize")
     index = {"format": FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": vocab, "eos_id": eos,
-             "tokenizer": tokenizer_name, "tokens": total, "shards": shards, "sources": sources(files),
-             **(extra or {})}
+             "tokenizer": tokenizer_name, "tokens": total, "shards": shards, "documents": records,
+             "sources": sources(files), "reader": reader.settings(), **(extra or {})}
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index
+
+
+def _batches(docs, size: int = 1024):
+    """``(texts, position)`` of up to ``size`` documents at a time: what one ``encode_batch`` takes."""
+    texts, pos = [], 0
+    for text, pos in docs:
+        texts.append(text)
+        if len(texts) == size:
+            yield texts, pos
+            texts = []
+    if texts:
+        yield texts, pos
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -189,7 +210,7 @@ def _move_into_place(stage: Path, out: Path) -> None:
 
 
 def tokenize(files: list[str], out: str | Path, tokenizer: str | None = None, train_vocab: int | None = None,
-             shard_tokens: int = 1 << 27, force: bool = False) -> dict:
+             shard_tokens: int = 1 << 27, force: bool = False, reader: Reader | None = None) -> dict:
     """Tokenize ``files`` into ``out`` with a given tokenizer or one trained on them; the index.
 
     Everything about the request is checked before a file is read; the tokenization is written
@@ -201,8 +222,8 @@ def tokenize(files: list[str], out: str | Path, tokenizer: str | None = None, tr
         check_vocab(train_vocab)
     out = Path(out)
     _check_out(out, force)
-    paths = corpus_files(files)
-    if not any(f.stat().st_size for f in paths):
+    paths = corpus_files(files, given_as="meshfold tokenize file argument")
+    if not any(source_bytes(f) for f in paths):
         raise ValueError(f"{' '.join(map(str, files))}: the files are empty (0 bytes); nothing to tokenize")
     tok = None if train_vocab is not None else load_tokenizer(tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -210,10 +231,10 @@ def tokenize(files: list[str], out: str | Path, tokenizer: str | None = None, tr
     shutil.rmtree(stage, ignore_errors=True)
     try:
         if tok is None:
-            tok, name = train_tokenizer(paths, train_vocab, stage), str(out / TOKENIZER)
+            tok, name = train_tokenizer(paths, train_vocab, stage, reader), str(out / TOKENIZER)
         else:
             name = str(tokenizer)
-        index = write_shards(tok, paths, stage, name, shard_tokens)
+        index = write_shards(tok, paths, stage, name, shard_tokens, reader=reader)
         if index["tokens"] == 0:
             raise ValueError(f"{' '.join(map(str, files))}: the tokenizer made no tokens of this text")
         _move_into_place(stage, out)
@@ -225,19 +246,21 @@ def tokenize(files: list[str], out: str | Path, tokenizer: str | None = None, tr
 def sources(files: list[Path]) -> list:
     """What a token folder was made from: ``[path, size, mtime_ns]`` of each file, to reuse it
     only while the text (and the tokenizer file) is unchanged."""
-    return [[str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files]
+    return [[str(Path(f).resolve()), source_bytes(f), Path(f).stat().st_mtime_ns] for f in files]
 
 
-def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=None) -> Path:
+def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=None, reader: Reader | None = None) -> Path:
     """``data.tokenizer``: the text ``paths`` tokenized into ``folder`` (reused while the text
     and the tokenizer are the same); returns the folder to train on. Says which on ``stream``
     (None: ``sys.stdout`` when called, so a caller's redirection holds)."""
     stream = sys.stdout if stream is None else stream
     files = corpus_files(paths) if paths else default_corpus_paths()
     file = tokenizer_file(tokenizer)
+    reader = reader or Reader()
     try:
         index = json.loads((folder / INDEX).read_text())
-        if index.get("sources") == sources(files) and index.get("tokenizer_file") == sources([file])[0]:
+        if (index.get("sources") == sources(files) and index.get("tokenizer_file") == sources([file])[0]
+                and index.get("reader") == reader.settings()):
             read_index(folder)
             stream.write(f"  data: reusing the tokens in {folder}/\n")
             return folder
@@ -245,7 +268,7 @@ def tokenize_for_run(paths: list, tokenizer: str, folder: Path, stream=None) -> 
         pass
     stream.write(f"  data: tokenizing {len(files)} files with {tokenizer} into {folder}/\n")
     write_shards(load_tokenizer(tokenizer), files, folder, str(Path(tokenizer).resolve()), stream=stream,
-                 extra={"tokenizer_file": sources([file])[0]})
+                 extra={"tokenizer_file": sources([file])[0]}, reader=reader)
     return folder
 
 

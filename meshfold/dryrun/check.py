@@ -4,7 +4,7 @@ The planner (:func:`~meshfold.plan.cost.estimate`) states what one step of a lay
 closed formulas; ``meshfold dryrun`` (:func:`~meshfold.dryrun.dry_run`) runs that step of
 meshfold's own code on fake tensors and records it. :func:`compare` puts the two next to each
 other for one layout, term by term, so a formula that drifts from the code shows up as a ratio
-away from 1 (docs/plan.md, "Planner against the dry run", has the table and what each row means).
+away from 1 (benchmarks/RESULTS.md, "Planner against the dry run", has the table and what each row means).
 
 Like is compared with like (per rank of a pipeline stage, per step):
 
@@ -26,7 +26,7 @@ and the fold keep every byte of a layer the real one. With pp > 1 each pipeline 
 compared by its first rank (:func:`pipeline_cases`: the pipeline's memory moments, its send /
 recv over pp, FSDP2 under a schedule, uneven chunks, the embedding and the head's stages).
 
-    python -m meshfold.dryrun.check            # the table of docs/plan.md (minutes: one process a stage)
+    python -m meshfold.dryrun.check            # the table of benchmarks/RESULTS.md (minutes: one process a stage)
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _paper(name: str, layers: int, **kw) -> Case:
 
 
 def cases() -> list[Case]:
-    """The cases of docs/plan.md's table."""
+    """The cases of the table in benchmarks/RESULTS.md."""
     return [
         _paper("mixtral-8x22b", 1, microbatches=2),
         _paper("qwen2-57b-a14b", 1, microbatches=2),

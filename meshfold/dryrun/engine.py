@@ -1,7 +1,7 @@
 """One training step of meshfold's own model and layout code, real or fake, and its report.
 
 :func:`step_report` is the step both sides run: build the model on the meta device, lay it out
-with :func:`~meshfold.parallel.transformer.parallelize` (as ``meshfold train`` does),
+with :func:`meshfold.train.build.build` (the one build ``meshfold train`` runs),
 materialize this rank's shards, then forward, backward, gradient reduction, gradient norm and
 the AdamW step, while :mod:`meshfold.dryrun.record` watches. Under gloo it is a real step
 (tests compare the two); :func:`dry_run_rank` runs it for one rank of an N-rank job inside this
@@ -64,7 +64,8 @@ class RankReport:
     and backward (activations, temporaries, FSDP2's gathered weights, gradients as they form).
     ``peak_bytes`` = parameters + optimizer state + that peak (gradients are inside the peak).
     ``expert_rows``: per dispatch (each MoE layer forward, recomputed ones too), the rows each of
-    this rank's local experts received, as the dispatch sized them from the block counts."""
+    this rank's local experts received, as the dispatch sized them from the block counts.
+    ``optimizer_groups``: the names of the optimizer's parameter groups (``build_optimizer``'s)."""
 
     rank: int
     stage: int
@@ -76,6 +77,7 @@ class RankReport:
     host_reads: list = field(default_factory=list)
     seconds: float = 0.0
     expert_rows: list = field(default_factory=list)
+    optimizer_groups: list = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
@@ -92,7 +94,7 @@ class RankReport:
                 "collective_summary": [{"kind": k, "dim": d, "bytes": n}
                                        for (k, d), n in sorted(self.collective_summary().items())],
                 "host_reads": [{"what": w, "where": s} for w, s in self.host_reads],
-                "expert_rows": self.expert_rows,
+                "expert_rows": self.expert_rows, "optimizer_groups": self.optimizer_groups,
                 "seconds": round(self.seconds, 3)}
 
 
@@ -109,34 +111,30 @@ def _optimizer_tensors(opt):
     return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport:
-    """Build ``cfg``'s model (a :class:`~meshfold.train.config.TrainConfig`; with pp > 1 this
-    rank's pipeline chunks) on ``folded`` and run one training step on random tokens, recorded. ``fake``: the
+def step_report(run, rank: int, folded, fake=None, on_counts=None) -> RankReport:
+    """Build ``run``'s job (a :class:`~meshfold.train.config.Resolved`) on ``folded`` with
+    :func:`meshfold.train.build.build`, as ``meshfold train`` builds it (with pp > 1 this rank's
+    pipeline chunks), and run one training step on random tokens, recorded. ``fake``: the
     FakeTensorMode of a dry run (None: a real step). ``on_counts``: called with each host read
     of block counts ``C`` (real runs record them for :class:`~meshfold.dryrun.routing.Replay`)."""
-    from meshfold.parallel.pipeline import Pipeline
-    from meshfold.models.transformer import MoETransformer
-    from meshfold.parallel.transformer import parallelize
-    from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
-    from meshfold.train.loop import DTYPES, _global_loss
+    from meshfold.parallel.data_parallel import grad_norm
+    from meshfold.train.build import build
+    from meshfold.train.loop import _global_loss
 
     t0 = time.perf_counter()
-    spec, mcfg = cfg.validate()
-    t = cfg.train
+    spec, mcfg, t = run.spec, run.model, run.train
     torch.manual_seed(t.seed)
-    model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")
     with contextlib.ExitStack() as stack:
         if fake is not None:  # fake storage of each shard's size, nothing drawn
             stack.enter_context(mock.patch("meshfold.parallel.transformer.materialize_shards",
                                            lambda module, *a, **k: _fake_materialize(module, fake, folded.device)))
             if folded.device.type == "cuda":
                 stack.enter_context(_fsdp_under(fake))
-        if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
-            stack.enter_context(_static_stages(cfg, spec, mcfg, fake))
-            model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual,
-                             compute_dtype=DTYPES[t.dtype], recompute=t.recompute)
-        else:
-            parallelize(model, folded, compute_dtype=DTYPES[t.dtype], recompute=t.recompute)
+        if spec.pp > 1:
+            stack.enter_context(_static_stages(run, fake))
+        # init_from: the checkpoint's shapes (its config.json) on the meta device, its values unread
+        built = build(run, folded, init_from=False)
+    model, opt = built.model, built.optimizer
     for layer in model.moe_layers():
         layer.comm.experts_mesh  # a sub-mesh sliced under fake tensors would read fake coordinates
     gen = torch.Generator().manual_seed(t.seed)
@@ -152,24 +150,38 @@ def step_report(cfg, rank: int, folded, fake=None, on_counts=None) -> RankReport
         stack.enter_context(_counting_reads(reads, on_counts))
         stack.enter_context(_recording_expert_rows(expert_rows))
         stack.enter_context(recorder)
-        inputs, targets = inputs.to(folded.device), targets.to(folded.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                                betas=(0.9, 0.95), foreach=False)
         buffers = [b for _, b in model.named_buffers()]
         with recorder.measuring(LivePeak(exclude=list(model.parameters()) + buffers)) as peak:
-            _global_loss(model, inputs, targets, spec, rank, backward=True, microbatches=t.microbatches or 1)
-        for module in model.chunks if isinstance(model, Pipeline) else [model]:
-            reduce_gradients(module)  # a no-op under FSDP2, which reduce-scattered in backward
+            _global_loss(model, inputs, targets, spec, rank, backward=True)
+        model.reduce_gradients()  # a no-op under FSDP2, which reduce-scattered in backward
         grad_bytes = _local_bytes(p.grad for p in model.parameters())
         grad_norm(model).item()  # clipping reads the norm on the host (and scales in place)
         opt.step()
     return RankReport(rank, spec.coords(rank)["attn"]["pp"], _local_bytes(model.parameters()), grad_bytes,
                       _local_bytes(_optimizer_tensors(opt)), peak.peak, log.records, reads.reads,
-                      time.perf_counter() - t0, expert_rows)
+                      time.perf_counter() - t0, expert_rows, [g["name"] for g in opt.param_groups])
+
+
+def check_dry_run(run) -> None:
+    """Refuse, naming the setting, what the dry run's one step cannot stand for (before any
+    rank starts); every other setting that changes the step it builds as training does."""
+    t = run.train
+    if t.compile:
+        raise ValueError("train.compile = true: the dry run records the eager step (a compiled kernel has no "
+                         "fake-tensor trace of its collectives and peaks); dry-run with train.compile = false")
+    if run.cfg.sparsity:
+        raise ValueError("[sparsity]: the dry run's one step does not prune (the pruner's scores and masks change "
+                         "between steps); dry-run without the [sparsity] section")
+    if t.expert_placement != "static":
+        raise ValueError(f"train.expert_placement = {t.expert_placement!r}: the dry run's one step has no loads "
+                         f"to re-place experts from; dry-run with 'static'")
+    if run.model.moe is not None and run.model.moe.capacity_factor is not None:
+        raise ValueError(f"moe.capacity_factor = {run.model.moe.capacity_factor}: the dry run's routing "
+                         f"models are dropless; use capacity_factor = None")
 
 
 @contextlib.contextmanager
-def _static_stages(cfg, spec, mcfg, fake):
+def _static_stages(run, fake):
     """Pipeline stages built with their micro-batch's shapes (``PipelineStage``'s static mode):
     tokens [b, s] into the first, hidden [b, s, H] between stages, logits [b, s, V] out of the
     last, b = batch / dp / microbatches, s = seq / (cp tp). Without them a stage infers its
@@ -177,9 +189,9 @@ def _static_stages(cfg, spec, mcfg, fake):
     delivers."""
     import torch.distributed.pipelining as pipelining
 
-    from meshfold.train.loop import DTYPES
+    from meshfold.train.build import DTYPES
 
-    t = cfg.train
+    t, spec, mcfg = run.train, run.spec, run.model
     b, s = t.batch // spec.dp // (t.microbatches or spec.pp), t.seq // (spec.cp * spec.tp)
     dtype = DTYPES[t.dtype]
     real_stage = pipelining.PipelineStage
@@ -327,8 +339,8 @@ def representative_ranks(spec) -> list[int]:
     return [s * per_stage for s in range(spec.pp)]
 
 
-def dry_run_rank(cfg, rank: int, routing=None, device: str = "cpu") -> RankReport:
-    """:func:`step_report` for ``rank`` of ``cfg``'s fold, on the fake backend in this process
+def dry_run_rank(run, rank: int, routing=None, device: str = "cpu") -> RankReport:
+    """:func:`step_report` for ``rank`` of ``run``'s fold (a resolved config), on the fake backend in this process
     (which must have no process group yet; it has none again afterwards). ``device``: ``"cpu"``,
     or ``"cuda"`` for fake CUDA tensors on a fold whose meshes are CUDA meshes, as under NCCL
     (:mod:`meshfold.dryrun.fake_cuda`: needs torch's CUDA wheel, no GPU)."""
@@ -340,10 +352,8 @@ def dry_run_rank(cfg, rank: int, routing=None, device: str = "cpu") -> RankRepor
 
     from meshfold.models.moe import MoELayer
 
-    spec, mcfg = cfg.validate()
-    if mcfg.moe is not None and mcfg.moe.capacity_factor is not None:
-        raise ValueError(f"moe.capacity_factor = {mcfg.moe.capacity_factor}: the dry run's routing "
-                         f"models are dropless; use capacity_factor = None")
+    check_dry_run(run)
+    spec, mcfg = run.spec, run.model
     if dist.is_initialized():
         raise RuntimeError("dry_run_rank needs a process without a process group (it starts the fake one)")
     if device not in DEVICES:
@@ -365,7 +375,7 @@ def dry_run_rank(cfg, rank: int, routing=None, device: str = "cpu") -> RankRepor
             try:
                 with _routed_counts(routing, lambda: current["topk"], lambda: current["tokens"]), \
                         _on_this_thread(), _without_profiler_ranges():
-                    return step_report(cfg, rank, folded, fake=fake)
+                    return step_report(run, rank, folded, fake=fake)
             finally:
                 hook.remove()
     finally:
@@ -373,7 +383,8 @@ def dry_run_rank(cfg, rank: int, routing=None, device: str = "cpu") -> RankRepor
 
 
 def dry_run(cfg, routing=None, ranks=None, last_here: bool = False, device: str = "cpu") -> list[RankReport]:
-    """:func:`dry_run_rank` for each rank of ``ranks`` (default :func:`representative_ranks`),
+    """:func:`dry_run_rank` for each rank of ``ranks`` of ``cfg`` (a
+    :class:`~meshfold.train.config.TrainConfig`, resolved here once) (default :func:`representative_ranks`),
     each in a fresh process: DTensor caches dispatch plans by mesh equality (in C++ too), so a
     second fold of the same spec in one process would run on the first one's destroyed groups.
     The processes fork from :mod:`meshfold.runtime.launch`'s server, which has imported torch once, and
@@ -385,21 +396,22 @@ def dry_run(cfg, routing=None, ranks=None, last_here: bool = False, device: str 
 
     from meshfold.runtime import launch
 
-    cfg.validate()  # the settings' one-line errors, before any process starts
+    run = cfg.resolve()  # the settings' one-line errors, before any process starts
+    check_dry_run(run)
     if device not in DEVICES:
         raise ValueError(f"device = {device!r}; valid: {', '.join(DEVICES)}")
     if device == "cuda" and fake_cuda.why_unavailable():
         raise ValueError(f"device = 'cuda': {fake_cuda.why_unavailable()}")
-    chosen = representative_ranks(cfg.fold_spec()) if ranks is None else list(ranks)
+    chosen = representative_ranks(run.spec) if ranks is None else list(ranks)
     elsewhere = chosen[:-1] if last_here else chosen
     if not elsewhere:
-        return [dry_run_rank(cfg, r, routing, device) for r in chosen]
+        return [dry_run_rank(run, r, routing, device) for r in chosen]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     with concurrent.futures.ProcessPoolExecutor(min(len(elsewhere), cores), mp_context=launch.process_context(),
                                                 max_tasks_per_child=1) as pool:
-        futures = [pool.submit(_dry_run_rank_with_env, dict(os.environ), cfg, r, routing, device)
+        futures = [pool.submit(_dry_run_rank_with_env, dict(os.environ), run, r, routing, device)
                    for r in elsewhere]
-        here = [dry_run_rank(cfg, chosen[-1], routing, device)] if last_here else []
+        here = [dry_run_rank(run, chosen[-1], routing, device)] if last_here else []
         return [f.result() for f in futures] + here
 
 

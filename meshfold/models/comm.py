@@ -21,7 +21,15 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["MoEComm", "Dispatched", "Arrived", "LocalComm", "LocalRoute"]
+__all__ = ["MoEComm", "CountsRead", "Dispatched", "Arrived", "LocalComm", "LocalRoute", "LocalCounts"]
+
+
+class CountsRead(Protocol):
+    """Per-expert counts read on the host by :meth:`MoEComm.read_counts`: ``rows_sent`` is how
+    many rows this rank sends; the rest is the comm's own (what its dispatch of the same counts
+    needs, so that it does not read them again)."""
+
+    rows_sent: int
 
 
 class Dispatched(Protocol):
@@ -61,13 +69,15 @@ class MoEComm(Protocol):
         placement (one device, and the static placement: ``experts_TK`` itself). Rows are
         permuted by slot, so the experts of one rank are contiguous whatever their ids."""
 
-    def rows_sent(self, counts_E: torch.Tensor) -> int:
-        """How many rows this rank sends, given its per-expert counts [E] (read on the host: the
-        forward's one host read)."""
+    def read_counts(self, counts_E: torch.Tensor) -> CountsRead:
+        """This rank's per-expert counts [E] read on the host (the forward's one host read), with
+        how many rows it sends."""
 
-    def dispatch_start(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> Dispatched:
+    def dispatch_start(self, x_NH: torch.Tensor, counts_E: torch.Tensor,
+                       read: CountsRead | None = None) -> Dispatched:
         """Start sending this rank's expert-major rows x_NH [N, H] (``counts_E`` [E] per expert)
-        to their experts' ranks; the caller may compute before it waits."""
+        to their experts' ranks; the caller may compute before it waits. ``read``: what
+        :meth:`read_counts` returned for these same ``counts_E`` (None: the dispatch reads them)."""
 
     def combine(self, routed, y_MH: torch.Tensor) -> torch.Tensor:
         """The experts' outputs y_MH [M, H] for ``routed``'s rows, back where the rows came
@@ -86,6 +96,13 @@ class LocalRoute:
 
     rows: torch.Tensor
     offsets_E: torch.Tensor
+
+
+@dataclass
+class LocalCounts:
+    """One device's counts read: only the number of rows, which the dispatch does not need."""
+
+    rows_sent: int
 
 
 @dataclass
@@ -118,14 +135,14 @@ class LocalComm:
     def slot_ids(self, experts_TK):
         return experts_TK
 
-    def rows_sent(self, counts_E):
+    def read_counts(self, counts_E):
         """The rows kept when dropping, read on the host (the forward's one host read)."""
-        return int(counts_E.sum())
+        return LocalCounts(int(counts_E.sum()))
 
-    def dispatch(self, x_NH, counts_E):
+    def dispatch(self, x_NH, counts_E, read=None):
         return LocalRoute(x_NH, torch.cumsum(counts_E, 0).to(torch.int32))
 
-    def dispatch_start(self, x_NH, counts_E):
+    def dispatch_start(self, x_NH, counts_E, read=None):
         return Arrived(self.dispatch(x_NH, counts_E))
 
     def combine(self, routed, y_NH):

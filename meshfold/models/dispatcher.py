@@ -103,6 +103,9 @@ class Permuted:
     pair_N: torch.Tensor | None = None
     probs_TK: torch.Tensor | None = None
     row_TK: torch.Tensor | None = None  # fused: the row of each token-major pair (kernels.combine)
+    # the counts as read on the host to cut the kept rows (dropping, unpadded): what
+    # ``read_counts`` returned, for the dispatch of the same counts to take instead of reading again
+    counts_read: object | None = None
 
     @property
     def fused(self) -> bool:
@@ -121,15 +124,16 @@ def _expert_order(experts_TK, probs_TK, keep_TK, num_experts):
     return order, e[order], order.div(k, rounding_mode="floor"), probs_TK.reshape(-1)[order], key, counts_E
 
 
-def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, rows=None,
+def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, read_counts=None,
             fused: bool = False) -> Permuted:
     """Group the kept (token, expert) pairs by expert, stable in token order.
 
     Dropped pairs are sorted behind the kept ones (sort key E) rather than filtered out with a
     boolean mask, whose data-dependent shape would cost a host sync. Without padding the kept
-    rows are then the first ``sum(counts_E)``: ``rows(counts_E)`` returns that number as a host
-    int (the layer's comm, which reads it with the dispatch's counts: its one host read; None:
-    ``int(counts_E.sum())``). With ``pad_to`` (pad-to-capacity) every expert gets exactly
+    rows are then the first ``sum(counts_E)``: ``read_counts(counts_E)`` reads the counts on the
+    host and returns an object whose ``rows_sent`` is that number (the layer's comm, which reads
+    the dispatch's counts with it: its one host read; the result is returned as
+    ``Permuted.counts_read`` for the dispatch; None: ``int(counts_E.sum())``). With ``pad_to`` (pad-to-capacity) every expert gets exactly
     ``pad_to`` rows, zero-filled, so the number of rows is static and nothing is read.
     The sort keys and counts are small [T*k] ops, run on one thread (:func:`serial_graph`).
     ``fused`` (dropless, unpadded): the gather's backward and the combine run as compiled
@@ -143,9 +147,10 @@ def permute(x_TH, experts_TK, probs_TK, num_experts, keep_TK=None, pad_to=None, 
             row_TK = inverse_order(order).view(T, k) if fused else None
             return Permuted(gather_rows(x_TH, token, row_TK), counts_E, token, p, pair_N=order,
                             probs_TK=probs_TK, row_TK=row_TK)
-        n = int(counts_E.sum()) if rows is None else rows(counts_E)
+        read = None if read_counts is None else read_counts(counts_E)
+        n = int(counts_E.sum()) if read is None else read.rows_sent
         token, p = token[:n], p[:n]
-        return Permuted(gather_rows(x_TH, token), counts_E, token, p)
+        return Permuted(gather_rows(x_TH, token), counts_E, token, p, counts_read=read)
     # kept row r of expert e goes to slot e * pad_to + (r - start_e); dropped pairs to slot n,
     # one past the end, which is cut off
     n = num_experts * pad_to

@@ -166,8 +166,9 @@ class MoELayer(nn.Module):
 
         # rows in slot order (the expert placement; by default each expert's own id)
         perm = permute(x_TH, comm.slot_ids(experts_TK), probs_TK, cfg.num_experts, keep_TK, pad_to,
-                       rows=comm.rows_sent, fused=self.fused_rows)
-        in_flight = comm.dispatch_start(perm.x_NH, perm.counts_E)  # folded: the all-to-all travels...
+                       read_counts=comm.read_counts, fused=self.fused_rows)
+        # folded: the all-to-all travels...
+        in_flight = comm.dispatch_start(perm.x_NH, perm.counts_E, perm.counts_read)
         shared_TH = None if self.shared is None else self.shared(x_TH, comm)  # ...while this computes
         routed = in_flight.wait()  # folded: routed.tokens, a RaggedTensor on moe (ep, etp)
         y_MH = self.experts(routed.rows, routed.offsets_E, comm.local, comm.local_mask)

@@ -1,6 +1,7 @@
 """How a single-device model is laid onto a fold: its layout plan (:mod:`.plan`), meshfold's
-layouts declared as data (:mod:`.layouts`), the MoE layer's collectives (:mod:`.moe`), tensor and sequence parallelism
-(:mod:`.transformer`), context parallelism and its ring (:mod:`.context`, :mod:`.mla`,
+layouts declared as data (:mod:`.layouts`), meshfold's transformer's plan (:mod:`.transformer_plan`),
+the MoE layer's collectives (:mod:`.moe`), :func:`parallelize` for any model and plan with tensor and sequence
+parallelism (:mod:`.transformer`), context parallelism and its ring (:mod:`.context`, :mod:`.mla`,
 :mod:`.ring_attention`), data parallelism (:mod:`.data_parallel`), the pipeline
 (:mod:`.pipeline`), activation recomputation (:mod:`.recompute`), batch sharding
 (:mod:`.batch`) and shard-by-shard initialization (:mod:`.materialize`). :func:`place` lays out
@@ -19,11 +20,12 @@ from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
 from meshfold.parallel.layouts import MLA_LAYOUT, MOE_LAYOUT, TRANSFORMER_LAYOUT
 from meshfold.parallel.moe import FoldedComm, parallelize_moe, place
 from meshfold.parallel.pipeline import Pipeline
-from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel
-from meshfold.parallel.transformer import (GlobalLogits, GlobalMeanLoss, check_fold, full_state_dict, param_layouts,
-                                          parallelize, single_device_name, transformer_plan)
+from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel, register_plan
+from meshfold.parallel.transformer import (GlobalLogits, GlobalMeanLoss, full_state_dict, param_layouts, parallelize,
+                                          single_device_name)
+from meshfold.parallel.transformer_plan import check_fold, transformer_plan
 
 __all__ = ["MLA_LAYOUT", "MOE_LAYOUT", "TRANSFORMER_LAYOUT", "FoldedComm", "GlobalLogits", "GlobalMeanLoss", "Pipeline",
            "Plan", "SequenceParallel", "VocabParallel", "batch_rows", "check_fold", "full_state_dict", "grad_norm", "local_positions",
-           "param_layouts", "parallelize", "parallelize_moe", "place", "reduce_gradients", "shard_batch",
+           "param_layouts", "parallelize", "parallelize_moe", "place", "reduce_gradients", "register_plan", "shard_batch",
            "single_device_name", "transformer_plan"]

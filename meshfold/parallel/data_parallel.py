@@ -29,7 +29,7 @@ def expert_shard_placement(param, edp: int):
     divides their count, else the first dim no other mesh dim splits that edp divides (the
     hidden size). FSDP2 cuts dim 0 in torch.chunk pieces padded to the first: one local expert
     (Mixtral at ep = 8) over edp = 2 left edp rank 0 holding it whole and both collectives
-    moving twice the shard (docs/plan.md, "Planner against the dry run")."""
+    moving twice the shard (benchmarks/RESULTS.md, "Planner against the dry run")."""
     from torch.distributed.tensor import Shard
 
     split = {q.dim for q in getattr(param, "placements", ()) if isinstance(q, Shard)}

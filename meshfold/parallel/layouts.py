@@ -8,7 +8,7 @@ parallelize` and :func:`~meshfold.parallel.moe.parallelize_moe` apply these tabl
 user's own passes a table that extends them (``{**MOE_LAYOUT, name: (view, placements)}``).
 
 Names are single-device names (``model.named_parameters()`` before any layout), relative to a
-block for the transformer's tables (:func:`meshfold.parallel.transformer.transformer_plan` turns
+block for the transformer's tables (:func:`meshfold.parallel.transformer_plan.transformer_plan` turns
 them into a :class:`~meshfold.parallel.plan.Plan`) and to the layer for an MoE layer's.
 """
 

@@ -43,10 +43,10 @@ collectives run on another process group meanwhile, issued in the same order on 
 
 Host syncs: one device-to-host read per layer forward, dropless or dropping, folded or not (one
 device, dropless or pad-to-capacity: none). Folded, it is the block's counts; when dropping
-without padding they are read before the permute (:meth:`FoldedComm.rows_sent`), which needs the
-number of kept rows, and the dispatch reuses them. Dropping selects the kept pairs by sorting
-them first (no boolean mask), and token statistics build host-known sizes with fill kernels
-instead of uploading them. ``tests/parallel/test_host_syncs.py`` counts them. With pad-to-capacity every
+without padding they are read before the permute cuts the kept rows
+(:meth:`FoldedComm.read_counts`), and the dispatch is handed what that read returned. Dropping
+selects the kept pairs by sorting them first (no boolean mask), and token statistics build
+host-known sizes with fill kernels instead of uploading them. ``tests/parallel/test_host_syncs.py`` counts them. With pad-to-capacity every
 expert gets the same number of rows, but the counts are still exchanged (a rank's capacity
 depends on its own token count): a static-split path is a possible optimisation.
 """
@@ -69,7 +69,7 @@ from meshfold.placements.collectives import debug_checks_enabled
 from meshfold.placements.token_dispatch import block_counts, dispatch_start, rows_sent
 from meshfold.runtime import spmd
 
-__all__ = ["FoldedComm", "parallelize_moe", "place", "local_slices", "moe_param_layout", "check_moe_fold"]
+__all__ = ["FoldedComm", "BlockCounts", "parallelize_moe", "place", "local_slices", "moe_param_layout", "check_moe_fold"]
 
 ATTN = ("dp", "cp", "tp")
 MOE = ("edp", "ep", "etp")
@@ -80,6 +80,16 @@ def slot_of_expert(slots) -> torch.Tensor:
     slot_of_E = torch.empty(len(slots), dtype=torch.int64)
     slot_of_E[list(slots)] = torch.arange(len(slots))
     return slot_of_E
+
+
+@dataclasses.dataclass
+class BlockCounts:
+    """The dispatch block's counts read on the host (:meth:`FoldedComm.read_counts`):
+    ``rows_sent`` this rank's rows, ``block`` the ``(C_QIE, C)`` of
+    :func:`meshfold.placements.token_dispatch.block_counts`."""
+
+    rows_sent: int
+    block: tuple[torch.Tensor, list]
 
 
 class FoldedComm:
@@ -186,32 +196,26 @@ class FoldedComm:
         """The ``(ep, etp)`` block of the MoE mesh that one dispatch spans."""
         return self.moe["ep", "etp"]
 
-    def rows_sent(self, counts_E) -> int:
-        """The rows this rank sends (its kept pairs when dropping), read on the host with the
-        counts of the whole dispatch block: the forward's one host read, which the
-        :meth:`dispatch` of these same counts then reuses instead of reading again."""
+    def read_counts(self, counts_E) -> BlockCounts:
+        """The counts of the whole dispatch block read on the host, with the rows this rank sends
+        (its kept pairs when dropping): the forward's one host read, which :meth:`dispatch` of
+        these same counts takes as ``read`` instead of reading again."""
         block = block_counts(counts_E, self.experts_mesh)
-        self._read_counts = (counts_E, block)
-        return rows_sent(block[1], self.experts_mesh)
+        return BlockCounts(rows_sent(block[1], self.experts_mesh), block)
 
-    def _take_block(self, counts_E):
-        """The block counts :meth:`rows_sent` read for these same ``counts_E`` (then forgotten),
-        else None: the dispatch reads them itself."""
-        read, self._read_counts = getattr(self, "_read_counts", None), None
-        return read[1] if read is not None and read[0] is counts_E else None
-
-    def dispatch(self, x_NH, counts_E) -> Routed:
+    def dispatch(self, x_NH, counts_E, read: "BlockCounts | None" = None) -> Routed:
         """This rank's expert-major rows to their experts: ``routed.tokens`` is a RaggedTensor on
-        the ``(ep, etp)`` mesh (:func:`meshfold.placements.dispatch`)."""
-        return dispatch(x_NH, counts_E, self.experts_mesh, block=self._take_block(counts_E))
+        the ``(ep, etp)`` mesh (:func:`meshfold.placements.dispatch`). ``read``:
+        :meth:`read_counts` of these same ``counts_E`` (None: read here)."""
+        return dispatch(x_NH, counts_E, self.experts_mesh, block=None if read is None else read.block)
 
-    def dispatch_start(self, x_NH, counts_E):
+    def dispatch_start(self, x_NH, counts_E, read: "BlockCounts | None" = None):
         """:meth:`dispatch` with its all-to-all over ``ep`` left in flight: ``.wait()`` gives the
         Routed rows (:func:`meshfold.placements.token_dispatch.dispatch_start`). With
         ``overlap = False``: the synchronous :meth:`dispatch` (the same result; for A/B tests)."""
         if not self.overlap:
-            return Arrived(self.dispatch(x_NH, counts_E))
-        return dispatch_start(x_NH, counts_E, self.experts_mesh, block=self._take_block(counts_E))
+            return Arrived(self.dispatch(x_NH, counts_E, read))
+        return dispatch_start(x_NH, counts_E, self.experts_mesh, block=None if read is None else read.block)
 
     def combine(self, routed: Routed, y_MH):
         """The experts' outputs (summands over etp) back to the rows' ranks, in permute order."""
@@ -221,13 +225,15 @@ class FoldedComm:
     def shared_in(self, x_TH):
         if self.tp == 1:
             return x_TH
-        self._shared_sizes = self._even_sizes(x_TH.shape[0], "tp", x_TH.device)  # even sequence-parallel split
-        return all_gather_v(x_TH, self._shared_sizes, self.attn, "tp")
+        sizes = self._even_sizes(x_TH.shape[0], "tp", x_TH.device)  # even sequence-parallel split
+        return all_gather_v(x_TH, sizes, self.attn, "tp")
 
     def shared_out(self, y_TH):
+        """The tp group's rows [tp * T, H] back to this rank's T: the split is even (shared_in
+        checked it), so the sizes follow from the rows."""
         if self.tp == 1:
             return y_TH
-        return reduce_scatter_v(y_TH, self._shared_sizes, self.attn, "tp")
+        return reduce_scatter_v(y_TH, [y_TH.shape[0] // self.tp] * self.tp, self.attn, "tp")
 
 
 def place(param: torch.Tensor, mesh, placements, local: torch.Tensor | None = None) -> torch.nn.Parameter:

@@ -30,8 +30,12 @@ microbatch losses of all ranks add up to the single-device mean loss and the gra
 accumulate are the single-device gradients (``scale_grads=False``: nothing is averaged). MoE
 balancing losses are computed per microbatch (Megatron's definition) and each enters the backward
 scaled by ``1 / microbatches`` (``MoELayer.balancing_scale``, as Megatron-Core scales them), so the
-single-device equivalent is gradient accumulation over the same microbatches
-(``meshfold.train.loop.accumulate``).
+single-device equivalent is gradient accumulation over the same microbatches (:func:`accumulate`).
+
+With ``pp = 1`` a ``Pipeline`` is one chunk, the whole model laid out by ``parallelize``, and its
+schedule is gradient accumulation (:func:`accumulate`): training, evaluation and the dry run call
+the same ``step``, ``chunks``, ``moe_layers``, ``reduce_gradients`` and ``moe_metrics`` whatever
+``pp`` is.
 
 Tied embeddings need the embedding on the first and the head on the last stage to be one tensor;
 with ``pp > 1`` that is not supported (a clear error says so).
@@ -48,16 +52,18 @@ Example (4 ranks: pp2 x tp2 | pp2 x ep2)::
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshfold.catalog import SCHEDULES, check_choice
 from meshfold.models.moe import MoELayer, add_step_entries
-from meshfold.models.transformer import MoETransformer, cross_entropy_sum
+from meshfold.models.transformer import cross_entropy_sum
+from meshfold.parallel.data_parallel import reduce_gradients
 from meshfold.parallel.plan import Plan, check_plan, restrict
 from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
 
-__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline"]
+__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts"]
 
 
 def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
@@ -98,7 +104,7 @@ class ModelChunk(nn.Module):
         super().__init__()
         whole = model_plan(model) if plan is None else plan
         check_plan(model, whole)
-        if isinstance(model, MoETransformer) and model.cfg.tie_embeddings:
+        if getattr(getattr(model, "cfg", None), "tie_embeddings", False):  # one tensor on two stages
             raise ValueError("tie_embeddings: the head is the embedding matrix, which a pipeline chunk cannot "
                              "hold on two stages; untie them, or use parallelize without a pipeline")
         self.cfg = getattr(model, "cfg", None)
@@ -176,10 +182,12 @@ class _CountedCalls:
         self.log.clear()
 
 
-def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int, num_blocks: int | None = None) -> None:
+def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int, num_blocks: int | None = None,
+                   tied: bool = False) -> None:
     """Raise ``ValueError`` naming the setting if this pipeline cannot run (no process needed).
     ``cfg``: a :class:`~meshfold.models.transformer.TransformerConfig` (its layers and tied
-    embeddings), or None with ``num_blocks`` for a model of one's own."""
+    embeddings), or None with ``num_blocks`` (and ``tied``: whether the model ties its
+    embedding and head) for a model of one's own."""
     check_choice("schedule", schedule, SCHEDULES)
     if not (isinstance(virtual, int) and virtual >= 1):
         raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
@@ -194,7 +202,7 @@ def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int,
     if schedule == "interleaved-1f1b" and microbatches % pp:
         raise ValueError(f"microbatches = {microbatches} is not a multiple of pp = {pp} "
                          f"(the interleaved schedule runs them in rounds of pp)")
-    if cfg is not None and cfg.tie_embeddings and pp > 1:
+    if (tied or (cfg is not None and cfg.tie_embeddings)) and pp > 1:
         raise ValueError("tie_embeddings with pp > 1: the embedding (first stage) and the head "
                          "(last stage) would have to be one tensor; untie them or use pp = 1")
     chunk_layers(cfg.layers if cfg is not None else num_blocks, pp * virtual)
@@ -225,15 +233,21 @@ class Pipeline:
         spec = folded.spec
         pp = spec.pp
         plan = model_plan(model) if plan is None else plan
+        if pp == 1:  # one chunk, the whole model; its schedule is gradient accumulation
+            parallelize(model, folded, plan, data_parallel=data_parallel, compute_dtype=compute_dtype,
+                        recompute=recompute)
+            self._accumulating(model, folded, microbatches, plan)
+            return
         num_blocks = len(_blocks(model, plan))
-        check_pipeline(pp, model.cfg if isinstance(model, MoETransformer) else None, microbatches, schedule, virtual,
-                       num_blocks)
+        tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+        check_pipeline(pp, None, microbatches, schedule, virtual, num_blocks, tied)
         self.folded, self.microbatches = folded, microbatches
         n = pp * virtual
         layers = chunk_layers(num_blocks, n)
         r = folded.attn.get_local_rank("pp")
         self.stage_ids = [r + k * pp for k in range(virtual)]
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1, plan=plan) for s in self.stage_ids]
+        self._block_lists = [c.block_list() for c in self.chunks]
         for chunk in self.chunks:
             parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype, recompute=recompute)
         group = folded.attn["pp"].get_group()
@@ -248,6 +262,25 @@ class Pipeline:
         else:
             cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
             self.schedule = cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
+
+    @classmethod
+    def laid_out(cls, model: nn.Module, folded, microbatches: int = 1, plan: Plan | None = None) -> "Pipeline":
+        """The ``pp = 1`` pipeline of a ``model`` already laid out on ``folded`` (by ``parallelize``
+        or a checkpoint loader such as ``from_pretrained``)."""
+        if folded.spec.pp != 1:
+            raise ValueError(f"pp = {folded.spec.pp}: Pipeline.laid_out takes a model laid out whole (pp = 1); "
+                             f"build Pipeline(model, folded, ...) from the single-device model instead")
+        self = cls.__new__(cls)
+        self._accumulating(model, folded, microbatches, model_plan(model) if plan is None else plan)
+        return self
+
+    def _accumulating(self, model: nn.Module, folded, microbatches: int, plan: Plan) -> None:
+        if not (isinstance(microbatches, int) and microbatches >= 1):
+            raise ValueError(f"microbatches = {microbatches!r}; valid: an integer >= 1")
+        self.folded, self.microbatches = folded, microbatches
+        self.stage_ids, self.chunks, self.has_last = [0], [model], True
+        self._block_lists = [model.get_submodule(plan.blocks)] if plan.blocks is not None else []
+        self._calls, self._n_global, self.schedule = [], None, None
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy_sum(logits, targets)[0] / self._n_global
@@ -272,8 +305,30 @@ class Pipeline:
     def moe_blocks(self):
         """``(layer id, block)`` of this rank's blocks holding an MoE layer (the id: the block's
         key in the block list, an int for an ``nn.ModuleList``)."""
-        return [(int(i) if i.isdigit() else i, b) for c in self.chunks for i, b in c.block_list().named_children()
+        return [(int(i) if i.isdigit() else i, b) for blocks in self._block_lists for i, b in blocks.named_children()
                 if any(isinstance(m, MoELayer) for m in b.modules())]
+
+    def reduce_gradients(self) -> None:
+        """Sum every chunk's replicated gradients over the ranks that hold copies (a no-op under
+        FSDP2, which reduce-scattered them in the backward)."""
+        for chunk in self.chunks:
+            reduce_gradients(chunk)
+
+    def moe_metrics(self) -> list[dict]:
+        """Per MoE layer of the whole model, in layer order, over every micro-batch of the step:
+        losses, tokens per expert, dropped fraction. A collective: ``step_metrics`` sums over the
+        stage's ranks, and with pp > 1 the stages' layers are gathered from every rank."""
+        mine = []
+        for i, b in self.moe_blocks():
+            m = b.mlp.step_metrics()
+            mine.append((i, {"losses": {k: float(v) for k, v in m["losses"].items()},
+                             "tokens_per_expert": m["tokens_per_expert"].tolist(),
+                             "dropped_fraction": float(m["dropped_fraction"])}))
+        if self.schedule is None:
+            return [m for _, m in mine]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return [m for _, m in sorted({i: m for part in everyone for i, m in part}.items())]
 
     def train(self, mode: bool = True):
         for c in self.chunks:
@@ -288,7 +343,11 @@ class Pipeline:
         """One forward + backward of this rank's local batch (from ``shard_batch``), microbatched
         through the schedule; gradients accumulate in the parameters. Returns the global mean
         loss (cross-entropy, without the balancing losses, which are in the gradients), the same
-        value on every rank. ``backward=False``: forward only (evaluation)."""
+        value on every rank. ``backward=False``: forward only (evaluation). With ``pp = 1`` the
+        micro-batches run one after the other (:func:`accumulate`); its evaluation runs the whole
+        local batch at once."""
+        if self.schedule is None:
+            return self._accumulate_step(tokens, targets, positions, backward)
         if tokens.shape[0] % self.microbatches:
             raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
                              f"microbatches = {self.microbatches}")
@@ -317,3 +376,58 @@ class Pipeline:
             share += torch.stack([x.detach() for x in losses]).sum().double()
         sum_in_place(share, self.folded.attn)  # only the last stage's ranks hold losses
         return share
+
+    def _accumulate_step(self, tokens, targets, positions, backward: bool) -> torch.Tensor:
+        model = self.chunks[0]
+        if self.microbatches > 1 and backward:
+            counts = microbatch_counts(targets, self.microbatches)
+            return torch.tensor(accumulate(model, tokens, targets, positions, counts, backward), dtype=torch.float64)
+        loss = model.loss(tokens, targets, positions)
+        if backward:
+            loss.backward()
+        return torch.tensor(loss.item(), dtype=torch.float64)
+
+
+def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list[float]:
+    """Counted target tokens (!= -100) of each global micro-batch, from this rank's own [b, s]
+    targets: micro-batch i is the i-th slice of every dp rank's rows, and without pp every
+    global token sits on exactly one rank, so one all-reduce of the local counts sums them."""
+    b = local_targets_bs.shape[0]
+    if b % microbatches:
+        raise ValueError(f"local batch of {b} sequences is not divisible by microbatches = {microbatches}")
+    counts_m = (local_targets_bs.reshape(microbatches, b // microbatches, -1) != -100).sum(dim=(1, 2)).double()
+    dist.all_reduce(counts_m)
+    return counts_m.tolist()
+
+
+def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], backward: bool) -> float:
+    """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s])
+    cut into ``len(counts)`` micro-batches along the batch dim, one forward + backward each of
+    ``model`` (laid out whole by ``parallelize``).
+
+    ``model.loss`` of micro-batch i is its global mean, ``sum_i / counts[i]``; weighting it by
+    ``counts[i] / sum(counts)`` makes the micro-batches add up to the whole batch's mean loss and
+    gradients (up to summation order), as the pipeline schedules do. MoE balancing losses are
+    computed per micro-batch (Megatron-Core's definition) and each enters the backward scaled by
+    1 / microbatches, as with pp > 1 and in Megatron-Core (``MoELayer.balancing_scale``), so
+    their gradient is the mean over the micro-batches. Under FSDP2 only the last backward
+    reduce-scatters.
+    """
+    m, total = len(counts), sum(counts)
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    layers = [x for x in model.modules() if isinstance(x, MoELayer)]
+    for layer in layers:
+        layer.balancing_scale = 1 / m
+    loss = 0.0
+    try:
+        for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
+            if sync is not None and backward:
+                sync(i == m - 1)
+            part = model.loss(tokens_ms, targets_ms, positions) * (counts[i] / total)
+            if backward:
+                part.backward()
+            loss += part.item()
+    finally:
+        for layer in layers:
+            layer.balancing_scale = 1.0
+    return loss

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import Placement
 
 __all__ = ["Plan", "SequenceParallel", "VocabParallel", "VOCAB_KINDS", "Resolved", "CONTEXT_HOOKS", "matches", "first_match", "matching", "check_plan", "resolve", "restrict",
-           "moe_layers", "owner"]
+           "moe_layers", "owner", "register_plan", "model_plan"]
 
 CONTEXT_HOOKS = ("ring", "latent")  # Plan.context values: GQA-style ring, MLA's latent ring
 
@@ -109,6 +109,10 @@ class Plan:
       (paths, not patterns).
     * ``check``: optional ``check(spec)`` raising ``ValueError`` naming a model size that does
       not divide over a :class:`~meshfold.mesh.FoldSpec` (heads over tp, ...).
+    * ``whole``: the plan lays out a whole model that runs with ``pp > 1`` only as a
+      :class:`~meshfold.parallel.pipeline.Pipeline` of its blocks, so
+      :func:`~meshfold.parallel.transformer.parallelize` refuses it on a fold with pp != 1 rather
+      than lay every layer out on every stage. A chunk's plan (:func:`restrict`) has it False.
     """
 
     params: Mapping[str, tuple] = field(default_factory=dict)
@@ -124,6 +128,7 @@ class Plan:
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     check: Callable | None = None
+    whole: bool = False
 
     def __post_init__(self):
         for name in ("fsdp", "tp_summed", "recompute", "before", "after"):
@@ -208,6 +213,13 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
             if not found:
                 raise ValueError(f"Plan.{field_name} pattern {pattern!r} matches none of {where} "
                                  f"({_sample(modules)})")
+    for path, pattern in layers.items():  # else its parameters would be blamed on Plan.params
+        own = [n for n, _ in modules[path].named_parameters()]
+        if not any(n in plan.moe[pattern] for n in own):
+            raise ValueError(f"Plan.moe pattern {pattern!r} matches {path!r}, a {type(modules[path]).__name__} "
+                             f"that is not an MoE layer: none of its parameters ({', '.join(own[:4]) or 'none'}) "
+                             f"is in the pattern's layout table ({', '.join(list(plan.moe[pattern])[:4])}); valid: "
+                             f"patterns of MoE layers only")
     for pattern, found in matching(plan.params, dense).items():
         if not found:
             raise ValueError(f"Plan.params pattern {pattern!r} matches no parameter outside the MoE "
@@ -310,4 +322,31 @@ def restrict(plan: Plan, part: nn.Module) -> Plan:
         context=keep_map(plan.context, modules), moe=keep_map(plan.moe, modules),
         fsdp=tuple(keep(plan.fsdp, modules)), tp_summed=tuple(keep(plan.tp_summed, modules)),
         recompute=tuple(keep(plan.recompute, modules)), keep_dtype=keep_map(plan.keep_dtype, params),
-        before=tuple(p for p in plan.before if p in modules), after=tuple(p for p in plan.after if p in modules))
+        before=tuple(p for p in plan.before if p in modules), after=tuple(p for p in plan.after if p in modules),
+        whole=False)
+
+
+# model class -> the function giving its plan: for classes that cannot declare ``plan()`` themselves
+_DEFAULT_PLANS: dict[type, Callable[[nn.Module], Plan]] = {}
+
+
+def register_plan(cls: type, make: Callable[[nn.Module], Plan]) -> None:
+    """Make ``make(model)`` the plan of every ``cls`` model (subclasses included) that declares no
+    ``plan()`` method of its own: for a model class defined where the parallel package may not be
+    imported (meshfold's own models are single-device code: :mod:`meshfold.parallel.transformer_plan`
+    registers theirs)."""
+    if not isinstance(cls, type) or not callable(make):
+        raise TypeError(f"register_plan({cls!r}, {make!r}); valid: a class and a function model -> Plan")
+    _DEFAULT_PLANS[cls] = make
+
+
+def model_plan(model: nn.Module) -> Plan:
+    """``model``'s own plan: ``model.plan()`` if it declares one, else the plan registered for its
+    class (:func:`register_plan`; the nearest base class's), else ``ValueError``."""
+    if callable(getattr(model, "plan", None)):
+        return model.plan()
+    make = next((_DEFAULT_PLANS[c] for c in type(model).__mro__ if c in _DEFAULT_PLANS), None)
+    if make is None:
+        raise ValueError(f"{type(model).__name__} declares no layout plan (no plan() method, none registered); "
+                         f"pass one: parallelize(model, folded, Plan(params=..., ...)) (meshfold.parallel.plan.Plan)")
+    return make(model)

@@ -1,10 +1,12 @@
-"""How a model runs on a FoldedMesh: tensor, sequence, context, data and expert parallel.
+"""How any model runs on a FoldedMesh: tensor, sequence, context, data and expert parallel.
 
 The model (e.g. :mod:`meshfold.models.transformer`, or a user's own ``nn.Module``) is
 single-device code. :func:`parallelize` applies, from outside, what its layout plan
-(:class:`~meshfold.parallel.plan.Plan`; meshfold's transformer's is :func:`transformer_plan`) says:
+(:class:`~meshfold.parallel.plan.Plan`) says, and knows no model: everything model-specific is
+in the plan (meshfold's transformer's is
+:func:`~meshfold.parallel.transformer_plan.transformer_plan`).
 
-* **layout as data** (``Plan.params``; meshfold's tables :data:`TRANSFORMER_LAYOUT`): every dense
+* **layout as data** (``Plan.params``; meshfold's tables :data:`~meshfold.parallel.layouts.TRANSFORMER_LAYOUT`): every dense
   parameter becomes a DTensor on the attention mesh ``(dp, cp, tp)`` of its pipeline stage; every
   MoE layer gets its table (``Plan.moe``, :data:`~meshfold.parallel.layouts.MOE_LAYOUT`) on the MoE
   mesh ``(edp, ep, etp)``. The module
@@ -57,7 +59,6 @@ count), so the shares add up to the single-device mean loss and so do the gradie
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -67,20 +68,21 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshfold.catalog import DATA_PARALLEL, check_choice
 from meshfold.models.attention import CausalMaskCache
-from meshfold.models.transformer import MoETransformer
 from meshfold.parallel.batch import local_positions
 from meshfold.parallel.context import RingContext, gather_positions
 from meshfold.parallel.data_parallel import fully_shard_folded
-from meshfold.parallel.layouts import MLA_LAYOUT, MOE_LAYOUT, TRANSFORMER_LAYOUT, single_device_name
+from meshfold.parallel.layouts import single_device_name
 from meshfold.parallel.materialize import materialize_shards
-from meshfold.parallel.mla import LatentContext, check_mla_fold
-from meshfold.parallel.moe import FoldedComm, check_moe_fold, moe_param_layout, parallelize_moe, place
-from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel, resolve
+from meshfold.parallel.mla import LatentContext
+from meshfold.parallel.moe import FoldedComm, moe_param_layout, parallelize_moe, place
+from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel, model_plan, resolve
 from meshfold.parallel.recompute import apply_recompute, check_recompute
 from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
+# meshfold.train.config still imports check_fold from here; its home is transformer_plan
+from meshfold.parallel.transformer_plan import check_fold  # noqa: F401
 
-__all__ = ["parallelize", "param_layouts", "transformer_plan", "model_plan", "check_fold", "full_state_dict",
-           "single_device_name", "LocalShard", "sequence_parallel", "GlobalLogits", "GlobalMeanLoss"]
+__all__ = ["parallelize", "param_layouts", "model_plan", "full_state_dict", "single_device_name", "LocalShard",
+           "sequence_parallel", "vocab_parallel", "GlobalLogits", "GlobalMeanLoss"]
 
 R = Replicate()
 ATTN_DIMS = ("dp", "cp", "tp")
@@ -202,70 +204,6 @@ def vocab_parallel(module: nn.Module, mesh, entry: VocabParallel) -> None:
     module.register_forward_hook(leave)
 
 
-def transformer_plan(cfg, layers: list[int] | None = None, first: bool = True, last: bool = True) -> Plan:
-    """The plan of a :class:`~meshfold.models.transformer.MoETransformer` of ``cfg`` (GQA or
-    MLA), from :data:`TRANSFORMER_LAYOUT`, :data:`MLA_LAYOUT` and :data:`MOE_LAYOUT`; with
-    ``layers`` (ids) and ``first`` / ``last``, the plan of a pipeline chunk holding those layers
-    and the embeddings (first) or the final norm and head (last). Every entry names parameters or
-    modules the model has, so the plan passes :func:`~meshfold.parallel.plan.check_plan`."""
-    ids = list(range(cfg.layers)) if layers is None else list(layers)
-    moe_ids = [i for i in ids if cfg.is_moe_layer(i)]
-    dense_ids = [i for i in ids if not cfg.is_moe_layer(i)]
-    mla = cfg.mla
-    q_latent = mla is not None and mla.q_lora_rank is not None
-    if mla is None:
-        attn = ["wq", "wk", "wv", "wo"] + (["bq", "bk", "bv"] if cfg.qkv_bias else [])
-    else:
-        attn = ["wkv_a.weight", "kv_norm.weight", "wkv_b", "wo"] + (["wq_a.weight", "q_norm.weight", "wq_b"]
-                                                                    if q_latent else ["wq"])
-    tables = MLA_LAYOUT | TRANSFORMER_LAYOUT  # keyed by the name within a block
-    params = {f"layers.*.attn.{n}": tables["attn." + n] for n in attn}
-    params |= {f"layers.*.{n}.weight": (R, R, R) for n in ("attn_norm", "mlp_norm")}
-    if cfg.qk_norm:
-        params |= {f"layers.*.attn.{n}.weight": (R, R, R) for n in ("q_norm", "k_norm")}
-    if dense_ids:
-        params |= {f"layers.*.{n}": TRANSFORMER_LAYOUT[n] for n in ("mlp.w_gate_up", "mlp.w_down")}
-    if first:
-        params["embed.weight"] = (R, R, R)
-    if last:
-        params["norm.weight"] = (R, R, R)
-        if not cfg.tie_embeddings:
-            params["head.weight"] = (R, R, R)
-    blocks = ("layers.*",) if ids else ()
-    tp_summed = ["layers.*.attn_norm", "layers.*.mlp_norm"] if ids else []
-    if cfg.qk_norm:
-        tp_summed += ["layers.*.attn.q_norm", "layers.*.attn.k_norm"]
-    if mla:
-        tp_summed += ["layers.*.attn.kv_norm", "layers.*.attn.wkv_a"] + (["layers.*.attn.q_norm", "layers.*.attn.wq_a"]
-                                                                      if q_latent else [])
-    moe = cfg.moe
-    if moe is not None and moe.shared_ffn and moe.shared_kind == "qwen2":  # its gate is tp-replicated
-        tp_summed += [f"layers.{i}.mlp.shared" for i in moe_ids]
-    return Plan(
-        params=params,
-        tp=({"layers.*.attn": SequenceParallel(positions=True)} | {f"layers.{i}.mlp": SequenceParallel()
-                                                                   for i in dense_ids}) if ids else {},
-        context={"layers.*.attn": "latent" if mla else "ring"} if ids else {},
-        moe={f"layers.{i}.mlp": MOE_LAYOUT for i in moe_ids},
-        fsdp=tuple(f"layers.{i}.mlp.experts" for i in moe_ids) + blocks,
-        tp_summed=tuple(tp_summed), recompute=blocks,
-        keep_dtype={f"layers.{i}.mlp.router.weight": None for i in moe_ids},  # its router_dtype
-        blocks="layers", before=("embed",) if first else (),
-        after=(("norm",) if cfg.tie_embeddings else ("norm", "head")) if last else (),
-        check=functools.partial(check_fold, cfg))
-
-
-def model_plan(model: nn.Module) -> Plan:
-    """``model``'s own plan: ``model.plan()`` if it declares one, :func:`transformer_plan` of a
-    :class:`~meshfold.models.transformer.MoETransformer`'s config, else ``ValueError``."""
-    if callable(getattr(model, "plan", None)):
-        return model.plan()
-    if isinstance(model, MoETransformer):
-        return transformer_plan(model.cfg)
-    raise ValueError(f"{type(model).__name__} declares no layout plan (no plan() method); pass one: "
-                     f"parallelize(model, folded, Plan(params=..., ...)) (meshfold.parallel.plan.Plan)")
-
-
 def param_layouts(model: nn.Module, folded, plan: Plan | None = None) -> dict[str, tuple]:
     """``{parameter name: (mesh, placements)}`` for every parameter of an unparallelized model:
     what :func:`parallelize` will do with ``plan`` (None: :func:`model_plan`), as data (used to
@@ -279,22 +217,6 @@ def param_layouts(model: nn.Module, folded, plan: Plan | None = None) -> dict[st
         out[name] = (moe_param_layout(name[len(layer) + 1:], comm, resolved.moe[layer]) if layer
                      else (attn_mesh, resolved.placements[name]))
     return out
-
-
-def check_fold(cfg, spec) -> None:
-    """Raise ``ValueError`` naming the model size that does not divide over ``spec`` (a
-    :class:`~meshfold.mesh.FoldSpec`): heads, kv_heads and the dense ffn over ``tp``, and the MoE
-    sizes (:func:`~meshfold.parallel.moe.check_moe_fold`). Needs no mesh, so a config can
-    be checked before any process starts; :func:`parallelize` runs the same checks."""
-    if getattr(cfg, "mla", None) is not None:
-        check_mla_fold(cfg.heads, spec.tp)
-    for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
-        if n % spec.tp:
-            raise ValueError(f"{what} = {n} is not divisible by tp = {spec.tp}")
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.layers)) and cfg.ffn % spec.tp:
-        raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
-    if cfg.moe is not None:
-        check_moe_fold(cfg.moe, spec.ep, spec.etp, spec.tp)
 
 
 def _check_divides(name: str, shape, placements, spec) -> None:
@@ -347,10 +269,10 @@ def parallelize(model: nn.Module, folded, plan: Plan | None = None, *, local_sta
     sharded dim). Returns the model (modified in place).
     """
     plan = model_plan(model) if plan is None else plan
-    if folded.spec.pp != 1 and isinstance(model, MoETransformer):
-        raise ValueError(f"pp = {folded.spec.pp}: a whole MoETransformer runs with pp = 1; for pipeline "
-                         f"parallelism use meshfold.parallel.pipeline.Pipeline, which parallelizes "
-                         f"each rank's model chunks")
+    if folded.spec.pp != 1 and plan.whole:
+        raise ValueError(f"pp = {folded.spec.pp}: the plan lays out the whole {type(model).__name__}, which "
+                         f"runs with pp = 1; for pipeline parallelism use meshfold.parallel.pipeline.Pipeline, "
+                         f"which parallelizes each rank's model chunks")
     check_choice("data_parallel", data_parallel, DATA_PARALLEL)
     check_recompute(recompute)
     spec = folded.spec

@@ -25,8 +25,8 @@ estimates of the paper's own configs use; with it the planner reproduces the pap
 column (Llama3-8x70B out of memory, as the paper's text says) and the four MCore configs within
 7%. The FSDP strategies may recompute (the search adds it where a layout does not fit): without
 it no FSDP layout fits on any Table 1 model, nor FSDP+EP on three of the four, and the paper
-reports MFU for them. docs/plan.md, "Validation", gives the evidence and what changes without
-this assumption.
+reports MFU for them. benchmarks/RESULTS.md, "Planner against the paper's Table 1", gives the
+evidence and what changes without this assumption.
 """
 
 from __future__ import annotations

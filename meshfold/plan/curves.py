@@ -4,12 +4,12 @@ and global batch.
 Each sweep plans every point from scratch (the best feasible layout the search finds, as a user of
 ``meshfold plan`` would get) and reports its MFU with the step split into compute, the layer
 collectives, data-parallel traffic and the pipeline. These are predictions, not measurements:
-docs/plan.md ("Time model: how it generalizes") lists them with the measurement that would
-falsify each term.
+benchmarks/RESULTS.md, "Planner: the time model away from Table 1", lists them with the
+measurement that would falsify each term.
 
     python -m meshfold.plan.curves            # all four tables (a few minutes on 2 CPU cores)
     python -m meshfold.plan.curves seq        # one of: seq, granularity, scaling, batch
-    python -m meshfold.plan.curves table1     # Table 1 against the planner (docs/plan.md, "Validation")
+    python -m meshfold.plan.curves table1     # Table 1 against the planner (benchmarks/RESULTS.md)
 """
 
 from __future__ import annotations

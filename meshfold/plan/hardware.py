@@ -2,8 +2,8 @@
 
 Every efficiency is a function of the work's shape (GEMM rows and columns, attention sequence
 length and head dim, message size and whether a group leaves its node), read off a public kernel
-or collective measurement cited beside it (and in docs/plan.md, "Time model: how it
-generalizes"); none is fitted to the paper's Table 1. Figures are per GPU; bandwidths are one
+or collective measurement cited beside it (and in benchmarks/RESULTS.md, "Planner: the time
+model away from Table 1"); none is fitted to the paper's Table 1. Figures are per GPU; bandwidths are one
 direction.
 """
 
@@ -220,7 +220,7 @@ class Hardware:
         return nbytes / self.collective_time(nbytes, intra_node)
 
 
-# Sources (docs/plan.md, "Assumptions" and "Time model: how it generalizes"):
+# Sources (docs/plan.md, "Assumptions"; benchmarks/RESULTS.md, "Planner: the time model away from Table 1"):
 # * peak 989.5 TFLOP/s, NVLink 450 GB/s one way, IB 400 Gb/s = 50 GB/s per GPU, 8 GPUs per node:
 #   the DGX H100 setup of arXiv 2504.14960. H200 (NVIDIA's H200 datasheet): same compute and links,
 #   141 GB HBM3e; its kernels are taken at H100's measured rates (same SMs and clocks).

@@ -4,7 +4,7 @@ Under interleaving a pipeline rank holds ``v`` chunks and runs a later chunk's b
 an earlier chunk's have formed any gradients (pp 2, v 2, m 2, rank 0: F0 F1 of chunk 0, F0 F1 of
 chunk 2, B0 B1 of chunk 2, B0 B1 of chunk 0). 1F1B's moments (``memory._pipeline_activations``)
 assume one chunk, every group gathered and every gradient formed after the first backward, and
-over-state the peak by a quarter there (docs/plan.md, *Planner against the dry run*). Here each
+over-state the peak by a quarter there (benchmarks/RESULTS.md, *Planner against the dry run*). Here each
 backward is a moment, summing what is alive when it starts, chunk by chunk:
 
 * **gradients**: fp32, unsharded (sync off until the last backward), of each chunk whose backward

@@ -5,7 +5,8 @@ Layout of ``<out_dir>/checkpoints/``::
     step_000100/            a complete checkpoint (renamed into place only when every rank is done)
         shard-*.safetensors DCP's Hugging Face storage: tensors + JSON sharding metadata
         trainer.json        step, config, fold, metrics counters (rank 0); written last, it
-                            lists every other file with its size, so a lost shard is seen
+                            lists every other file with its size and BLAKE2b checksum, so a
+                            lost shard or a flipped byte in one is seen before a rank reads it
         rng_rank0.json ...  each rank's torch RNG state (CPU, and its GPU's under CUDA)
     step_000200.tmp/        a save in progress or interrupted: never read
 
@@ -28,6 +29,7 @@ Why these choices:
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -43,9 +45,11 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from meshfold.parallel.expert_placement import folded_moe_layers, in_expert_order, replace_experts
 from meshfold.parallel.transformer import single_device_name
 
-__all__ = ["save", "load", "latest", "verify", "newest_intact", "CheckpointError"]
+__all__ = ["save", "load", "latest", "verify", "newest_intact", "checksum", "CheckpointError"]
 
 _STEP = re.compile(r"^step_(\d{6,})$")
+NO_CHECKSUMS = "carries no checksums (written before meshfold recorded them): its sizes and headers are checked, " \
+               "not its contents"
 
 
 class CheckpointError(ValueError):
@@ -61,12 +65,22 @@ def latest(ckpt_dir: str | os.PathLike) -> Path | None:
     return done[-1][1] if done else None
 
 
-def verify(path: str | os.PathLike) -> None:
-    """Check a checkpoint folder's files without loading them: every file trainer.json lists is
-    there at its size (each rank's shard and RNG state; a checkpoint written before that list
-    needs an RNG file per rank of its world), trainer.json and the RNG files parse, and every
-    safetensors file is whole (its header parses and the file is as long as the header says).
-    Raises :class:`CheckpointError` naming the first bad file."""
+def checksum(file: str | os.PathLike) -> str:
+    """BLAKE2b (16-byte digest, hex) of a file's bytes: catches a flipped byte that leaves the
+    size and the safetensors header intact (a bad disk block, a partial copy). BLAKE2b is in the
+    standard library and, unlike a CRC, not fooled by a systematic change."""
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+
+
+def verify(path: str | os.PathLike) -> str | None:
+    """Check a checkpoint folder's files without loading them into a model: every file
+    trainer.json lists is there at its size (each rank's shard and RNG state; a checkpoint
+    written before that list needs an RNG file per rank of its world) and with its checksum,
+    trainer.json and the RNG files parse, and every safetensors file is whole (its header parses
+    and the file is as long as the header says). Raises :class:`CheckpointError` naming the
+    first bad file; returns a one-line note for a checkpoint written before checksums were
+    recorded (its contents cannot be checked), else None."""
     path = Path(path)
 
     def bad(detail: str) -> CheckpointError:
@@ -114,24 +128,32 @@ def verify(path: str | os.PathLike) -> None:
             raise bad(f"{shard.name} is damaged (its safetensors header is unreadable; {size:,} bytes)") from None
         if size != 8 + n + end:
             raise bad(f"{shard.name} is truncated ({size:,} of {8 + n + end:,} bytes)")
+    sums = state.get("checksums")
+    for name, digest in (sums or {}).items():  # last: the checks above name a cause more precisely
+        if not (path / name).is_file():
+            raise bad(f"{name} is missing; trainer.json lists its checksum")
+        if checksum(path / name) != digest:
+            raise bad(f"{name} is damaged (its contents do not match the checksum trainer.json lists)")
+    return None if sums is not None else f"note: checkpoint {path} {NO_CHECKSUMS}"
 
 
-def newest_intact(ckpt_dir: str | os.PathLike) -> tuple[Path | None, CheckpointError | None]:
+def newest_intact(ckpt_dir: str | os.PathLike) -> tuple[Path | None, CheckpointError | None, str | None]:
     """(the newest complete checkpoint that :func:`verify` passes, the error of the newest one if
-    that one is damaged). With no damage the error is None."""
+    that one is damaged, :func:`verify`'s note on the intact one). With no damage the error is
+    None."""
     root = Path(ckpt_dir)
     if not root.is_dir():
-        return None, None
+        return None, None, None
     done = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()),
                   reverse=True)
     first_error = None
     for _, p in done:
         try:
-            verify(p)
-            return p, first_error
+            note = verify(p)
+            return p, first_error, note
         except CheckpointError as err:
             first_error = first_error or err
-    return None, first_error
+    return None, first_error, None
 
 
 def _cause(err: BaseException) -> BaseException:
@@ -141,15 +163,37 @@ def _cause(err: BaseException) -> BaseException:
     return err
 
 
-def _why(err: OSError, folder: Path) -> str:
-    """The reason of a failed write, with the space left where the disk is full."""
+def _why(err: OSError, folder: Path, model, optimizer) -> str:
+    """The reason of a failed write; where the disk is full, the space a checkpoint needs and the
+    space left there (the partial save is removed by then, so that is what a retry finds)."""
     reason = err.strerror or str(err)
     if err.errno == errno.ENOSPC:
+        reason += f"; a checkpoint of this model needs about {_checkpoint_bytes(model, optimizer):,} bytes"
         try:
-            reason += f" ({shutil.disk_usage(folder).free:,} bytes free there)"
+            reason += f", {shutil.disk_usage(folder.parent).free:,} are free there"
         except OSError:
             pass
     return reason
+
+
+def _checkpoint_bytes(model, optimizer) -> int:
+    """Bytes of every tensor a checkpoint of ``model`` holds, at their global shapes (DCP writes
+    each once, whichever ranks share it)."""
+    with torch.no_grad(), in_expert_order(model, optimizer):
+        return sum(t.numel() * t.element_size() for t in _tensors(model, optimizer).values())
+
+
+def _checksums(folder: Path, rank: int) -> dict[str, str]:
+    """{file name: :func:`checksum`} of every file in ``folder``, each rank hashing its share of
+    the files (collective): a save's hashing takes a rank's part of the time, not the world's."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    names = sorted(p.name for p in folder.iterdir())
+    mine = {name: checksum(folder / name) for name in names[rank::world]}
+    if world == 1:
+        return mine
+    every: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(every, mine)
+    return {name: digest for part in every for name, digest in sorted(part.items())}
 
 
 def _reshard(model) -> None:
@@ -210,15 +254,18 @@ def save(path_root: str | os.PathLike, step: int, model, optimizer, trainer_stat
             json.dump(rng, f)
         if dist.is_initialized():
             dist.barrier()  # every rank has written its shard and RNG state
+        sums = _checksums(tmp, rank)
         if rank == 0:  # last, listing every rank's files: verify() then knows a checkpoint is whole
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
             with open(tmp / "trainer.json", "w") as f:
-                json.dump({**trainer_state, "files": files}, f, indent=1)
+                json.dump({**trainer_state, "files": files, "checksums": sums}, f, indent=1)
     except (OSError, CheckpointException) as err:
         cause = _cause(err)
         if not isinstance(cause, OSError):
             raise
-        raise CheckpointError(f"cannot write checkpoint {tmp}: {_why(cause, tmp)}") from None
+        if rank == 0:  # a partial save left behind would starve the next try of the same space
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {tmp}: {_why(cause, tmp, model, optimizer)}") from None
     if crash_before_rename and rank == 0:
         os._exit(3)
     if rank == 0:

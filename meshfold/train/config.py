@@ -41,7 +41,7 @@ from meshfold.mesh import FoldSpec
 from meshfold.plan.hardware import HARDWARE
 from meshfold.train.optim import NO_DECAY_KINDS
 
-__all__ = ["TrainConfig", "load_config", "parse_override", "master_dtype"]
+__all__ = ["TrainConfig", "Resolved", "load_config", "parse_override", "master_dtype"]
 
 
 @dataclass(frozen=True)
@@ -260,6 +260,12 @@ class DataSettings:
     tokenizer: str | None = setting(None, str, "a Hugging Face tokenizers tokenizer.json, or a checkpoint folder "
                                     "holding one: the text is tokenized into <out_dir>/tokens/ before the ranks "
                                     "start (default: unset, byte-level)", optional=True)
+    text_field: str = setting("text", str, "the field (JSON Lines, JSON) or column (Parquet, a save_to_disk "
+                              "folder) holding each record's text (meshfold.data.records)")
+    split: str = setting("train", str, "the split of a save_to_disk DatasetDict folder to read")
+    weights: list = setting([], list, "a mixture: one weight per data.paths entry, each a token folder; "
+                            "each step's rows are drawn from the folders in these proportions, and validation "
+                            "loss is reported per folder (default: empty, one source)", item=float, low=0)
 
 
 # MoEConfig fields that change parameter shapes: a train.init_from checkpoint fixes them
@@ -341,13 +347,18 @@ class TrainConfig:
             from meshfold.train.sparsity import ExpertSparsity
 
             sp = dict(self.sparsity)
-            for key in ("tile", "schedule"):
+            for key, example in (("tile", "[64, 64]"), ("schedule", "[0.25, 0.5]")):
+                if key in sp and not isinstance(sp[key], (list, tuple)):
+                    raise ValueError(f"sparsity.{key} = {sp[key]!r}; valid: a list, e.g. {key} = {example}")
                 if key in sp:
                     sp[key] = tuple(sp[key])
             bad = sorted(set(sp) - {f.name for f in dataclasses.fields(ExpertSparsity)})
             if bad:
                 raise ValueError(f"[sparsity] has no settings {bad}")
-            moe = dataclasses.replace(moe, expert_sparsity=ExpertSparsity(**sp))
+            try:
+                moe = dataclasses.replace(moe, expert_sparsity=ExpertSparsity(**sp))
+            except ValueError as err:
+                raise ValueError(f"[sparsity] {err}") from None
         if moe is not None and "float64" in (self.train.dtype, self.train.master_dtype):
             import torch
 
@@ -378,15 +389,32 @@ class TrainConfig:
             raise ValueError(f"{first} with train.init_from: the checkpoint's config.json fixes the model's "
                              f"shape; drop that setting")
         try:
-            return config_from_hf(json.loads(path.read_text()))
+            hf = json.loads(path.read_text())
         except ValueError as err:
-            raise ValueError(f"train.init_from {self.train.init_from}: {err}") from None
+            raise ValueError(f"train.init_from {self.train.init_from}: {path} is not valid JSON ({err}); "
+                             f"a Hugging Face checkpoint's config.json is a JSON object") from None
+        try:
+            return config_from_hf(hf)
+        except ValueError as err:
+            raise ValueError(f"train.init_from {self.train.init_from}: {path}: {err}") from None
+
+    def resolve(self) -> "Resolved":
+        """These settings checked once (:meth:`validate`) and completed (``train.master_dtype``
+        resolved), as a :class:`Resolved` copy the run reads and nothing rewrites; ``self`` is left
+        as it was."""
+        cfg = dataclasses.replace(self, model=dict(self.model), moe=dict(self.moe), fold=dict(self.fold),
+                                  train=dataclasses.replace(self.train), data=dataclasses.replace(self.data),
+                                  sparsity=dict(self.sparsity))
+        cfg.check_types()
+        cfg.train.master_dtype = master_dtype(cfg.train.dtype, cfg.train.master_dtype)  # the model config reads it
+        spec, mcfg = cfg.validate()
+        return Resolved(cfg, spec, mcfg)
 
     def validate(self):
         """Everything about the settings themselves that can be checked before any process starts
         (files and folders: meshfold.train.preflight); returns (spec, model cfg)."""
         self.check_types()
-        self.train.master_dtype = master_dtype(self.train.dtype, self.train.master_dtype)
+        master_dtype(self.train.dtype, self.train.master_dtype)  # a master dtype narrower than the compute one
         spec = self.fold_spec()
         cfg = self.model_config()
         t = self.train
@@ -438,6 +466,21 @@ class TrainConfig:
 
         check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts
         return spec, cfg
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A run's settings, validated once: ``cfg`` (the settings, ``train.master_dtype`` resolved),
+    ``spec`` (the fold) and ``model`` (the model config). Made by :meth:`TrainConfig.resolve`
+    before any rank starts; the ranks, the build and the dry run read it and change nothing."""
+
+    cfg: TrainConfig
+    spec: FoldSpec
+    model: Any
+    train: TrainSettings = field(init=False, repr=False)  # cfg.train, the settings read most
+
+    def __post_init__(self):
+        object.__setattr__(self, "train", self.cfg.train)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -1,15 +1,17 @@
-"""The per-rank training loop of ``meshfold train``.
+"""The per-rank training loop of ``meshfold train``: build, restore, loop, finish.
 
-Every rank describes the same model on the meta device (same seed), lays it out on the folded
-mesh and materializes only its own shards, then trains on its slice of each global batch (batch
-over dp, sequence over cp x tp; with pp, through the pipeline schedule). ``model.loss`` is the global mean loss on every rank, and each rank's backward is its
-share: the sum of its tokens' cross-entropy over the global token count, so the gradients add up
-to the single-device ones. Rank 0 shows progress and writes metrics.
+Every rank builds the same job (:func:`meshfold.train.build.build`: the model described on the
+meta device with the same seed, laid out on the folded mesh as a
+:class:`~meshfold.parallel.pipeline.Pipeline`, each rank materializing only its own shards),
+then trains on its slice of each global batch (batch over dp, sequence over cp x tp) through the
+model's schedule (pipeline stages with pp > 1, gradient accumulation with pp = 1). The step's
+loss is the global mean loss on every rank, and each rank's backward is its share: the sum of
+its tokens' cross-entropy over the global token count, so the gradients add up to the
+single-device ones. Rank 0 shows progress and writes metrics.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -20,26 +22,22 @@ import torch.distributed as dist
 from meshfold.runtime.malloc import retain_freed_memory
 from meshfold.mesh import backend_device_type, fold
 from meshfold.parallel.pipeline import Pipeline
-from meshfold.models.transformer import MoETransformer
-from meshfold.parallel.transformer import parallelize
-from meshfold.parallel.compile import compile_model
 from meshfold.parallel.batch import batch_rows, shard_batch
-from meshfold.parallel.data_parallel import grad_norm, reduce_gradients
+from meshfold.parallel.data_parallel import grad_norm
 from meshfold.plan.hardware import HARDWARE
 from meshfold.plan.placement import static
 from meshfold.train import checkpoint, faults
-from meshfold.train.config import TrainConfig
+from meshfold.train.build import DTYPES, Built, build
+from meshfold.train.config import Resolved
 from meshfold.train.expert_load import ep_load_metrics
 from meshfold.train.flops import train_flops_per_step
-from meshfold.train.optim import build_optimizer, lr_at
+from meshfold.train.metrics_log import resume_metrics, write_row
+from meshfold.train.optim import lr_at
 from meshfold.train.progress import Progress
+from meshfold.train.rundir import resume_point
 from meshfold.train.tracking import Profiler, StepMemory, Trackers
-from meshfold.train.pruning import FoldedPruner
-from meshfold.train.rebalance import Rebalancer
 
-__all__ = ["train_rank", "accumulate", "microbatch_counts"]
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+__all__ = ["train_rank", "evaluate", "hardware_peak"]
 
 
 def _measure_peak(seconds: float = 0.5, device=None, dtype=torch.float32) -> float:
@@ -59,64 +57,14 @@ def _measure_peak(seconds: float = 0.5, device=None, dtype=torch.float32) -> flo
     return 2 * size ** 3 * n / (time.perf_counter() - t0)
 
 
-def _global_loss(model, tokens, targets, spec, rank, backward: bool, microbatches: int = 1) -> float:
-    """The global mean loss of one batch (the same on every rank); with ``backward`` its
-    gradients accumulate. ``model`` is a parallelized MoETransformer or a Pipeline (which
-    micro-batches through its schedule); without pp, ``microbatches`` > 1 accumulates gradients
-    over that many slices of each rank's local batch (see :func:`accumulate`)."""
+def _global_loss(model: Pipeline, tokens, targets, spec, rank, backward: bool) -> float:
+    """The global mean loss of one global batch (the same on every rank), this rank's rows of it
+    run through ``model``'s schedule (micro-batches, gradient accumulation with pp = 1); with
+    ``backward`` its gradients accumulate."""
     device = next(model.parameters()).device
     lt, pos = (x.to(device) for x in shard_batch(tokens, spec, rank))
     ltg = shard_batch(targets, spec, rank)[0].to(device)
-    if isinstance(model, Pipeline):
-        return model.step(lt, ltg, pos, backward=backward).item()
-    if microbatches > 1:
-        return accumulate(model, lt, ltg, pos, microbatch_counts(ltg, microbatches), backward)
-    loss = model.loss(lt, ltg, pos)
-    if backward:
-        loss.backward()
-    return loss.item()
-
-
-def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list[float]:
-    """Counted target tokens (!= -100) of each global micro-batch, from this rank's own [b, s]
-    targets: micro-batch i is the i-th slice of every dp rank's rows, and without pp every
-    global token sits on exactly one rank, so one all-reduce of the local counts sums them."""
-    b = local_targets_bs.shape[0]
-    counts_m = (local_targets_bs.reshape(microbatches, b // microbatches, -1) != -100).sum(dim=(1, 2)).double()
-    dist.all_reduce(counts_m)
-    return counts_m.tolist()
-
-
-def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], backward: bool) -> float:
-    """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s])
-    cut into ``len(counts)`` micro-batches along the batch dim, one forward + backward each.
-
-    ``model.loss`` of micro-batch i is its global mean, ``sum_i / counts[i]``; weighting it by
-    ``counts[i] / sum(counts)`` makes the micro-batches add up to the whole batch's mean loss and
-    gradients (up to summation order), as Pipeline's schedules do. MoE balancing losses are
-    computed per micro-batch (Megatron-Core's definition) and each enters the backward scaled by
-    1 / microbatches, as under Pipeline and in Megatron-Core (``MoELayer.balancing_scale``), so
-    their gradient is the mean over the micro-batches. Under FSDP2 only the last backward
-    reduce-scatters.
-    """
-    m, total = len(counts), sum(counts)
-    sync = getattr(model, "set_requires_gradient_sync", None)
-    layers = model.moe_layers()
-    for layer in layers:
-        layer.balancing_scale = 1 / m
-    loss = 0.0
-    try:
-        for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
-            if sync is not None and backward:
-                sync(i == m - 1)
-            part = model.loss(tokens_ms, targets_ms, positions) * (counts[i] / total)
-            if backward:
-                part.backward()
-            loss += part.item()
-    finally:
-        for layer in layers:
-            layer.balancing_scale = 1.0
-    return loss
+    return model.step(lt, ltg, pos, backward=backward).item()
 
 
 def _all_sum(t: torch.Tensor) -> torch.Tensor:
@@ -138,139 +86,156 @@ def _rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    spec, mcfg = cfg.validate()
-    t = cfg.train
+def train_rank(rank: int, world_size: int, run: Resolved) -> dict:
+    """Train ``run`` on this rank: build, restore, loop, finish. Returns the final loss, the
+    steps trained, the step started from and the newest checkpoint."""
+    t = run.train
     injected = faults.parse()
     out = Path(t.out_dir)
-    ckpt_dir = out / "checkpoints"
     torch.manual_seed(t.seed)
     device = _rank_device()
     if device.type == "cpu" and t.retain_cpu_memory:
         retain_freed_memory()  # reuse large activation buffers across steps (meshfold.runtime.malloc)
-    folded = fold(spec, device.type)
-    compute = DTYPES[t.dtype]
-    last = checkpoint.latest(ckpt_dir) if t.resume else None
-    if t.init_from is not None and last is None:  # (a resume reads its own checkpoint instead)
-        from meshfold.interop.hf import from_pretrained
-        from meshfold.parallel.recompute import apply_recompute
-
-        # laid out as parallelize lays it out, each rank reading only its own slices (pp = 1)
-        model = from_pretrained(t.init_from, mesh=folded, dtype=DTYPES[t.master_dtype], cfg=mcfg,
-                                compute_dtype=compute)
-        apply_recompute(model.layers, t.recompute)
-    else:
-        # built on the meta device: parallelize / Pipeline lay it out, then each rank materializes
-        # only its own shards on its device (the same global weights on every fold, for this seed)
-        model = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")  # master weights
-        if spec.pp > 1:  # from here on, "model" is this rank's pipeline chunks
-            model = Pipeline(model, folded, t.microbatches or spec.pp, t.schedule, t.virtual,
-                             data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
-        else:
-            parallelize(model, folded, data_parallel=t.data_parallel, compute_dtype=compute, recompute=t.recompute)
-    if t.compile:
-        for module in model.chunks if isinstance(model, Pipeline) else [model]:
-            compile_model(module)
-    opt = build_optimizer(model, t)
+    folded = fold(run.spec, device.type)
+    last = resume_point(out, t.resume)  # rank 0's choice, once every rank sees the folder
+    built = build(run, folded, init_from=last is None)  # a resume reads its own checkpoint instead
     from meshfold.data.corpus import load_corpus
+    from meshfold.data.mixture import load_mixture
 
-    corpus = load_corpus(cfg.data.paths or None, cfg.data.val_fraction)
+    data = run.cfg.data
+    corpus = (load_mixture(data.paths, data.weights, data.val_fraction) if data.weights
+              else load_corpus(data.paths or None, data.val_fraction))
+    start, skipped = _restore(last, built, run.spec)
+    if rank == 0 and (note := resume_metrics(out / "metrics.jsonl", start, skipped, str(last or ""))):
+        print(note, flush=True)  # the rows the checkpoint covers are kept, a torn or later row is not
+    log = _Log(run, rank, world_size, device, built, start)
+    if rank == 0 and last is not None:
+        print(f"resumed from {last} at step {start}", flush=True)
+    history, last_good = _loop(run, rank, world_size, built, corpus, log, injected, start, skipped,
+                               str(last) if last is not None else None)
+    log.close()
+    return {"final_loss": history[-1]["loss"] if history else None, "steps": len(history),
+            "start": start, "checkpoint": last_good}
+
+
+def _restore(last, built: Built, spec) -> tuple[int, int]:
+    """Load checkpoint ``last`` (None: a fresh run) into ``built``; returns (step, skipped steps)."""
+    if last is None:
+        return 0, 0
+    state = checkpoint.load(last, built.model, built.optimizer)
+    saved = state.get("expert_placement")  # the weights are saved in expert order whatever it is
+    if built.rebalancer is not None and saved and saved["ep"] == spec.ep:
+        built.rebalancer.restore(saved["slots"], built.optimizer)
+    return state["step"], state.get("skipped", 0)
+
+
+class _Log:
+    """Where a rank's steps are measured and shown: the job's peak FLOP/s, metrics.jsonl, the
+    progress line and trackers (rank 0), memory peaks and the profiler."""
+
+    def __init__(self, run: Resolved, rank: int, world_size: int, device, built: Built, start: int):
+        t, out = run.train, Path(run.train.out_dir)
+        self.rank = rank
+        measured = _all_sum(torch.tensor(_measure_peak(device=device, dtype=DTYPES[t.dtype]), device=device)).item()
+        self.peaks = (hardware_peak(t, world_size), measured)
+        self.flops = train_flops_per_step(run.model, t.batch, t.seq)
+        self.metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
+        self.progress = Progress(t.steps, start) if rank == 0 else None
+        self.memory = StepMemory(device, t.tensor_memory, state=lambda: _state_tensors(built.model, built.optimizer))
+        self.profiler = Profiler(t, out, rank, device)
+        self.trackers = Trackers(t, out, start) if rank == 0 else None
+
+    def write(self, record: dict) -> None:
+        if self.rank == 0:
+            write_row(self.metrics_file, record)
+            self.progress.update(record)
+            self.trackers.log(record)
+
+    def note(self, text: str) -> None:
+        if self.rank == 0:
+            self.progress.note(text)
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self.progress.close()
+            self.metrics_file.close()
+            self.trackers.close()
+
+
+def _loop(run: Resolved, rank, world_size, built: Built, corpus, log: _Log, injected, start: int,
+          skipped: int, last_good: str | None) -> tuple[list[dict], str | None]:
+    """Steps ``start + 1`` .. the run's end: train, record, evaluate, checkpoint. Returns the
+    metrics rows and the newest checkpoint."""
+    t, spec, model, opt = run.train, run.spec, built.model, built.optimizer
     own_rows = batch_rows(t.batch, spec, rank)  # the only rows of each global batch this rank reads
-    sp = mcfg.moe.expert_sparsity if mcfg.moe is not None else None
-    pruner = FoldedPruner(model, sp, opt) if sp is not None else None
-    start, skipped = 0, 0
-    resumed_from = None
-    rebalancer = Rebalancer(model, t.rebalance_every, spec.ep) if t.expert_placement == "balanced" else None
-    if last is not None:
-        state = checkpoint.load(last, model, opt)
-        start, skipped = state["step"], state.get("skipped", 0)
-        resumed_from = str(last)
-        saved = state.get("expert_placement")  # the weights are saved in expert order whatever it is
-        if rebalancer is not None and saved and saved["ep"] == spec.ep:
-            rebalancer.restore(saved["slots"], opt)
-    peak = _all_sum(torch.tensor(_measure_peak(device=device, dtype=DTYPES[t.dtype]), device=device)).item()
-    peak_hw = hardware_peak(t, world_size)
-    flops = train_flops_per_step(mcfg, t.batch, t.seq)
-    n_global = t.batch * t.seq
-    if rank == 0:
-        _truncate_metrics(out / "metrics.jsonl", start)
-    metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
-    progress = Progress(t.steps, start) if rank == 0 else None
-    memory = StepMemory(device, t.tensor_memory, state=lambda: _state_tensors(model, opt))
-    profiler = Profiler(t, out, rank, device)
-    trackers = Trackers(t, out, start) if rank == 0 else None
-    if rank == 0 and resumed_from:
-        print(f"resumed from {resumed_from} at step {start}", flush=True)
-    last_good = resumed_from
     history = []
     # each MoE layer's expert placement (meshfold.plan.placement) during the step: the metrics'
     # per-ep-rank rows follow it; a balanced run's placements change between steps
-    expert_slots = [static(mcfg.moe.num_experts, spec.ep) for _ in mcfg.moe_layer_ids]
+    expert_slots = [static(run.model.moe.num_experts, spec.ep) for _ in run.model.moe_layer_ids]
     end = t.steps if t.stop_at is None else min(t.steps, t.stop_at)
     for step in range(start, end):
         n = step + 1  # steps are counted from 1 in logs, checkpoints and settings
-        profiler.begin(n)
-        with memory.step():  # this rank's peaks over the step, its evaluation excluded
+        log.profiler.begin(n)
+        with log.memory.step():  # this rank's peaks over the step, its evaluation excluded
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = lr_at(n, t)
             tokens, targets = corpus.batch("train", step, t.batch, t.seq, t.seed, rows=own_rows)
             for layer in model.moe_layers():
                 layer.reset_step()  # the step's MoE metrics cover all of its micro-batches
-            if rebalancer is not None:
-                expert_slots = [tuple(slots) for slots in rebalancer.placements()]
+            if built.rebalancer is not None:
+                expert_slots = [tuple(slots) for slots in built.rebalancer.placements()]
             faults.before_step(injected, rank, n)
-            loss = _global_loss(model, tokens, targets, spec, rank, backward=True,
-                                microbatches=t.microbatches or 1)  # the same on every rank
+            loss = _global_loss(model, tokens, targets, spec, rank, backward=True)  # the same on every rank
             if faults.loss_is_nan(injected, n):
                 loss = float("nan")  # all ranks stop or skip together
             if math.isfinite(loss):
-                record = _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, (peak_hw, peak), t0)
-                if rebalancer is not None:  # outside step_s: its cost is recorded apart
-                    placed = rebalancer.after_step(n, record["tokens_per_expert"], opt)
+                record = _update(built, t, n, loss, skipped, t.batch * t.seq, log.flops, log.peaks, t0)
+                if built.rebalancer is not None:  # outside step_s: its cost is recorded apart
+                    placed = built.rebalancer.after_step(n, record["tokens_per_expert"], opt)
                     if placed is not None:
                         record["expert_placement"] = placed
         if math.isfinite(loss):
-            record["memory"] = memory.gather()  # every rank's peaks of the step (a collective)
+            record["memory"] = log.memory.gather()  # every rank's peaks of the step (a collective)
             if "tokens_per_expert" in record:
                 record.update(ep_load_metrics(record["tokens_per_expert"], expert_slots, spec.ep))
+            if run.cfg.data.weights:  # the mixture's draw, summed over a run to check it against the weights
+                record["data_rows"] = corpus.rows_by_source(step, t.batch, t.seed)
             if n % t.eval_every == 0 or n == t.steps:
-                record["val_loss"] = evaluate(model, corpus, cfg, spec, rank)
-            if rank == 0:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                progress.update(record)
-                trackers.log(record)
+                record["val_loss"] = evaluate(model, corpus, run.cfg, spec, rank)
+                for name, part in getattr(corpus, "parts", {}).items():
+                    record.setdefault("val_loss_by_source", {})[name] = evaluate(model, part, run.cfg, spec, rank)
+            log.write(record)
             history.append(record)
         elif t.skip_nonfinite:
             opt.zero_grad(set_to_none=True)
             for layer in model.moe_layers():
                 layer.discard_bias_counts()  # this step's routing must not steer the bias
             skipped += 1
-            if rank == 0:
-                progress.note(f"step {n}: loss {loss} is not finite: skipped (train.skip_nonfinite; "
-                              f"{skipped} skipped so far)")
+            log.note(f"step {n}: loss {loss} is not finite: skipped (train.skip_nonfinite; "
+                     f"{skipped} skipped so far)")
         else:
             raise FloatingPointError(
                 f"non-finite loss {loss} at step {n}; last good checkpoint: "
                 f"{last_good or 'none (no checkpoint saved yet)'}; set train.skip_nonfinite=true "
                 f"to skip such steps instead")
         if n % t.ckpt_every == 0 or n == end:  # skipped steps too: the schedule stays on time
-            state = {"step": n, "skipped": skipped, "fold": cfg.fold, "model": cfg.model,
-                     "moe": cfg.moe, "sparsity": cfg.sparsity, "seed": t.seed,
-                     "dtype": t.dtype, "master_dtype": t.master_dtype,
-                     "world_size": world_size, "train_steps": t.steps, "init_from": t.init_from}
-            if rebalancer is not None:
-                state["expert_placement"] = {"ep": spec.ep, "slots": rebalancer.placements()}
-            crash = faults.crash_in_save(injected, n)
-            last_good = str(checkpoint.save(ckpt_dir, n, model, opt, state, crash_before_rename=crash))
-        profiler.end(n)
-    if rank == 0:
-        progress.close()
-        metrics_file.close()
-        trackers.close()
-    return {"final_loss": history[-1]["loss"] if history else None, "steps": len(history),
-            "start": start, "checkpoint": last_good}
+            last_good = _save(run, world_size, built, n, skipped, faults.crash_in_save(injected, n))
+        log.profiler.end(n)
+    return history, last_good
+
+
+def _save(run: Resolved, world_size: int, built: Built, n: int, skipped: int, crash: bool) -> str:
+    """Checkpoint step ``n``; returns its folder."""
+    cfg, t = run.cfg, run.train
+    state = {"step": n, "skipped": skipped, "fold": cfg.fold, "model": cfg.model,
+             "moe": cfg.moe, "sparsity": cfg.sparsity, "seed": t.seed,
+             "dtype": t.dtype, "master_dtype": t.master_dtype,
+             "world_size": world_size, "train_steps": t.steps, "init_from": t.init_from}
+    if built.rebalancer is not None:
+        state["expert_placement"] = {"ep": run.spec.ep, "slots": built.rebalancer.placements()}
+    return str(checkpoint.save(Path(t.out_dir) / "checkpoints", n, built.model, built.optimizer, state,
+                               crash_before_rename=crash))
 
 
 def _state_tensors(model, opt):
@@ -291,15 +256,15 @@ def hardware_peak(t, world_size: int) -> float | None:
     return per_rank * 1e12 * world_size if per_rank else None
 
 
-def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peaks, t0) -> dict:
+def _update(built: Built, t, n, loss, skipped, n_global, flops, peaks, t0) -> dict:
     """Reduce gradients, prune, clip, step; returns step ``n``'s metrics.
 
     ``peaks`` = (hardware peak or None, measured GEMM rate), both FLOP/s of the whole job: ``mfu``
     is model FLOP/s over the hardware peak, as Megatron-Core and the paper report it;
     ``mfu_of_measured_gemm`` is over the dense GEMM rate these ranks reached in this run."""
+    model, opt, pruner = built.model, built.optimizer, built.pruner
     peak_hw, peak = peaks
-    for module in model.chunks if isinstance(model, Pipeline) else [model]:
-        reduce_gradients(module)  # a no-op under FSDP2, which reduce-scattered in backward
+    model.reduce_gradients()
     if pruner is not None:
         pruner.accumulate()
         pruner.step(n)  # between backward and optimizer.step, as TilePruner wants
@@ -318,7 +283,7 @@ def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peaks, t0)
               "tokens_per_s": n_global / dt, "mfu": flops / dt / peak_hw if peak_hw else None,
               "mfu_of_measured_gemm": flops / dt / peak, "step_s": dt,
               "skipped_steps": skipped}
-    moe = _moe_metrics(model)
+    moe = model.moe_metrics()
     if moe:
         record["aux_losses"] = {k: sum(m["losses"][k] for m in moe) for k in moe[0]["losses"]}
         record["tokens_per_expert"] = [m["tokens_per_expert"] for m in moe]
@@ -328,40 +293,6 @@ def _update(model, opt, pruner, t, n, loss, skipped, n_global, flops, peaks, t0)
     return record
 
 
-def _moe_metrics(model) -> list[dict]:
-    """Per MoE layer, in layer order, over every micro-batch of the step: losses, tokens per
-    expert, dropped fraction (collective: ``step_metrics`` sums over the stage's ranks; with pp,
-    the stages' layers are gathered)."""
-    mine = []
-    for i, b in model.moe_blocks():
-        m = b.mlp.step_metrics()
-        mine.append((i, {"losses": {k: float(v) for k, v in m["losses"].items()},
-                         "tokens_per_expert": m["tokens_per_expert"].tolist(),
-                         "dropped_fraction": float(m["dropped_fraction"])}))
-    if not isinstance(model, Pipeline):
-        return [m for _, m in mine]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [m for _, m in sorted({i: m for part in everyone for i, m in part}.items())]
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep only rows up to ``step``: a run resumed from an earlier checkpoint than its last
-    logged step rewrites those steps, and the log should say what the model really went through."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in rows if _step_of(line) <= step]
-    if len(kept) != len(rows):
-        path.write_text("".join(line + "\n" for line in kept))
-
-
-def _step_of(line: str) -> float:
-    """A metrics row's step; a row cut short by a killed run reads as never written."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
 
 
 @torch.no_grad()

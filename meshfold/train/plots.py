@@ -24,7 +24,7 @@ def write_plots(out_dir: str | Path) -> list[Path] | str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'meshfold[plots]'); plots skipped"
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
+    rows = [r for line in open(out / "metrics.jsonl") if line.strip() and "loss" in (r := json.loads(line))]  # not gaps
     if not rows:
         return "no metrics recorded; plots skipped"
     paths = []

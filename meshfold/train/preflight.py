@@ -38,11 +38,19 @@ def check_launch(world_size: int) -> list[str]:
 
 def check_data(cfg) -> None:
     """The training text exists and gives one batch of ``train.seq + 1`` bytes in each split."""
-    from meshfold.data.corpus import split_point, split_sizes
+    from meshfold.data.corpus import split_point, split_sizes, text_only
     from meshfold.data.files import corpus_files, default_corpus_paths
     from meshfold.data.tokens import is_token_folder, read_index
 
     paths, vf, seq = cfg.data.paths, cfg.data.val_fraction, cfg.train.seq
+    if cfg.data.weights:
+        from meshfold.data.mixture import check_mixture
+
+        if cfg.data.tokenizer:
+            raise ValueError("data.weights with data.tokenizer: a mixture's sources are token folders; tokenize "
+                             "each source with meshfold tokenize, then name the folders in data.paths")
+        check_mixture(paths, cfg.data.weights, vf, seq, cfg.model_config().vocab)
+        return
     if cfg.data.tokenizer and paths and is_token_folder(paths):
         raise ValueError(f"data.tokenizer with --data {paths[0]}, which is tokenized already: drop one of them")
     if cfg.data.tokenizer and not (paths and is_token_folder(paths)):
@@ -64,6 +72,8 @@ def check_data(cfg) -> None:
     else:
         unit = "bytes"
         files = corpus_files(paths) if paths else default_corpus_paths()
+        if not cfg.data.tokenizer:
+            text_only(files)
         n_train, n_val = split_sizes(files, vf)
     where = f"data {' '.join(map(str, paths))}" if paths else "the standard library's text"
     for split, n in (("training", n_train), ("validation", n_val)):
@@ -88,16 +98,17 @@ def check_writable(out: Path) -> None:
                              f"writable folder or choose another --out-dir") from None
 
 
-def check_resume(out: Path, resume: bool) -> None:
-    """The newest checkpoint a resume would read is whole; else name the damaged file and the
-    newest intact checkpoint (which is not used silently: the user decides)."""
+def check_resume(out: Path, resume: bool) -> list[str]:
+    """The newest checkpoint a resume would read is whole and its files match their checksums;
+    else name the damaged file and the newest intact checkpoint (which is not used silently: the
+    user decides). Returns the note on a checkpoint that carries no checksums."""
     from meshfold.train.checkpoint import newest_intact
 
     if not resume:
-        return
-    intact, damaged = newest_intact(out / "checkpoints")
+        return []
+    intact, damaged, note = newest_intact(out / "checkpoints")
     if damaged is None:
-        return
+        return [note] if note else []
     if intact is None:
         raise ValueError(f"{damaged}; no earlier checkpoint is intact: start over with "
                          f"train.resume=false (the damaged run is moved aside)")

@@ -4,10 +4,13 @@ A run folder (``train.out_dir``) holds one training run: ``checkpoints/``, ``met
 plots, ``logs/``, ``run.json`` (the run's identity, and which tokenizer if any made its ids) and,
 for a run on tokens, ``tokenizer.json``, a copy of that tokenizer. Three rules keep it whole:
 
-* **One run at a time.** The launcher holds an exclusive ``flock`` on ``<out_dir>/.lock`` for
-  the run's life. The kernel drops it however the process ends (even SIGKILL), so a lock left
-  by a dead run is simply taken over; a live holder makes a second run fail at once, naming its
-  PID.
+* **One run at a time.** The launcher (global rank 0 under torchrun) holds an exclusive
+  ``flock`` on ``<out_dir>/.lock`` for the run's life. The kernel (on NFS, the server) drops it
+  however the process ends (even SIGKILL), so a lock file left by a dead run is simply taken
+  over: the PID and host written in it only name the holder to a refused run, never decide
+  whether it lives. A live holder makes a second run fail at once, naming its PID and host; a
+  filesystem that refuses locks is an error, not a run without one. Across nodes the lock is
+  as good as the filesystem's ``flock`` (docs/cluster.md).
 * **A rerun continues the same run or refuses.** ``run.json`` records every setting that
   changes what is trained (model, MoE, sparsity, data, seed, batch, sequence, micro-batches,
   optimizer and schedule, dtype). A rerun whose settings differ fails before any rank starts,
@@ -15,6 +18,11 @@ for a run on tokens, ``tokenizer.json``, a copy of that tokenizer. Three rules k
   it implies must stay), ``train.steps`` (the learning-rate schedule is recomputed, and the
   run says so), and settings of how the run is watched or kept (evaluation and checkpoint
   intervals, timeout, ``stop_at``, memory, tracking and profiling).
+* **One folder for every rank.** On several nodes the folder must be the same one everywhere (a
+  shared filesystem): at start rank 0 writes a file of a new name into it and every rank must
+  read it back, or the job fails naming the ranks and hosts that do not see it; rank 0 alone
+  picks the checkpoint every rank resumes from. A folder local to each node would otherwise
+  split each checkpoint across the nodes and let each node resume from a different step.
 * **Starting over is one rename.** ``train.resume=false`` on a folder that holds a run moves the
   whole folder aside to ``<out_dir>.replaced-<time>`` and starts in an empty one, so old and new
   checkpoints and metrics are never mixed.
@@ -32,7 +40,7 @@ import socket
 import time
 from pathlib import Path
 
-__all__ = ["RunLock", "identity", "prepare"]
+__all__ = ["RunLock", "identity", "prepare", "resume_point"]
 
 LOCK = ".lock"
 IDENTITY = "run.json"
@@ -63,7 +71,11 @@ class RunLock:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+                f.close()  # a filesystem without locks (NFS without lockd, Lustre noflock): never run unlocked
+                raise ValueError(f"train.out_dir {self.out}: its filesystem refuses file locks "
+                                 f"({errno.errorcode.get(err.errno, err.errno)}: {err.strerror}), so one run "
+                                 f"per folder cannot be ensured; choose a folder on a filesystem with locking "
+                                 f"(an NFS mount without nolock, Lustre mounted with flock)") from None
             f.seek(0)
             holder = _holder(f.read())
             f.close()
@@ -228,3 +240,43 @@ def _keep_tokenizer(out: Path, cfg) -> tuple[str | None, list[str]]:
     shutil.copyfile(source, tmp)
     os.replace(tmp, out / TOKENIZER)
     return TOKENIZER, []
+
+
+def resume_point(out: Path, resume: bool) -> Path | None:
+    """The checkpoint every rank resumes from (None: start at step 0); collective.
+
+    Checks first that every rank sees ``out`` as rank 0 writes it (a file of a name never used
+    before, so no filesystem cache of an older listing can answer), then rank 0 alone picks the
+    newest complete checkpoint, so ranks never resume from different steps. Raises ValueError on
+    every rank, naming the ranks and hosts that do not see the folder.
+    """
+    import secrets
+
+    import torch.distributed as dist
+
+    from meshfold.train import checkpoint
+
+    rank = dist.get_rank()
+    mark = [f".rank0-{secrets.token_hex(8)}", socket.gethostname()] if rank == 0 else [None, None]
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / mark[0]).write_text(mark[0])
+    dist.broadcast_object_list(mark, src=0)
+    name, host0 = mark
+    try:
+        seen = (out / name).read_text() == name
+    except OSError:
+        seen = False
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    if rank == 0:
+        (out / name).unlink()
+    blind = [(r, host) for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        ranks, hosts = [r for r, _ in blind], sorted({host for _, host in blind})
+        raise ValueError(f"train.out_dir {out} is not one folder for every rank: ranks {ranks} on {', '.join(hosts)} "
+                         f"do not see the file rank 0 wrote there on {host0}; put the run folder on a "
+                         f"filesystem every node mounts, at the same path (docs/cluster.md)")
+    last = [checkpoint.latest(out / "checkpoints") if rank == 0 and resume else None]
+    dist.broadcast_object_list(last, src=0)
+    return last[0]

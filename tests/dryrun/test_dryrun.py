@@ -37,7 +37,7 @@ def _real_step(rank, world_size, fold, dtype, recompute, microbatches):
     cfg = _cfg(fold, dtype, recompute, microbatches)
     spec, _ = cfg.validate()
     calls, on_counts = record_block_counts()
-    return step_report(cfg, rank, cached_fold(spec), on_counts=on_counts), calls
+    return step_report(cfg.resolve(), rank, cached_fold(spec), on_counts=on_counts), calls
 
 
 @st.composite

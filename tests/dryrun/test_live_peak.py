@@ -4,7 +4,7 @@
   at the next gather: the bytes leave the live count at the reshard and come back at the gather.
   (Before, a storage was counted from its first gather to the end of the step, so a dry run's
   peak held every group it had ever gathered: 660 MiB too much on Mixtral-8x22B's cp 2 / etp 2
-  layer, docs/plan.md "Planner against the dry run".)
+  layer, benchmarks/RESULTS.md, "Planner against the dry run".)
 * a functional collective's ``wait_tensor`` returns its input in eager execution but a new fake
   tensor under FakeTensorMode: a waited all-reduce holds its output once, as on a device (before,
   a dry run counted it twice at the root's tp all-reduce, 750 MiB on that layer).

@@ -325,7 +325,7 @@ def test_folded_load_reads_own_slices_and_logits_equal_transformers(worlds, tmp_
 ])
 def test_check_fold_names_the_size_that_does_not_divide(fold, message):
     from meshfold.models.configs import get_config
-    from meshfold.parallel.transformer import check_fold
+    from meshfold.parallel.transformer_plan import check_fold
 
     spec = FoldSpec(**fold)
     if message is None:

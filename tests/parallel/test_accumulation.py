@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from meshfold.models import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.parallel.transformer import parallelize, single_device_name
-from meshfold.parallel.data_parallel import reduce_gradients
 from meshfold.testing.strategies import fold_specs
 from meshfold.testing.worlds import cached_fold
-from meshfold.train.loop import _global_loss, accumulate
+from meshfold.parallel.pipeline import Pipeline, accumulate
+from meshfold.train.loop import _global_loss
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 # losses that average over the batch's tokens or sequences: their micro-batch means are the batch's
@@ -61,9 +61,9 @@ def _grads(rank, spec, seed, tokens, targets, microbatches, data_parallel):
                             first_k_dense=1)
     torch.manual_seed(seed)
     model = MoETransformer(cfg, dtype=torch.float64)
-    parallelize(model, cached_fold(spec), data_parallel=data_parallel)
-    loss = _global_loss(model, tokens, targets, spec, rank, backward=True, microbatches=microbatches)
-    reduce_gradients(model)
+    pipe = Pipeline(model, cached_fold(spec), microbatches, data_parallel=data_parallel)  # pp = 1: accumulation
+    loss = _global_loss(pipe, tokens, targets, spec, rank, backward=True)
+    pipe.reduce_gradients()
     return loss, {single_device_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}
 
 

@@ -9,6 +9,7 @@ from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.parallel.compile import compile_model, compiled_hooks, swiglu_mlp, uncompile_model
+from meshfold.parallel.pipeline import Pipeline
 from meshfold.parallel.transformer import parallelize
 from meshfold.models.experts import shared_expert_ffn
 from meshfold.testing.worlds import cached_fold
@@ -47,7 +48,8 @@ def _train(rank, world_size):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, grads, graphs = [], [], []
         for tokens, targets in batches:
-            losses.append(_global_loss(model, tokens, targets, SPEC, rank, backward=True))
+            losses.append(_global_loss(Pipeline.laid_out(model, cached_fold(SPEC)), tokens, targets, SPEC, rank,
+                                       backward=True))
             grads.append(_grads(model))
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -202,3 +202,22 @@ def test_folded_forward_syncs_at_most_once(worlds, mode):
     """On cp x tp x ep x etp = 2 x 2 x 2 x 2 every rank reads at most once: the block's counts."""
     for rank, syncs in enumerate(worlds(4).run(_folded_syncs, mode)):
         assert len(syncs) <= 1, f"rank {rank}: {len(syncs)} host syncs in one MoE forward ({mode}):\n{_describe(syncs)}"
+
+
+def _fields_a_forward_adds(rank, world_size):
+    torch.manual_seed(0)
+    layer = MoELayer(_layer_cfg("sub_sequence", FOLD.etp, FOLD.tp), dtype=torch.float64)
+    parallelize_moe(layer, cached_fold(FOLD))
+    before = set(vars(layer.comm)) | {"experts_mesh"}  # the cached sub-mesh is built on first use
+    x = torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    layer(x).sum().backward()
+    return sorted(set(vars(layer.comm)) - before)
+
+
+@pytest.mark.multirank
+def test_counts_read_reach_the_dispatch_as_arguments(worlds):
+    """The counts read to cut the kept rows reach the dispatch through the permute's result, and
+    the shared expert's tp sizes follow from its rows: a forward leaves nothing on the comm for
+    a later call to pick up."""
+    for rank, added in enumerate(worlds(4).run(_fields_a_forward_adds)):
+        assert added == [], f"rank {rank}: the forward stored {added} on the layer's comm"

@@ -3,6 +3,9 @@ Plan alone: loss and every gradient equal one device (fp64) on folds covering tp
 dp and edp, with FSDP2 and full recompute; bf16 compute over fp32 masters runs and stays close.
 And nothing silent: every rule that does not fit the model is an error naming it."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,13 +16,15 @@ from meshfold.kernels import grouped_mm
 from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig, MoELayer
 from meshfold.models.attention import attend
-from meshfold.models.transformer import cross_entropy_sum
+from meshfold.models.transformer import MoETransformer, TransformerConfig, cross_entropy_sum
 from meshfold.parallel.batch import shard_batch
 from meshfold.parallel.data_parallel import reduce_gradients
-from meshfold.parallel.pipeline import Pipeline
-from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel, check_plan, matches
+from meshfold.parallel.pipeline import ModelChunk, Pipeline
+from meshfold.parallel.plan import (Plan, SequenceParallel, VocabParallel, check_plan, matches, model_plan,
+                                    register_plan, restrict)
 from meshfold.parallel.recompute import apply_recompute
 from meshfold.parallel.transformer import full_state_dict, param_layouts, parallelize, single_device_name
+from meshfold.parallel.transformer_plan import transformer_plan
 from meshfold.testing.worlds import cached_fold
 
 R = Replicate()
@@ -162,6 +167,7 @@ def test_plan_patterns_match_whole_segments():
     (dict(tp={"blocks.*.attn": SequenceParallel()}), "Plan.tp pattern 'blocks.\\*.attn' matches none"),
     (dict(context={"blocks.*.ln": "ring"}), "'blocks.0.ln' \\(Norm\\), which has no 'context' hook"),
     (dict(moe={"layers.*.mlp": MOE}), "Plan.moe pattern 'layers.\\*.mlp' matches none"),
+    (dict(moe={"blocks.*.mixer": MOE}), "Plan.moe pattern .blocks.\\*.mixer. matches .blocks.0.mixer., a \\w+ that is not an MoE layer"),
     (dict(fsdp=("blocks.*.mlp",)), "Plan.fsdp pattern 'blocks.\\*.mlp' matches none"),
     (dict(tp_summed=("blocks.*.norm",)), "Plan.tp_summed pattern 'blocks.\\*.norm' matches none"),
     (dict(recompute=("layers.*",)), "Plan.recompute pattern 'layers.\\*' matches none"),
@@ -183,6 +189,38 @@ def test_a_default_places_what_no_entry_names():
 def test_a_model_without_a_plan_is_an_error():
     with pytest.raises(ValueError, match="TinyLM declares no layout plan"):
         parallelize(TinyLM(), None)
+
+
+def test_a_registered_plan_is_the_default_of_its_class_and_subclasses():
+    class Registered(TinyLM):
+        pass
+
+    class Derived(Registered):
+        pass
+
+    register_plan(Registered, lambda model: dataclasses.replace(PLAN, whole=True))
+    assert model_plan(Derived()).whole and model_plan(Registered()).params == PLAN.params
+    with pytest.raises(ValueError, match="TinyLM declares no layout plan"):
+        model_plan(TinyLM())  # a base class gets nothing from its subclass's plan
+
+
+_TINY_CFG = TransformerConfig(vocab=16, hidden=8, layers=2, heads=2, kv_heads=2, ffn=8)
+
+
+@pytest.mark.parametrize("make", [lambda: (TinyLM(), dataclasses.replace(PLAN, whole=True)),
+                                  lambda: (MoETransformer(_TINY_CFG), None)], ids=["user plan", "MoETransformer"])
+def test_a_whole_model_plan_is_refused_with_pp_above_one(make):
+    """The refusal follows the plan's ``whole``, the same for a user's model and meshfold's, and
+    comes before any mesh is touched (the fold here has only a spec)."""
+    model, plan = make()
+    with pytest.raises(ValueError, match=f"pp = 2: the plan lays out the whole {type(model).__name__}"):
+        parallelize(model, SimpleNamespace(spec=FoldSpec(2, pp=2)), plan)
+
+
+def test_a_pipeline_chunk_plan_is_not_whole():
+    chunk = ModelChunk(TinyLM(), [0], first=True, last=False, plan=dataclasses.replace(PLAN, whole=True))
+    assert not chunk.plan().whole and not restrict(PLAN, TinyLM()).whole
+    assert transformer_plan(_TINY_CFG).whole and not transformer_plan(_TINY_CFG, layers=[0]).whole
 
 
 # ---- folded: 4 ranks ------------------------------------------------------------------------------

@@ -42,6 +42,12 @@ def _model(spec, seed, data_parallel, pp_schedule=None, microbatches=1, mla=Fals
     return parallelize(model, cached_fold(spec), data_parallel=data_parallel, compute_dtype=BF16)
 
 
+def _folded(model, spec, microbatches=1):
+    """``model`` as a training step runs it: a Pipeline as it is, a model laid out whole as the
+    pp = 1 Pipeline (gradient accumulation over ``microbatches``)."""
+    return model if isinstance(model, Pipeline) else Pipeline.laid_out(model, cached_fold(spec), microbatches)
+
+
 def _batch(spec, seed):
     g = torch.Generator().manual_seed(seed)
     split = 2 * spec.cp * spec.tp if spec.cp > 1 else spec.tp
@@ -73,12 +79,12 @@ def _reduced_in_fp32(rank, world_size, case):
     ref: dict[str, torch.Tensor] = {}
     for i in range(m):  # micro-batch i: the i-th slice of every dp rank's rows
         rows = torch.cat([torch.arange(d * b + i * b // m, d * b + (i + 1) * b // m) for d in range(spec.dp)])
-        _global_loss(ref_model, tokens[rows], targets[rows], spec, rank, backward=True)
+        _global_loss(_folded(ref_model, spec), tokens[rows], targets[rows], spec, rank, backward=True)
         for name, p in _named(ref_model).items():
             ref[name] = ref.get(name, 0) + _sum_fp64(p.grad) / m
             p.grad = None
     model = _model(spec, 0, data_parallel, schedule, m, mla)
-    _global_loss(model, tokens, targets, spec, rank, backward=True, microbatches=1 if schedule else m)
+    _global_loss(_folded(model, spec, m), tokens, targets, spec, rank, backward=True)
     reduce_gradients(model) if schedule is None else [reduce_gradients(c) for c in model.chunks]
     for name, p in _named(model).items():
         assert p.dtype == FP32 and p.grad.dtype == FP32, (name, p.dtype, p.grad.dtype)
@@ -122,7 +128,7 @@ def _small_update(rank, world_size, data_parallel):
 
     model.layers[1].mlp.router.register_forward_hook(router_in_fp32)
     tokens, targets = _batch(spec, 4)
-    loss = _global_loss(model, tokens, targets, spec, rank, backward=True)
+    loss = _global_loss(_folded(model, spec), tokens, targets, spec, rank, backward=True)
     reduce_gradients(model)
     assert seen == [FP32] and isinstance(loss, float)
     lr = 2.0 ** -14
@@ -162,7 +168,7 @@ def _train(rank, world_size, out_dir, dtype, master):
             f"train.dtype={dtype}", f"train.out_dir={json.dumps(str(out_dir))}", "train.warmup=5", f"train.lr={LR}"]
     if master:
         sets.append(f"train.master_dtype={master}")
-    return train_rank(rank, world_size, load_config(None, sets))
+    return train_rank(rank, world_size, load_config(None, sets).resolve())
 
 
 def _train_all(rank, world_size, runs):

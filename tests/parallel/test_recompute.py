@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
+from meshfold.parallel.pipeline import Pipeline
 from meshfold.parallel.recompute import RECOMPUTE, apply_recompute, check_recompute
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.parallel.transformer import parallelize, single_device_name
@@ -161,7 +162,8 @@ def _folded_step(rank, spec, cfg, mode, data_parallel, tokens, targets, steps=1)
         for _ in range(steps):
             for p in model.parameters():
                 p.grad = None
-            loss = _global_loss(model, tokens, targets, spec, rank, backward=True)
+            loss = _global_loss(Pipeline.laid_out(model, cached_fold(spec)), tokens, targets, spec, rank,
+                                backward=True)
             after.append(live.bytes())
     reduce_gradients(model)
     grads = {single_device_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}

@@ -216,7 +216,7 @@ def test_check_fold_needs_no_mesh_and_names_the_size(name, moe_ffn, fold, messag
     import dataclasses
 
     from meshfold.models.configs import CONFIGS
-    from meshfold.parallel.transformer import check_fold
+    from meshfold.parallel.transformer_plan import check_fold
 
     cfg = CONFIGS[name]
     if moe_ffn is not None:

@@ -59,7 +59,7 @@ def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq,
     from meshfold.parallel.data_parallel import reduce_gradients
     from meshfold.parallel.batch import shard_batch
     from meshfold.testing.worlds import cached_fold
-    from meshfold.train.loop import accumulate
+    from meshfold.parallel.pipeline import accumulate
 
     names, label = _labels(spec, rank)
     seen: dict = defaultdict(float)

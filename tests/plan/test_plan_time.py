@@ -1,4 +1,5 @@
-"""The planner's time model reads what the planner counts (docs/plan.md, "Time model: what it reads").
+"""The planner's time model reads what the planner counts (benchmarks/RESULTS.md, "Planner: the
+time model away from Table 1").
 
 Communication seconds are a function of ``Estimate.collectives`` (the bytes per (kind, mesh dim)
 that tests/plan/test_plan_collectives.py checks against gloo's c10d calls), and dense layers

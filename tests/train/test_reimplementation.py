@@ -66,10 +66,10 @@ def _meshfold_run(world, out, ckpt, data, fold):
              f"train.out_dir={json.dumps(str(out))}", "moe.aux_loss_coeff=0.0", "data.val_fraction=0.2"]
     cfg = load_config(None, sets)
     cfg.data.paths = [str(data)]
-    _, mcfg = cfg.validate()
+    run = cfg.resolve()
     with RunLock(out) as lock:
-        prepare(lock, cfg, mcfg)  # run.json, as meshfold train writes it before the ranks start
-    world.run(train_rank, cfg, timeout=600)
+        prepare(lock, run.cfg, run.model)  # run.json, as meshfold train writes it before the ranks start
+    world.run(train_rank, run, timeout=600)
     metrics = {r["step"]: r for r in map(json.loads, open(out / "metrics.jsonl"))}
     return json.loads((out / "run.json").read_text()), metrics
 

@@ -210,6 +210,8 @@ def _sparse_training(rank, world_size, case):
     from meshfold.kernels import cpu_sparse
     from meshfold.models import MoEConfig, MoETransformer, TransformerConfig
     from meshfold.parallel import parallelize, reduce_gradients, single_device_name
+    from meshfold.parallel.pipeline import Pipeline
+    from meshfold.testing.worlds import cached_fold
     from meshfold.train.loop import _global_loss
     from meshfold.train.pruning import FoldedPruner
 
@@ -232,7 +234,8 @@ def _sparse_training(rank, world_size, case):
         cpu_sparse.executions()  # reset the counts
         with cpu_sparse.execution(mode):
             for n in range(1, SPARSE_TRAINING_STEPS + 1):
-                losses.append(_global_loss(model, tokens[n - 1], targets[n - 1], spec, rank, backward=True))
+                losses.append(_global_loss(Pipeline.laid_out(model, cached_fold(spec)), tokens[n - 1], targets[n - 1],
+                                           spec, rank, backward=True))
                 reduce_gradients(model)
                 pruner.accumulate()
                 pruner.step(n)

@@ -46,9 +46,10 @@ def _train(rank, world_size, cfg, wandb_log):
     update = loop._update
     state = {}
 
-    def update_allocating(model, opt, pruner, t, n, *args):
+    def update_allocating(built, t, n, *args):
         if rank != 1 or n != 4:
-            return update(model, opt, pruner, t, n, *args)
+            return update(built, t, n, *args)
+        model, opt = built.model, built.optimizer
         big = torch.ones(BIG, dtype=torch.uint8)
         big.view(2, -1)[0].add_(1)  # no new storage
         tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
@@ -57,12 +58,12 @@ def _train(rank, world_size, cfg, wandb_log):
         storages = {x.untyped_storage()._cdata: x.untyped_storage().nbytes() for x in tensors}
         state["bytes"] = sum(storages.values())
         del big
-        return update(model, opt, pruner, t, n, *args)
+        return update(built, t, n, *args)
 
     sys.modules["wandb"] = _fake_wandb(wandb_log)
     loop._update = update_allocating
     try:
-        return {**loop.train_rank(rank, world_size, cfg), **state}
+        return {**loop.train_rank(rank, world_size, cfg.resolve()), **state}
     finally:
         del sys.modules["wandb"]
         loop._update = update

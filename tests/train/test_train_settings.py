@@ -177,9 +177,9 @@ def test_mfu_is_over_the_hardware_peak_when_one_is_named():
     ("bfloat16", "bfloat16", "bfloat16"), ("bfloat16", "float64", "float64")])
 def test_master_dtype_defaults_to_fp32_or_the_wider_compute_dtype(dtype, master, resolved):
     sets = [f"train.dtype={dtype}"] + ([f"train.master_dtype={master}"] if master else [])
-    cfg = load_config(None, sets)
-    _, mcfg = cfg.validate()
-    assert cfg.train.master_dtype == resolved
+    run = load_config(None, sets).resolve()
+    mcfg = run.model
+    assert run.train.master_dtype == resolved
     assert str(mcfg.moe.router_dtype) == ("torch.float64" if "float64" in (dtype, resolved) else "torch.float32")
 
 
@@ -200,18 +200,16 @@ def test_a_run_recorded_before_master_dtype_resumes_only_if_its_weights_were_fp3
 
     from meshfold.train.rundir import RunLock, identity, prepare
 
-    old = load_config(None, [f"train.dtype={old_dtype}", f"train.out_dir={json.dumps(str(tmp_path))}"])
-    _, mcfg = old.validate()
-    recorded = {k: v for k, v in identity(old, mcfg).items() if k != "train.master_dtype"}
+    old = load_config(None, [f"train.dtype={old_dtype}", f"train.out_dir={json.dumps(str(tmp_path))}"]).resolve()
+    recorded = {k: v for k, v in identity(old.cfg, old.model).items() if k != "train.master_dtype"}
     (tmp_path / "run.json").write_text(json.dumps({"identity": recorded, "steps": 200}))
-    now = load_config(None, [f"train.dtype={old_dtype}", f"train.out_dir={json.dumps(str(tmp_path))}"])
-    _, mcfg = now.validate()  # master_dtype: the default, float32
-    with RunLock(tmp_path) as lock:
+    now = load_config(None, [f"train.dtype={old_dtype}", f"train.out_dir={json.dumps(str(tmp_path))}"]).resolve()
+    with RunLock(tmp_path) as lock:  # master_dtype: the default, float32
         if refused:
             with pytest.raises(ValueError, match="train.master_dtype 'bfloat16' -> 'float32'"):
-                prepare(lock, now, mcfg)
+                prepare(lock, now.cfg, now.model)
         else:
-            assert prepare(lock, now, mcfg) == []
+            assert prepare(lock, now.cfg, now.model) == []
 
 
 def test_a_config_that_is_not_utf8_or_is_a_folder_is_named_as_the_config(tmp_path):
