@@ -9,7 +9,8 @@ from meshfold.dryrun import dry_run
 from meshfold.dryrun import fake_cuda
 from meshfold.train.config import TrainConfig
 
-needs_cuda_wheel = pytest.mark.skipif(not fake_cuda.available(), reason=str(fake_cuda.why_unavailable()))
+needs_cuda_wheel = pytest.mark.skipif(not fake_cuda.available(), reason=f"needs torch's CUDA wheel (.ci/run installs "
+                                      f"torch==2.14.1 in .venv-cuda and runs this file there): {fake_cuda.why_unavailable()}")
 
 # the default model (tiny-mixtral) and a DeepSeek-V3-style one (MLA, shared experts, sigmoid
 # router with bias), each on a pipeline fold and on a folded etp > 1 fold with a cp ring
