@@ -234,6 +234,13 @@ def _metrics(run: Path) -> list[dict]:
 MEMORY_RUN = {"model.name": "tiny-moe", "train.batch": 4, "train.seq": 512, "model.max_seq": 512}
 
 
+def memory_dryrun_args(sets: dict, report: Path) -> list[str]:
+    """``meshfold dryrun``'s arguments for the job the memory part trains with ``sets``: the same
+    settings (``--set``), so the dry run builds that job, on fake CUDA, its report in ``report``."""
+    return ["dryrun", *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")), "--gpu", "h200",
+            "--device", "cuda", "--json", str(report)]
+
+
 def memory(out: Path) -> dict:
     """The CUDA peak of 3 training steps of a small config (in this process, on a 1-rank NCCL
     group) against ``meshfold dryrun``'s peak for the same config (a subprocess: it runs on a
@@ -258,9 +265,7 @@ def memory(out: Path) -> dict:
     finally:
         dist.destroy_process_group()
     report = out / "memory_dryrun.json"
-    cmd = [sys.executable, "-m", "meshfold", "dryrun", "--model", MEMORY_RUN["model.name"], "--gpus", "1",
-           "--fold", "1/1/1/1", "--seq", str(MEMORY_RUN["train.seq"]), "--gbs", str(MEMORY_RUN["train.batch"]),
-           "--mbs", str(MEMORY_RUN["train.batch"]), "--dtype", "bfloat16", "--gpu", "h200", "--json", str(report)]
+    cmd = [sys.executable, "-m", "meshfold", *memory_dryrun_args(sets, report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     (out / "memory_dryrun.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:

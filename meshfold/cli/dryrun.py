@@ -47,6 +47,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(meshfold.plan.placement.balanced of the routing model's loads, as "
                              "train.expert_placement = balanced re-places them); with balanced, the busiest "
                              "ep rank is dry-run too")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="what the fake tensors are on: cpu (default), or cuda to run the CUDA branches a GPU "
+                             "job takes, on fake CUDA tensors and CUDA meshes (needs torch's CUDA wheel, no GPU)")
     parser.add_argument("--ranks", type=int, nargs="+", help="ranks to dry-run (default: one per pipeline stage)")
     parser.add_argument("--json", metavar="FILE", help="write the per-rank report here")
 
@@ -213,14 +216,14 @@ def main(args: argparse.Namespace) -> int:
 
     launch.preload("meshfold.dryrun")  # for the other ranks' processes: this command's code cannot change
     t0 = time.perf_counter()
-    reports = dry_run(cfg, routing, args.ranks, last_here=True)  # the command exits after it
+    reports = dry_run(cfg, routing, args.ranks, last_here=True, device=args.device)  # the command exits after it
     wall = time.perf_counter() - t0
     budget = hw.usable_bytes
     t, name = cfg.train, cfg.train.init_from or cfg.model.get("name", "model")
     fold_text = args.fold or f"{spec.cp}/{spec.tp}/{spec.ep}/{spec.pp}/{spec.etp}"
     print(f"meshfold dryrun: {name} on {spec.world_size} ranks, fold {fold_text} "
           f"(tp{spec.tp} cp{spec.cp} dp{spec.dp} pp{spec.pp} | etp{spec.etp} ep{spec.ep} edp{spec.edp}), "
-          f"gbs {t.batch} x seq {t.seq}, {t.microbatches or spec.pp} micro-batches, {t.dtype}, "
+          f"gbs {t.batch} x seq {t.seq}, {t.microbatches or spec.pp} micro-batches, {t.dtype} on fake {args.device}, "
           f"recompute {t.recompute}, data_parallel {t.data_parallel}, routing {routing.describe()}; {wall:.1f} s")
     print(f"{'rank':>5} {'stage':>5} {'params':>9} {'grads':>9} {'optim':>9} {'act.peak':>9} {'peak':>9}  GiB "
           f"(usable on {hw.name}: {budget / GIB:.2f})")

@@ -45,10 +45,13 @@ import torch.distributed as dist
 
 from meshfold.runtime import compat
 from meshfold.dryrun.record import CollectiveLog, HostReads, LivePeak, StepRecorder, summary
+from meshfold.dryrun import fake_cuda
 from meshfold.dryrun.routing import Balanced
 from meshfold.placements import token_dispatch
 
-__all__ = ["RankReport", "step_report", "dry_run_rank", "dry_run", "representative_ranks", "record_block_counts"]
+__all__ = ["DEVICES", "RankReport", "step_report", "dry_run_rank", "dry_run", "representative_ranks", "record_block_counts"]
+
+DEVICES = ("cpu", "cuda")  # what the fake tensors of a dry run are on
 
 
 @dataclass
@@ -124,7 +127,9 @@ def step_report(run, rank: int, folded, fake=None, on_counts=None) -> RankReport
     with contextlib.ExitStack() as stack:
         if fake is not None:  # fake storage of each shard's size, nothing drawn
             stack.enter_context(mock.patch("meshfold.parallel.transformer.materialize_shards",
-                                           lambda module, *a, **k: _fake_materialize(module, fake)))
+                                           lambda module, *a, **k: _fake_materialize(module, fake, folded.device)))
+            if folded.device.type == "cuda":
+                stack.enter_context(_fsdp_under(fake))
         if spec.pp > 1:
             stack.enter_context(_static_stages(run, fake))
         # init_from: the checkpoint's shapes (its config.json) on the meta device, its values unread
@@ -205,9 +210,33 @@ def _static_stages(run, fake):
         yield
 
 
-def _fake_materialize(module, fake) -> None:
+@contextlib.contextmanager
+def _fsdp_under(fake):
+    """FSDP2's empty all-gather buffer, which each parameter group allocates on the mesh's device
+    while ``fully_shard`` wraps a module, made under ``fake``: on a CUDA mesh without a GPU only a
+    fake tensor can be. The layout itself runs outside the fake mode, as on the CPU: DeviceMesh
+    slices, flattens and finds its coordinates with tensor ops, which the fake mode would fake."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        with fake:
+            return real_empty(*args, **kwargs)
+
+    original = _fsdp_param_group.FSDPParamGroup.__init__
+
+    def init(self, *args, **kwargs):
+        with mock.patch.object(_fsdp_param_group.torch, "empty", empty):
+            original(self, *args, **kwargs)
+
+    with mock.patch.object(_fsdp_param_group.FSDPParamGroup, "__init__", init):
+        yield
+
+
+def _fake_materialize(module, fake, device) -> None:
     with fake:
-        module.to_empty(device="cpu")
+        module.to_empty(device=device)
 
 
 @contextlib.contextmanager
@@ -310,9 +339,11 @@ def representative_ranks(spec) -> list[int]:
     return [s * per_stage for s in range(spec.pp)]
 
 
-def dry_run_rank(run, rank: int, routing=None) -> RankReport:
+def dry_run_rank(run, rank: int, routing=None, device: str = "cpu") -> RankReport:
     """:func:`step_report` for ``rank`` of ``run``'s fold (a resolved config), on the fake backend in this process
-    (which must have no process group yet; it has none again afterwards)."""
+    (which must have no process group yet; it has none again afterwards). ``device``: ``"cpu"``,
+    or ``"cuda"`` for fake CUDA tensors on a fold whose meshes are CUDA meshes, as under NCCL
+    (:mod:`meshfold.dryrun.fake_cuda`: needs torch's CUDA wheel, no GPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -325,37 +356,41 @@ def dry_run_rank(run, rank: int, routing=None) -> RankReport:
     spec, mcfg = run.spec, run.model
     if dist.is_initialized():
         raise RuntimeError("dry_run_rank needs a process without a process group (it starts the fake one)")
+    if device not in DEVICES:
+        raise ValueError(f"device = {device!r}; valid: {', '.join(DEVICES)}")
     routing = Balanced() if routing is None else routing
+    shims = fake_cuda.fake_cuda() if device == "cuda" else contextlib.nullcontext()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.world_size)
     try:
-        folded = fold(spec, "cpu")
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
-        current = {"tokens": 0, "topk": mcfg.moe.topk if mcfg.moe else 1}
+        with shims:  # before the fold: a CUDA mesh asks for the current device
+            folded = fold(spec, device)
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            current = {"tokens": 0, "topk": mcfg.moe.topk if mcfg.moe else 1}
 
-        def see_tokens(module, args):  # the MoE layer's tokens, whatever micro-batch or recompute
-            if isinstance(module, MoELayer):
-                current["tokens"] = args[0].numel() // args[0].shape[-1]
+            def see_tokens(module, args):  # the MoE layer's tokens, whatever micro-batch or recompute
+                if isinstance(module, MoELayer):
+                    current["tokens"] = args[0].numel() // args[0].shape[-1]
 
-        hook = register_module_forward_pre_hook(see_tokens)
-        try:
-            with _routed_counts(routing, lambda: current["topk"], lambda: current["tokens"]), _on_this_thread(), \
-                    _without_profiler_ranges():
-                return step_report(run, rank, folded, fake=fake)
-        finally:
-            hook.remove()
+            hook = register_module_forward_pre_hook(see_tokens)
+            try:
+                with _routed_counts(routing, lambda: current["topk"], lambda: current["tokens"]), \
+                        _on_this_thread(), _without_profiler_ranges():
+                    return step_report(run, rank, folded, fake=fake)
+            finally:
+                hook.remove()
     finally:
         dist.destroy_process_group()
 
 
-
-def dry_run(cfg, routing=None, ranks=None, last_here: bool = False) -> list[RankReport]:
+def dry_run(cfg, routing=None, ranks=None, last_here: bool = False, device: str = "cpu") -> list[RankReport]:
     """:func:`dry_run_rank` for each rank of ``ranks`` of ``cfg`` (a
     :class:`~meshfold.train.config.TrainConfig`, resolved here once) (default :func:`representative_ranks`),
     each in a fresh process: DTensor caches dispatch plans by mesh equality (in C++ too), so a
     second fold of the same spec in one process would run on the first one's destroyed groups.
     The processes fork from :mod:`meshfold.runtime.launch`'s server, which has imported torch once, and
     run side by side, one per core. ``last_here``: the last rank runs in this process instead
-    (meanwhile), for a caller that has made no fold and exits afterwards (``meshfold dryrun``)."""
+    (meanwhile), for a caller that has made no fold and exits afterwards (``meshfold dryrun``).
+    ``device``: as for :func:`dry_run_rank`."""
     import concurrent.futures
     import os
 
@@ -363,15 +398,20 @@ def dry_run(cfg, routing=None, ranks=None, last_here: bool = False) -> list[Rank
 
     run = cfg.resolve()  # the settings' one-line errors, before any process starts
     check_dry_run(run)
+    if device not in DEVICES:
+        raise ValueError(f"device = {device!r}; valid: {', '.join(DEVICES)}")
+    if device == "cuda" and fake_cuda.why_unavailable():
+        raise ValueError(f"device = 'cuda': {fake_cuda.why_unavailable()}")
     chosen = representative_ranks(run.spec) if ranks is None else list(ranks)
     elsewhere = chosen[:-1] if last_here else chosen
     if not elsewhere:
-        return [dry_run_rank(run, r, routing) for r in chosen]
+        return [dry_run_rank(run, r, routing, device) for r in chosen]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     with concurrent.futures.ProcessPoolExecutor(min(len(elsewhere), cores), mp_context=launch.process_context(),
                                                 max_tasks_per_child=1) as pool:
-        futures = [pool.submit(_dry_run_rank_with_env, dict(os.environ), run, r, routing) for r in elsewhere]
-        here = [dry_run_rank(run, chosen[-1], routing)] if last_here else []
+        futures = [pool.submit(_dry_run_rank_with_env, dict(os.environ), run, r, routing, device)
+                   for r in elsewhere]
+        here = [dry_run_rank(run, chosen[-1], routing, device)] if last_here else []
         return [f.result() for f in futures] + here
 
 

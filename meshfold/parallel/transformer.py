@@ -59,6 +59,8 @@ count), so the shares add up to the single-device mean loss and so do the gradie
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
@@ -133,7 +135,7 @@ def sequence_parallel(module: nn.Module, mesh, entry: SequenceParallel) -> None:
         if not rest or rest[0] is None:
             raise ValueError(f"sequence-parallel {what} (SequenceParallel(positions=True)) was called without "
                              f"positions; valid: forward(x, positions [S] or [B, S], *tables)")
-        positions = gather_positions(rest[0], [x.shape[1]] * tp, mesh, "tp")
+        positions = _gathered_positions(rest[0], x.shape[1], mesh, tp)
         return (x_full, positions, *(None for _ in rest[1:])), {}
 
     def leave(_, args, y):
@@ -141,6 +143,23 @@ def sequence_parallel(module: nn.Module, mesh, entry: SequenceParallel) -> None:
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave)
+
+
+_last_gathered = (lambda: None, None, None)  # (positions, (version, s, mesh), their tp gather)
+
+
+def _gathered_positions(pos: torch.Tensor, s: int, mesh, tp: int) -> torch.Tensor:
+    """``pos`` [..., s] gathered over ``tp`` ([..., s * tp]), once per positions tensor: the layers
+    of one forward receive the same positions, so they receive the same gathered tensor, and what
+    keys on it runs once per forward, not per layer: ring attention's layout check (a host read
+    off the CPU) and the causal-mask cache."""
+    global _last_gathered
+    key = (pos._version, s, id(mesh))
+    if _last_gathered[0]() is pos and _last_gathered[1] == key:
+        return _last_gathered[2]
+    gathered = gather_positions(pos, [s] * tp, mesh, "tp")
+    _last_gathered = (weakref.ref(pos), key, gathered)
+    return gathered
 
 
 def vocab_parallel(module: nn.Module, mesh, entry: VocabParallel) -> None:

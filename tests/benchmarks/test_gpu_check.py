@@ -26,3 +26,25 @@ def test_without_cuda_the_gpu_check_fails_in_seconds_saying_why(tmp_path):
     assert "CUDA is not visible" in parts["preflight"]["error"]
     assert parts["preflight"]["log_tail"] and (tmp_path / "preflight.log").exists()
     assert {name for name, p in parts.items() if p["status"] == "not run"} == set(parts) - {"preflight"}
+
+
+def test_the_memory_parts_dry_run_builds_the_job_it_trains(tmp_path):
+    import argparse
+    import dataclasses
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import MEMORY_RUN, memory_dryrun_args
+    from meshfold.cli import dryrun as cli
+    from meshfold.train.config import load_config
+
+    sets = {**MEMORY_RUN, "train.dtype": "bfloat16", "train.out_dir": str(tmp_path), "fold.world_size": 1,
+            "fold.tp": 1, "fold.ep": 1}
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    args = parser.parse_args(memory_dryrun_args(sets, tmp_path / "report.json")[1:])
+    assert args.device == "cuda"
+    trained = load_config(None, [f"{k}={v}" for k, v in sets.items()]).resolve()
+    dry = cli.train_config(args).resolve()
+    assert dry.train.gpu == "h200"  # the budget the report is read against: no part of the step
+    same_train = dataclasses.replace(dry.train, gpu=trained.train.gpu)
+    assert (dry.model, dry.spec, same_train) == (trained.model, trained.spec, trained.train)

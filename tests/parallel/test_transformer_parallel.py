@@ -150,8 +150,9 @@ def _saved_masks(rank, world_size, spec, S):
 def test_context_parallel_layers_share_one_mask(worlds, spec):
     """On the generic cp path (K/V all-gathered, masked by position; the ring needs no mask) every
     layer's SDPA saves the [S/cp, S] causal mask for backward; the layers of a forward share one
-    (16 MiB a layer at S = 2048, cp = 2, fp32 before). Under tp each layer gathers its positions
-    anew, so the mask is shared by value, not by tensor identity."""
+    (16 MiB a layer at S = 2048, cp = 2, fp32 before). Under tp the layers share one tp gather of
+    their positions, but each gathers its keys' positions over cp anew, so the mask is shared by
+    value, not by tensor identity."""
     results = worlds(spec.world_size).run(_saved_masks, spec, 24)
     assert all(saved == 2 and distinct == 1 for saved, distinct in results), results
 
