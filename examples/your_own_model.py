@@ -180,8 +180,13 @@ class OwnModel(nn.Module):
         return self.unembed(self.final_norm(x))  # [B, S, V]
 
     def loss(self, tokens, targets, positions=None):
-        total, count = cross_entropy_sum(self(tokens, positions), targets)
+        total, count = self.loss_terms(self(tokens, positions), targets)
         return total / count if self.reduce_loss is None else self.reduce_loss(total, count)
+
+    def loss_terms(self, logits, targets):
+        """(loss summed over the tokens, token count): what ``loss`` reduces, and what a pipeline's
+        last stage computes from its logits (with pp > 1 ``loss`` itself never runs)."""
+        return cross_entropy_sum(logits, targets)
 
 
 def build(cfg: Config, seed: int, dtype: torch.dtype, device) -> OwnModel:
