@@ -143,11 +143,13 @@ class ModelChunk(nn.Module):
         """This chunk's blocks, keyed as in the whole model's block list."""
         return self.get_submodule(self.blocks_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **per_token) -> torch.Tensor:
+        """``per_token``: keyword inputs [b, s] of the microbatch's tokens, passed to every block
+        (``block(x, positions, **per_token)``)."""
         for path in self.before_paths:
             x = self.get_submodule(path)(x)
         for block in self.block_list().values():
-            x = block(x, self.positions)
+            x = block(x, self.positions, **per_token)
         for path in self.after_paths:
             x = self.get_submodule(path)(x)
         return x
@@ -261,7 +263,7 @@ class Pipeline:
         num_blocks = len(_blocks(model, plan))
         tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
         check_pipeline(pp, None, microbatches, schedule, virtual, num_blocks, tied)
-        self.folded, self.microbatches = folded, microbatches
+        self.folded, self.microbatches, self._token_ids = folded, microbatches, plan.token_ids
         n = pp * virtual
         layers = chunk_layers(num_blocks, n)
         r = folded.attn.get_local_rank("pp")
@@ -384,11 +386,14 @@ class Pipeline:
         # Only a rank holding the first stage hands the schedule the tokens: later stages receive
         # activations (and torch 2.11's shape inference refuses inputs given to them).
         inputs = (tokens,) if 0 in self.stage_ids else ()
+        # every stage's blocks get the token ids: the schedule splits keyword inputs into the
+        # microbatches along the batch dim and hands each stage its microbatch's
+        per_token = {self._token_ids: tokens} if self._token_ids is not None else {}
         if backward:
-            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
+            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
         else:
             with torch.no_grad():
-                self.schedule.eval(*inputs, target=targets, losses=losses, return_outputs=False)
+                self.schedule.eval(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
         for calls in self._calls:
             calls.forget_extra(self.microbatches)
         share = torch.zeros((), dtype=torch.float64, device=count.device)

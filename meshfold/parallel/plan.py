@@ -109,6 +109,9 @@ class Plan:
       the path of the block list (an ``nn.ModuleList`` or ``nn.ModuleDict``) and the paths of
       the modules run before the blocks (first stage) and after them (last stage), in order
       (paths, not patterns).
+    * ``token_ids``: for :class:`~meshfold.parallel.pipeline.Pipeline`, the keyword under which
+      each block gets the ids [b, s] of its tokens (e.g. for a hash router: ``block(x, positions,
+      token_ids=...)``); None: blocks are called ``block(x, positions)``.
     * ``check``: optional ``check(spec)`` raising ``ValueError`` naming a model size that does
       not divide over a :class:`~meshfold.mesh.FoldSpec` (heads over tp, ...).
     * ``whole``: the plan lays out a whole model that runs with ``pp > 1`` only as a
@@ -129,6 +132,7 @@ class Plan:
     blocks: str | None = None
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+    token_ids: str | None = None
     check: Callable | None = None
     whole: bool = False
 
