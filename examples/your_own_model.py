@@ -18,7 +18,8 @@ is laid out; ``parallelize(model, folded, PLAN)`` applies it. Run::
     python examples/your_own_model.py
 
 On 4 CPU ranks, for each fold of ``FOLDS`` (together: context parallelism, expert tensor
-parallelism, FSDP2, full recomputation, bf16 compute over fp32 masters), the loss and every
+parallelism, FSDP2, full recomputation, bf16 compute over fp32 masters, a pp2 pipeline whose
+stages hash-route with the token ids ``Plan.token_ids`` hands them), the loss and every
 gradient of the laid-out model equal those of the model on one device (fp64: to 1e-9; bf16
 compute: to a bf16 tolerance). Prints one line per fold and exits non-zero on a mismatch.
 
@@ -151,7 +152,7 @@ class ParallelBlock(nn.Module):
                         router_dtype=torch.get_default_dtype())
         self.moe = MoELayer(moe, router=HashRouter(cfg), experts=SquaredReLUExperts(cfg))
 
-    def forward(self, x, token_ids, positions):
+    def forward(self, x, positions, token_ids):
         h = self.norm(x)
         return x + self.attn(h, positions) + self.moe(h, token_ids=token_ids)
 
@@ -176,12 +177,17 @@ class OwnModel(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
         x = self.tok(tokens)  # [B, S, H]
         for block in self.blocks:
-            x = block(x, tokens, positions)
+            x = block(x, positions, token_ids=tokens)
         return self.unembed(self.final_norm(x))  # [B, S, V]
 
     def loss(self, tokens, targets, positions=None):
-        total, count = cross_entropy_sum(self(tokens, positions), targets)
+        total, count = self.loss_terms(self(tokens, positions), targets)
         return total / count if self.reduce_loss is None else self.reduce_loss(total, count)
+
+    def loss_terms(self, logits, targets):
+        """(loss summed over the tokens, token count): what ``loss`` reduces, and what a pipeline's
+        last stage computes from its logits (with pp > 1 ``loss`` itself never runs)."""
+        return cross_entropy_sum(logits, targets)
 
 
 def build(cfg: Config, seed: int, dtype: torch.dtype, device) -> OwnModel:
@@ -225,6 +231,9 @@ PLAN = Plan(
     tp_summed=("blocks.*.norm",),  # replicated over tp, its gradient a sum of tp shares
     recompute=("blocks.*",),  # what recompute="full" checkpoints
     keep_dtype={"blocks.*.moe.router.gate": None},  # the gate computes in its own (master) dtype
+    # pp > 1 (Pipeline): the blocks cut into stages, the modules before and after them, and the
+    # keyword under which each block gets its tokens' ids (the hash router's input)
+    blocks="blocks", before=("tok",), after=("final_norm", "unembed"), token_ids="token_ids",
 )
 
 
@@ -237,6 +246,7 @@ FOLDS = [
     (FoldSpec(4, cp=2, tp=2, ep=2, etp=2), "fsdp", None, "full"),
     (FoldSpec(4, tp=2, ep=4), "allreduce", None, "none"),
     (FoldSpec(4, cp=2, etp=2), "fsdp", torch.bfloat16, "full"),
+    (FoldSpec(4, pp=2, tp=2, ep=2), "fsdp", None, "none"),  # a pipeline: each stage's blocks hash-route
 ]
 
 

@@ -62,8 +62,13 @@ def _check_args(x, w, offsets, tile_mask, backend) -> None:
         raise ValueError(f"x.dtype = {x.dtype}, w.dtype = {w.dtype}; both must be one of "
                          f"{', '.join(str(d) for d in DTYPES)}")
     if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.numel() != w.shape[0] or w.shape[0] == 0:
+        fewer = offsets.dim() == 1 and 1 <= offsets.numel() < w.shape[0]
         raise ValueError(f"offsets must be int32 [E={w.shape[0]}] (E >= 1), got {offsets.dtype} "
-                         f"{tuple(offsets.shape)}")
+                         f"{tuple(offsets.shape)}" + (
+                             f": w holds {w.shape[0]} experts but offsets counts {offsets.numel()}; under expert "
+                             f"parallelism a rank holds only its own experts, so an MoE layer's experts read "
+                             f"their weights through local(name, param) (this rank's shard, e.g. "
+                             f"local('experts.w1', self.w1)), never the parameter itself" if fewer else ""))
     if not (x.device == w.device == offsets.device):
         raise ValueError(f"x, w, offsets on {x.device}, {w.device}, {offsets.device}; they must share one device")
     if tile_mask is not None:

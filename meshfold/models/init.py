@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["Init", "SLAB", "TORCH_DEFAULTS", "normal_", "uniform_", "ones_", "zeros_", "declared_inits",
+__all__ = ["Init", "SLAB", "TORCH_DEFAULTS", "normal_", "uniform_", "ones_", "zeros_", "declared_inits", "tied_parameters",
            "draw_seed", "build", "materialize", "whole", "fill_"]
 
 SLAB = 1 << 20  # elements per slab: 4 MiB of fp32 drawn at a time, whatever the tensor's size
@@ -183,8 +183,21 @@ def declared_inits(module: nn.Module) -> dict[str, Init]:
             f"normal_ / uniform_ / ones_ / zeros_ where its module creates it, use a torch module "
             f"meshfold initializes as torch does ({', '.join('nn.' + c.__name__ for c in TORCH_DEFAULTS)}, "
             f"its reset_parameters not overridden), or, for a buffer, build it with values (copied) or "
-            f"give its module a reset_buffers() method (recomputed); see docs/models.md")
+            f"give its module a reset_buffers() method (recomputed); see docs/models.md. A declaration "
+            f"belongs to the tensor it was made on: nn.Parameter(init.normal_(torch.empty(...), std)) is a new "
+            f"tensor without it; declare the Parameter itself, init.normal_(nn.Parameter(torch.empty(...)), std)")
     return out
+
+
+def tied_parameters(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter ``module`` holds under more than one name (a tie such as
+    ``lm_head.weight = embed.weight``, or a module registered in two places), each list in
+    ``named_parameters`` order (its first name is the one ``named_parameters()`` gives); []
+    if none."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [n for n in names.values() if len(n) > 1]
 
 
 def draw_seed() -> int:
@@ -274,7 +287,12 @@ def materialize(module: nn.Module, inits: dict[str, Init], seed: int, device,
     model, each rank's shard (:func:`meshfold.parallel.materialize.materialize_shards`). Then
     every module with a "recompute" buffer runs its ``reset_buffers()`` (such a buffer must be
     held whole: it is computed whole)."""
-    module.to_empty(device=device)
+    ties = tied_parameters(module)
+    module.to_empty(device=device)  # gives each name its own tensor: tie the aliases again
+    for source, *aliases in ties:
+        for alias in aliases:
+            path, _, attr = alias.rpartition(".")
+            setattr(module.get_submodule(path), attr, module.get_parameter(source))
     recompute = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         key = name_of(name)

@@ -213,10 +213,15 @@ class MoETransformer(nn.Module):
         """Mean cross-entropy over targets != -100 (fp32 or wider); on a folded mesh the mean over
         the global batch, the same value on every rank. MoE balancing losses, if configured, are
         already attached to the graph by each MoELayer (see ``last_losses``)."""
-        total, count = cross_entropy_sum(self._logits(tokens, positions), targets)
+        total, count = self.loss_terms(self._logits(tokens, positions), targets)
         if self.reduce_loss is not None:
             return self.reduce_loss(total, count)
         return total / count
+
+    def loss_terms(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cross-entropy summed over targets != -100, their count)`` of logits [B, S, V]: what
+        ``loss`` reduces, and what a pipeline's last stage computes per microbatch."""
+        return cross_entropy_sum(logits, targets)
 
     def moe_layers(self) -> list[MoELayer]:
         return [b.mlp for _, b in self.moe_blocks()]

@@ -6,7 +6,9 @@ head). The model is cut into ``pp * virtual`` contiguous *chunks* of blocks (Meg
 chunks"): chunk ``s`` holds blocks ``[s * L // n, (s + 1) * L // n)`` of ``n = pp * virtual``, the
 first also the ``before`` modules, the last the ``after`` modules. A chunk runs ``x`` through
 its ``before`` modules in order (``m(x)``), its blocks (``block(x, positions)``) and its ``after``
-modules; the last chunk's output is the logits the loss (cross-entropy) reads. Pipeline rank ``r`` holds chunks ``r, r + pp,
+modules; the last chunk's output is the logits the loss reads: the model's ``loss_terms(logits,
+targets)`` if it defines one (its ``loss`` never runs: a model with a ``loss`` and no
+``loss_terms`` is refused, since terms of its own would be lost), else the cross-entropy. Pipeline rank ``r`` holds chunks ``r, r + pp,
 r + 2 pp, ...`` (one chunk without virtual stages; ``virtual`` chunks for the interleaved
 schedule). Inside a chunk everything is the single-device code, laid out on the rank's stage of
 the folded mesh by :func:`~meshfold.parallel.transformer.parallelize` (TP, CP, DP or
@@ -38,7 +40,8 @@ the same ``step``, ``chunks``, ``moe_layers``, ``reduce_gradients`` and ``moe_me
 ``pp`` is.
 
 Tied embeddings need the embedding on the first and the head on the last stage to be one tensor;
-with ``pp > 1`` that is not supported (a clear error says so).
+with ``pp > 1`` that is not supported: ``tie_embeddings`` and a parameter held under two names
+(``lm_head.weight = embed.weight``) are errors naming the tie.
 
 Example (4 ranks: pp2 x tp2 | pp2 x ep2)::
 
@@ -92,6 +95,22 @@ def _blocks(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
     return dict(model.get_submodule(plan.blocks).named_children())
 
 
+def _loss_terms(model: nn.Module):
+    """What the last stage computes from a microbatch's logits: ``model.loss_terms(logits [b, s, V],
+    targets [b, s]) -> (loss summed over the tokens, token count)`` if the model defines it, else
+    the cross-entropy sum. With ``pp > 1`` the model's own ``loss`` never runs (the stages run its
+    pieces), so a model whose ``loss`` may add terms of its own (a z-loss, say) must say what they
+    are through ``loss_terms``; one that defines ``loss`` and no ``loss_terms`` is refused."""
+    terms = getattr(model, "loss_terms", None)
+    if terms is None and callable(getattr(model, "loss", None)):
+        raise ValueError(f"{type(model).__name__} defines loss but no loss_terms(logits, targets) -> (sum over "
+                         f"tokens, token count): with pp > 1 the pipeline computes the loss from the last "
+                         f"stage's logits and never calls loss, so any term of it other than cross-entropy "
+                         f"would be lost; define loss_terms (e.g. return cross_entropy_sum(logits, targets), "
+                         f"plus your own terms summed over the tokens) and let loss call it")
+    return terms if terms is not None else cross_entropy_sum
+
+
 class ModelChunk(nn.Module):
     """A run of ``model``'s blocks (``layer_ids``: their positions in the plan's block list), with
     the plan's ``before`` modules if it is the first chunk and its ``after`` modules if it is the
@@ -124,11 +143,13 @@ class ModelChunk(nn.Module):
         """This chunk's blocks, keyed as in the whole model's block list."""
         return self.get_submodule(self.blocks_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **per_token) -> torch.Tensor:
+        """``per_token``: keyword inputs [b, s] of the microbatch's tokens, passed to every block
+        (``block(x, positions, **per_token)``)."""
         for path in self.before_paths:
             x = self.get_submodule(path)(x)
         for block in self.block_list().values():
-            x = block(x, self.positions)
+            x = block(x, self.positions, **per_token)
         for path in self.after_paths:
             x = self.get_submodule(path)(x)
         return x
@@ -238,10 +259,11 @@ class Pipeline:
                         recompute=recompute)
             self._accumulating(model, folded, microbatches, plan)
             return
+        self._loss_terms = _loss_terms(model)
         num_blocks = len(_blocks(model, plan))
         tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
         check_pipeline(pp, None, microbatches, schedule, virtual, num_blocks, tied)
-        self.folded, self.microbatches = folded, microbatches
+        self.folded, self.microbatches, self._token_ids = folded, microbatches, plan.token_ids
         n = pp * virtual
         layers = chunk_layers(num_blocks, n)
         r = folded.attn.get_local_rank("pp")
@@ -283,7 +305,7 @@ class Pipeline:
         self._calls, self._n_global, self.schedule = [], None, None
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, targets)[0] / self._n_global
+        return self._loss_terms(logits, targets)[0] / self._n_global
 
     # ---- what a training loop needs of a model: this rank's part of it -----------------------
     def parameters(self):
@@ -364,11 +386,14 @@ class Pipeline:
         # Only a rank holding the first stage hands the schedule the tokens: later stages receive
         # activations (and torch 2.11's shape inference refuses inputs given to them).
         inputs = (tokens,) if 0 in self.stage_ids else ()
+        # every stage's blocks get the token ids: the schedule splits keyword inputs into the
+        # microbatches along the batch dim and hands each stage its microbatch's
+        per_token = {self._token_ids: tokens} if self._token_ids is not None else {}
         if backward:
-            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
+            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
         else:
             with torch.no_grad():
-                self.schedule.eval(*inputs, target=targets, losses=losses, return_outputs=False)
+                self.schedule.eval(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
         for calls in self._calls:
             calls.forget_extra(self.microbatches)
         share = torch.zeros((), dtype=torch.float64, device=count.device)

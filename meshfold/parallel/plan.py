@@ -29,8 +29,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Placement
 
+from meshfold.models.init import tied_parameters
+
 __all__ = ["Plan", "SequenceParallel", "VocabParallel", "VOCAB_KINDS", "Resolved", "CONTEXT_HOOKS", "matches", "first_match", "matching", "check_plan", "resolve", "restrict",
-           "moe_layers", "owner", "register_plan", "model_plan"]
+           "moe_layers", "owner", "register_plan", "model_plan", "check_fold_fit", "tied_parameters"]
 
 CONTEXT_HOOKS = ("ring", "latent")  # Plan.context values: GQA-style ring, MLA's latent ring
 
@@ -107,6 +109,9 @@ class Plan:
       the path of the block list (an ``nn.ModuleList`` or ``nn.ModuleDict``) and the paths of
       the modules run before the blocks (first stage) and after them (last stage), in order
       (paths, not patterns).
+    * ``token_ids``: for :class:`~meshfold.parallel.pipeline.Pipeline`, the keyword under which
+      each block gets the ids [b, s] of its tokens (e.g. for a hash router: ``block(x, positions,
+      token_ids=...)``); None: blocks are called ``block(x, positions)``.
     * ``check``: optional ``check(spec)`` raising ``ValueError`` naming a model size that does
       not divide over a :class:`~meshfold.mesh.FoldSpec` (heads over tp, ...).
     * ``whole``: the plan lays out a whole model that runs with ``pp > 1`` only as a
@@ -127,6 +132,7 @@ class Plan:
     blocks: str | None = None
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+    token_ids: str | None = None
     check: Callable | None = None
     whole: bool = False
 
@@ -195,12 +201,22 @@ def _under(name: str, prefixes: Iterable[str]) -> str | None:
     return next((p for p in prefixes if name.startswith(p + ".")), None)
 
 
+TIE_ADVICE = ("a layout places each parameter under one name, so one parameter under two names would "
+              "become two copies whose gradients are never summed; tie by reading the embedding's weight "
+              "where the head is computed, with no second Parameter (e.g. logits = F.linear(x, "
+              "self.embed.weight) in the model's own code, as MoETransformer(tie_embeddings=True) does; "
+              "pp = 1 only), or untie them")
+
+
 def check_plan(model: nn.Module, plan: Plan) -> None:
     """Raise ``ValueError`` for anything of ``plan`` that does not fit ``model``: a pattern that
     matches nothing (for a piece of a model, check the whole and :func:`restrict` the plan), a
-    parameter no entry places and no ``default`` covers, an MoE
+    parameter no entry places and no ``default`` covers, a parameter held under two names
+    (tied, :func:`~meshfold.models.init.tied_parameters`), an MoE
     layer inside another, a ``context`` module without a ``context`` attribute, a ``blocks``
     path that is not a module list."""
+    if tied := tied_parameters(model):
+        raise ValueError(f"parameters {tied[0]} of {type(model).__name__} are one tensor (tied): {TIE_ADVICE}")
     modules = dict(model.named_modules())
     params = [n for n, _ in model.named_parameters()]
     layers = moe_layers(model, plan)
@@ -265,7 +281,7 @@ class Resolved:
 
     placements: dict[str, tuple]  # parameter outside the MoE layers -> placements over attn
     moe: dict[str, dict]  # MoE layer path -> its layout table
-    tp: dict[str, SequenceParallel]
+    tp: dict[str, SequenceParallel | VocabParallel]
     context: dict[str, str]
     fsdp: list[str]
     tp_summed: list[str]
@@ -300,6 +316,43 @@ def resolve(model: nn.Module, plan: Plan) -> Resolved:
         fsdp=select(plan.fsdp), tp_summed=select(plan.tp_summed), recompute=select(plan.recompute),
         keep={n: plan.keep_dtype[p] for n, _ in model.named_parameters()
               if (p := first_match(plan.keep_dtype, n)) is not None})
+
+
+def check_fold_fit(model: nn.Module, resolved: Resolved, spec) -> None:
+    """Raise ``ValueError`` for a plan that fits ``model`` but would compute other numbers than
+    one device on a fold of ``spec`` (a :class:`~meshfold.mesh.FoldSpec`), naming the module or
+    parameter and the plan entry missing or wrong: with ``cp > 1`` a module with a ``context`` hook (attribute None) no ``context`` entry sets,
+    whose attention would see only its rank's tokens; a ``SequenceParallel`` module holding an
+    MoE layer, whose routed output the tp group would sum tp times; with ``tp > 1`` a parameter
+    sharded over ``tp`` outside every ``tp`` entry, whose module would compute with its shard of
+    the weight on its own tokens only."""
+    modules = dict(model.named_modules())
+    if spec.cp > 1:
+        for path, m in modules.items():
+            if getattr(m, "context", False) is None and path not in resolved.context:
+                raise ValueError(f"cp = {spec.cp}: {path or '<root>'!r} ({type(m).__name__}) has a context hook "
+                                 f"('context' attribute None) but no Plan.context entry matches it, so its "
+                                 f"attention would see only this rank's tokens; add Plan(context={{{path!r}: "
+                                 f"'ring'}}) (or 'latent' for MLA)")
+    for path, entry in resolved.tp.items():
+        if isinstance(entry, SequenceParallel):
+            inner = [n for n in resolved.moe if n == path or n.startswith(path + ".")]
+            if inner:
+                raise ValueError(f"Plan.tp[{path!r}] = {entry!r} holds the MoE layer {inner[0]!r}: the tp group's "
+                                 f"tokens would all reach each tp rank's copy of it and its output be summed tp "
+                                 f"times; put SequenceParallel on the attention / dense modules only (MoE "
+                                 f"layers run on the local tokens)")
+    if spec.tp > 1:
+        tp_dim = 2  # placements over (dp, cp, tp)
+        for name, placements in resolved.placements.items():
+            module = owner(name)[0]
+            covered = any(module == p or module.startswith(p + ".") for p in resolved.tp)
+            if not covered and not placements[tp_dim].is_replicate():
+                raise ValueError(f"tp = {spec.tp}: parameter {name!r} is laid out {placements[tp_dim]} over tp "
+                                 f"(Plan.params) but no Plan.tp entry covers {module or '<root>'!r} or a module "
+                                 f"above it, so it would compute on this rank's shard of the weight with this "
+                                 f"rank's tokens only; add Plan(tp={{{module!r}: SequenceParallel(...)}}) "
+                                 f"around the module that reads it, or replicate it over tp")
 
 
 def restrict(plan: Plan, part: nn.Module) -> Plan:

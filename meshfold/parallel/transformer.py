@@ -59,6 +59,7 @@ count), so the shares add up to the single-device mean loss and so do the gradie
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -75,7 +76,7 @@ from meshfold.parallel.layouts import single_device_name
 from meshfold.parallel.materialize import materialize_shards
 from meshfold.parallel.mla import LatentContext
 from meshfold.parallel.moe import FoldedComm, moe_param_layout, parallelize_moe, place
-from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel, model_plan, resolve
+from meshfold.parallel.plan import Plan, SequenceParallel, VocabParallel, check_fold_fit, model_plan, resolve
 from meshfold.parallel.recompute import apply_recompute, check_recompute
 from meshfold.placements import all_gather_v, partial_grads, reduce_scatter_v, sum_statistic
 
@@ -277,6 +278,7 @@ def parallelize(model: nn.Module, folded, plan: Plan | None = None, *, local_sta
     if plan.check is not None:
         plan.check(spec)
     r = resolve(model, plan)
+    check_fold_fit(model, r, spec)
     if recompute != "none" and not r.recompute:
         raise ValueError(f"recompute = {recompute!r} but the plan names no blocks to recompute "
                          f"(Plan.recompute = {plan.recompute!r})")
@@ -319,11 +321,48 @@ def parallelize(model: nn.Module, folded, plan: Plan | None = None, *, local_sta
             raise ValueError(f"{type(model).__name__}.{attr} is {getattr(model, attr)!r}; parallelize sets it "
                              f"(None on one device), so a model may not define it otherwise")
         setattr(model, attr, value)
+    _check_loss_calls(model, spec)
     if data_parallel == "fsdp":
         fully_shard_folded(model, folded, r, compute_dtype)
     if on_meta:  # after FSDP2 has sharded: each rank allocates and draws only what it keeps
         materialize_shards(model, model.inits, model.init_seed, folded.device, name_of=single_device_name)
     return model
+
+
+def _check_loss_calls(model: nn.Module, spec) -> None:
+    """Wrap ``model.loss`` (if it has one) so that a call that cannot give one device's loss is an
+    error on every rank (each makes the same calls, so none waits in a collective): one without
+    ``positions`` on a fold with ``cp > 1`` (each rank would take its tokens for positions
+    ``0..s-1``, and the cp ranks would disagree on their attention's collectives), and one that
+    returns without calling ``model.reduce_loss`` (each rank would return the mean of its own
+    tokens, and the gradients would not sum to one device's)."""
+    loss = getattr(model, "loss", None)
+    if not callable(loss):
+        return
+    what = f"{type(model).__name__}.loss"
+    try:
+        signature = inspect.signature(loss)
+    except (TypeError, ValueError):  # no signature to read: nothing to bind positions to
+        signature = None
+    takes_positions = signature is not None and "positions" in signature.parameters
+
+    def checked(*args, **kwargs):
+        if spec.cp > 1 and takes_positions:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            if bound.get("positions") is None:
+                raise ValueError(f"{what} called without positions on a fold with cp = {spec.cp}: each rank holds "
+                                 f"two chunks of every sequence, so its positions are not 0..s-1; pass the "
+                                 f"positions shard_batch returns: loss(tokens, targets, positions)")
+        before = model.reduce_loss.calls
+        out = loss(*args, **kwargs)
+        if model.reduce_loss.calls == before:
+            raise ValueError(f"{what} returned without calling self.reduce_loss: on a fold each rank would "
+                             f"return the mean of its own tokens; end it with self.reduce_loss(total, count) "
+                             f"(a cross-entropy sum and its token count, meshfold.models.transformer."
+                             f"cross_entropy_sum) when reduce_loss is set (docs/models.md)")
+        return out
+
+    model.loss = checked
 
 
 class GlobalLogits:
@@ -376,8 +415,10 @@ class GlobalMeanLoss:
 
     def __init__(self, mesh):
         self.mesh = mesh
+        self.calls = 0  # how often a loss called it (parallelize checks that model.loss does)
 
     def __call__(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
         return _GlobalMean.apply(total, count, self.mesh)
 
 

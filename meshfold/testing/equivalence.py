@@ -2,7 +2,7 @@
 
 :func:`assert_matches_one_device` runs on every rank of a fold (inside ``World.run``, or in a
 test's ``worlds(n).run``): it builds the single-device reference and the model to lay out, lays
-the second out with ``parallelize``, runs one forward and backward of a global batch on each (the
+the second out with ``parallelize`` (with ``pp > 1``: as a ``Pipeline``), runs one forward and backward of a global batch on each (the
 reference on the whole batch, each rank on its slice: batch over ``dp``, sequence over
 ``cp x tp``, :func:`meshfold.parallel.batch.shard_batch`) and asserts that the loss and every
 full gradient, under its single-device name, agree. Example (a test, 4 ranks)::
@@ -68,9 +68,14 @@ def assert_matches_one_device(build: Callable, plan, fold, batch: tuple[torch.Te
     of the reference. ``perturb`` (seed; None: off, and always off on meta): first move the
     reference's constant-initialized parameters (:func:`perturb_constants`).
 
+    With ``pp > 1`` the model runs as a :class:`~meshfold.parallel.pipeline.Pipeline` of one
+    microbatch (its ``plan`` names the blocks, ``before`` and ``after``): the loss is the one
+    ``Pipeline.step`` returns (the model's ``loss_terms``; a custom ``loss`` is refused), and each
+    rank compares the gradients of its own stage; together the ranks must hold every gradient of
+    one device.
+
     Returns ``{"loss": |difference|, "grad": the largest |difference| of any gradient element}``.
-    Raises AssertionError naming the first quantity that differs, and ValueError for a fold with
-    ``pp > 1`` (a pipeline's stages are checked with ``Pipeline``).
+    Raises AssertionError naming the first quantity that differs.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -79,14 +84,15 @@ def assert_matches_one_device(build: Callable, plan, fold, batch: tuple[torch.Te
     from meshfold.parallel.batch import shard_batch
     from meshfold.parallel.data_parallel import reduce_gradients
     from meshfold.parallel.layouts import single_device_name
+    from meshfold.parallel.pipeline import Pipeline
     from meshfold.parallel.transformer import parallelize
     from meshfold.testing.worlds import cached_fold
 
     folded = cached_fold(fold) if isinstance(fold, FoldSpec) else fold
     spec = folded.spec
-    if spec.pp != 1:
-        raise ValueError(f"assert_matches_one_device: pp = {spec.pp}; valid: pp = 1 (a whole model on "
-                         f"each rank; check pipeline stages with meshfold.parallel.pipeline.Pipeline)")
+    if spec.pp != 1 and loss is not None:
+        raise ValueError(f"assert_matches_one_device: pp = {spec.pp} with a loss function: a pipeline computes "
+                         f"the loss from the last stage's logits with the model's loss_terms; valid: loss=None")
     loss = loss or _default_loss
     tokens, targets = batch
     device = folded.device
@@ -98,7 +104,10 @@ def assert_matches_one_device(build: Callable, plan, fold, batch: tuple[torch.Te
     if not on_meta:
         model.load_state_dict(ref.state_dict())
     kwargs = dict(data_parallel=data_parallel, compute_dtype=compute_dtype, recompute=recompute)
-    if plan is None:
+    pipe = None
+    if spec.pp != 1:
+        pipe = Pipeline(model, folded, 1, "gpipe", plan=plan, **kwargs)
+    elif plan is None:
         parallelize(model, folded, **kwargs)
     else:
         parallelize(model, folded, plan, **kwargs)
@@ -110,10 +119,15 @@ def assert_matches_one_device(build: Callable, plan, fold, batch: tuple[torch.Te
     rank = dist.get_rank()
     local_tokens, pos = shard_batch(tokens, spec, rank)
     local_targets, _ = shard_batch(targets, spec, rank)
-    got_loss = loss(model, local_tokens.to(device), local_targets.to(device), pos.to(device))
-    got_loss.backward()
-    if data_parallel == "allreduce":
-        reduce_gradients(model)
+    if pipe is not None:
+        got_loss = pipe.step(local_tokens.to(device), local_targets.to(device), pos.to(device))
+        pipe.reduce_gradients()
+        model = pipe
+    else:
+        got_loss = loss(model, local_tokens.to(device), local_targets.to(device), pos.to(device))
+        got_loss.backward()
+        if data_parallel == "allreduce":
+            reduce_gradients(model)
     where = f"{spec} (data_parallel={data_parallel!r}, compute_dtype={compute_dtype}, recompute={recompute!r})"
     torch.testing.assert_close(got_loss.detach().to(ref_loss.dtype), ref_loss.detach(), rtol=rtol, atol=atol,
                                msg=lambda m: f"{where}: the loss differs from one device: {m}")
@@ -122,9 +136,14 @@ def assert_matches_one_device(build: Callable, plan, fold, batch: tuple[torch.Te
         if p.grad is not None:
             g = p.grad
             got[single_device_name(name)] = g.full_tensor() if isinstance(g, DTensor) else g
-    if set(got) != set(ref_grads):
-        raise AssertionError(f"{where}: gradients on one device only: {sorted(set(ref_grads) - set(got))}; "
-                             f"laid out only: {sorted(set(got) - set(ref_grads))}")
+    held = set(got)
+    if pipe is not None:  # each rank holds its stage's: together they hold every gradient
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(got))
+        held = set().union(*everyone)
+    if held != set(ref_grads) or not set(got) <= set(ref_grads):
+        raise AssertionError(f"{where}: gradients on one device only: {sorted(set(ref_grads) - held)}; "
+                             f"laid out only: {sorted(held - set(ref_grads))}")
     worst = 0.0
     for name, grad in got.items():
         want = ref_grads[name]

@@ -21,7 +21,7 @@ from meshfold.parallel.transformer import full_state_dict, parallelize
 from meshfold.parallel.batch import shard_batch
 from meshfold.parallel.materialize import materialize_shards
 from meshfold.parallel.moe import place
-from meshfold.parallel.plan import Plan
+from meshfold.parallel.plan import Plan, SequenceParallel
 from meshfold.runtime.compat import fully_shard_over
 from meshfold.train.sparsity import ExpertSparsity
 from meshfold.testing.strategies import fold_specs
@@ -218,7 +218,10 @@ OWN_LAYOUT = {"embed.weight": (R, R, Shard(1)), "up.weight": (R, R, Shard(0)), "
               "down.weight": (R, R, Shard(1))}
 
 
-OWN_PLAN = Plan(params=OWN_LAYOUT, default=(R, R, R), fsdp=("up",))
+# the modules of tp-sharded weights get sequence parallelism (parallelize refuses a weight sharded
+# over tp outside it); this model is only materialized, never run
+OWN_PLAN = Plan(params=OWN_LAYOUT, default=(R, R, R), fsdp=("up",),
+                tp={m: SequenceParallel() for m in ("embed", "up", "down")})
 
 
 def _own_model_sharded_equals_whole(rank, world_size, specs, seed):
