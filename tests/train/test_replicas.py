@@ -200,3 +200,50 @@ def test_copies_with_static_placement_are_refused():
     cfg.train.redundant_experts = 4
     with pytest.raises(ValueError, match="train.expert_placement = 'static'.*valid: 'balanced'"):
         cfg.validate()
+
+
+# ---- meshfold train -----------------------------------------------------------------------------
+
+def _train(out, *extra):
+    from tests.run_here import meshfold_here
+    from tests.train.test_train import SMALL, losses
+
+    args = [*SMALL, "--set", "moe.num_experts=8", "--set", "train.dtype=\"float64\"", "--set", "train.ckpt_every=2"]
+    proc = meshfold_here("train", "--steps", "4", "--out-dir", str(out), *args, *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, losses(out)
+
+
+COPIES = ["--set", "train.expert_placement=\"balanced\"", "--set", "train.rebalance_every=2",
+          "--set", "train.redundant_experts=4"]
+
+
+def test_a_run_with_copies_trains_like_a_static_one_and_shows_its_copies(tmp_path):
+    """``meshfold train`` with 4 copy slots on ep4 (8 experts, re-placed every 2 steps): the
+    losses are a static run's to fp64 rounding (gradients are summed over an expert's instances
+    in another order, so not bit for bit), the re-placement records its copies, and the next
+    steps count each copied expert's rows split over its instances."""
+    _, static = _train(tmp_path / "static")
+    _, copied = _train(tmp_path / "copies", *COPIES)
+    assert [copied[s]["loss"] for s in (1, 2, 3, 4)] == pytest.approx(
+        [static[s]["loss"] for s in (1, 2, 3, 4)], rel=1e-12, abs=0)
+    placed = copied[2]["expert_placement"]
+    assert [len(c) for c in placed["copies"]] == [4] * len(placed["placements"])
+    r = copied[3]
+    for load, slots, copies, per_rank in zip(r["tokens_per_expert"], placed["placements"], placed["copies"],
+                                             r["ep_rank_rows"]):
+        assert per_rank == [round(x) for x in replica_rank_loads(load, slots, copies, 4)]
+        assert max_over_mean(per_rank) <= max_over_mean(rank_loads(load, tuple(range(8)), 4))
+
+
+@pytest.mark.slow  # three runs on 4 ranks, ~35 s on two cores
+def test_a_run_with_copies_resumes_bit_exact_with_its_copies(tmp_path):
+    """Stopped after its re-placement at step 2 and resumed, a run with copies takes up the saved
+    placement and copies: steps 3 and 4 are the uninterrupted run's, bit for bit, and split the
+    rows over the same copies."""
+    _, whole = _train(tmp_path / "whole", *COPIES)
+    _train(tmp_path / "cut", *COPIES, "--set", "train.stop_at=2")
+    proc, cut = _train(tmp_path / "cut", *COPIES)
+    assert "resumed from" in proc.stdout
+    assert [cut[s]["loss"] for s in (3, 4)] == [whole[s]["loss"] for s in (3, 4)]
+    assert [cut[s]["ep_rank_rows"] for s in (3, 4)] == [whole[s]["ep_rank_rows"] for s in (3, 4)]  # the copies
