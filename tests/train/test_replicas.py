@@ -11,6 +11,7 @@ from meshfold.models import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.parallel.batch import shard_batch
 from meshfold.parallel.data_parallel import reduce_gradients
+from meshfold.parallel.recompute import apply_recompute
 from meshfold.parallel.expert_placement import expert_order, expert_params, folded_moe_layers, replace_experts
 from meshfold.parallel.transformer import parallelize, single_device_name
 from meshfold.plan.placement import balanced, max_over_mean, rank_loads, replica_rank_loads, replicated
@@ -93,12 +94,13 @@ def _split_counts(comm, experts_TK) -> list[list[int]]:
 def _train_with_copies(rank, world_size, case):
     """Two AdamW steps of the fold with copies beside the single-device model: (differences
     beyond fp64 rounding, each expert's split counts on this rank)."""
-    spec, data_parallel, seed, placements = case
+    spec, data_parallel, seed, placements, recompute = case
     cfg = _config(spec)
     ref, _, _ = reference_transformer(cfg, seed, 1, 1)
     model = MoETransformer(cfg, dtype=torch.float64)
     model.load_state_dict(ref.state_dict())
     parallelize(model, cached_fold(spec), data_parallel=data_parallel)
+    apply_recompute(model.layers, recompute)  # "full": the copies are fetched again in backward
     for layer, (slots, copies) in zip(folded_moe_layers(model), placements):
         replace_experts(layer, slots, None)
         layer.comm.set_copies(copies, E, expert_params(layer))
@@ -135,7 +137,7 @@ def copy_cases(draw, specs):
         R = spec.ep * draw(st.integers(1, 2))
         placements.append((tuple(draw(st.permutations(range(E)))),
                            tuple(draw(st.lists(st.integers(0, E - 1), min_size=R, max_size=R)))))
-    return spec, data_parallel, draw(st.integers(0, 10**6)), placements
+    return spec, data_parallel, draw(st.integers(0, 10**6)), placements, draw(st.sampled_from(["none", "full"]))
 
 
 def _check(world, case):
@@ -148,10 +150,10 @@ def _check(world, case):
 @pytest.mark.multirank
 def test_copies_on_ep2_train_like_one_device(worlds):
     """ep2 (world 2): loss and every gradient equal one device (fp64) over two AdamW steps, with
-    drawn placements and copies in both MoE layers."""
+    drawn placements and copies in both MoE layers, with and without full recomputation."""
     world = worlds(2)
 
-    @settings(max_examples=3, deadline=None)
+    @settings(max_examples=4, deadline=None)
     @given(copy_cases([(FoldSpec(2, ep=2), "fsdp")]))
     def check(case):
         _check(world, case)
