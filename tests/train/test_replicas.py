@@ -1,6 +1,8 @@
 """Hot-expert copies (``train.redundant_experts``): the planner, the split rule, exactness against
 one device, and the settings refused before any rank starts."""
 
+import shutil
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -238,13 +240,18 @@ def test_a_run_with_copies_trains_like_a_static_one_and_shows_its_copies(tmp_pat
         assert max_over_mean(per_rank) <= max_over_mean(rank_loads(load, tuple(range(8)), 4))
 
 
-@pytest.mark.slow  # three runs on 4 ranks, ~35 s on two cores
+@pytest.mark.slow  # four runs, ~45 s on two cores
 def test_a_run_with_copies_resumes_bit_exact_with_its_copies(tmp_path):
     """Stopped after its re-placement at step 2 and resumed, a run with copies takes up the saved
     placement and copies: steps 3 and 4 are the uninterrupted run's, bit for bit, and split the
-    rows over the same copies."""
+    rows over the same copies. Its checkpoint also resumes without copies (static placement),
+    with the same losses to fp64 rounding."""
     _, whole = _train(tmp_path / "whole", *COPIES)
     _train(tmp_path / "cut", *COPIES, "--set", "train.stop_at=2")
+    shutil.copytree(tmp_path / "cut" / "checkpoints", tmp_path / "static" / "checkpoints")
+    proc, static = _train(tmp_path / "static")
+    assert "resumed from" in proc.stdout
+    assert [static[s]["loss"] for s in (3, 4)] == pytest.approx([whole[s]["loss"] for s in (3, 4)], rel=1e-12, abs=0)
     proc, cut = _train(tmp_path / "cut", *COPIES)
     assert "resumed from" in proc.stdout
     assert [cut[s]["loss"] for s in (3, 4)] == [whole[s]["loss"] for s in (3, 4)]
