@@ -175,13 +175,13 @@ class FoldedComm:
         """This rank's copies' rows of an expert weight [n, X...] -> [r, X...], fetched from the
         ranks holding them with one all-to-all over ``ep`` (differentiable: in backward each
         copy's gradient returns to its expert's rank and is summed into its gradient there)."""
-        routes = self._routing()
+        routes = self._routing(v_nX.device)
         if v_nX.shape[0] != self._num_experts // self.ep:
             raise ValueError(f"expert weight with {v_nX.shape[0]} local experts; copies need the whole "
                              f"{self._num_experts // self.ep} of the ep rank")
-        x = v_nX[routes.send_rows.to(v_nX.device)]
+        x = v_nX[routes.send_rows]
         y = all_to_all_v(x, routes.send_sizes, routes.recv_sizes, self.moe, "ep")
-        return y[routes.arrived.to(y.device)]
+        return y[routes.arrived]
 
     def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a tile mask: experts over ep, ffn tiles over etp (dim 3 of the
@@ -249,13 +249,11 @@ class FoldedComm:
         ``c`` instances goes to instance ``(j + ep rank) mod c`` (0: the expert's own slot, then
         its copies in rank order), so each source rank's rows are split evenly to within one row.
         Slots run ``E / ep + R / ep`` per ep rank (its own, then its copy slots). No host read."""
-        routes = self._routing()
-        if routes.slot_EC.device != experts_TK.device:
-            self._routes = routes = dataclasses.replace(routes, slot_EC=routes.slot_EC.to(experts_TK.device),
-                                                        count_E=routes.count_E.to(experts_TK.device))
+        routes = self._routing(experts_TK.device)
         e_P = experts_TK.reshape(-1)  # pairs in token order
         order = torch.argsort(e_P, stable=True)
-        seen_E = torch.bincount(e_P, minlength=self._num_experts)
+        seen_E = torch.zeros(self._num_experts, dtype=e_P.dtype, device=e_P.device).scatter_add_(
+            0, e_P, torch.ones_like(e_P))  # not bincount, whose output size is read on the host
         first_E = torch.cumsum(seen_E, 0) - seen_E
         j_P = torch.empty_like(e_P)
         j_P[order] = torch.arange(e_P.numel(), device=e_P.device) - first_E[e_P[order]]
@@ -277,10 +275,14 @@ class FoldedComm:
                              f"multiple of ep >= 2 copy slots, each an expert id in 0 .. {num_experts - 1}")
         self.copies, self.copied, self._num_experts, self._routes = copies, frozenset(names), num_experts, None
 
-    def _routing(self) -> "_Routes":
+    def _routing(self, device) -> "_Routes":
+        """The routes of the current (slots, copies) on ``device``, built and moved there once."""
         if self._routes is None:
             self._routes = _Routes.of(self.slots or tuple(range(self._num_experts)), self.copies, self.ep,
                                       self.ep_rank)
+        if self._routes.slot_EC.device != torch.device(device):
+            fields = (getattr(self._routes, f.name) for f in dataclasses.fields(_Routes))
+            self._routes = _Routes(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in fields))
         return self._routes
 
     def set_slots(self, slots) -> None:

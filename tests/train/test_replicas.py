@@ -88,7 +88,7 @@ def _grads_in_expert_order(model) -> dict:
 def _split_counts(comm, experts_TK) -> list[list[int]]:
     """Per expert, the rows each of its instances gets from ``experts_TK`` under the split rule."""
     got = comm.slot_ids(experts_TK).flatten()
-    table = comm._routing().slot_EC
+    table = comm._routing(got.device).slot_EC
     return [[int((got[experts_TK.flatten() == e] == s).sum()) for s in sorted(set(table[e].tolist()))]
             for e in range(E)]
 
@@ -179,6 +179,27 @@ def test_copies_on_ep4_etp2_and_edp2_train_like_one_device(worlds, spec, data_pa
         _check(world, case)
 
     check()
+
+
+def _syncs_with_copies(rank, world_size):
+    from meshfold.models import MoELayer
+    from meshfold.parallel.moe import parallelize_moe
+    from tests.parallel.test_host_syncs import _layer_cfg, count_forward_syncs
+
+    spec = FoldSpec(4, tp=2, ep=2, etp=2)
+    torch.manual_seed(0)
+    layer = MoELayer(_layer_cfg("dropless", spec.etp, spec.tp), dtype=torch.float64)
+    parallelize_moe(layer, cached_fold(spec))
+    layer.comm.set_copies((0, 0), 4, expert_params(layer))  # expert 0 on both ep ranks
+    x = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    return count_forward_syncs(layer, x)
+
+
+@pytest.mark.multirank
+def test_a_forward_with_copies_still_reads_the_host_once(worlds):
+    """The split rule and the copies' fetch add no host read to the layer's one (the counts)."""
+    for syncs in worlds(4).run(_syncs_with_copies):
+        assert len(syncs) <= 1, syncs
 
 
 # ---- settings ---------------------------------------------------------------------------------
