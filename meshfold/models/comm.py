@@ -69,6 +69,10 @@ class MoEComm(Protocol):
         placement (one device, and the static placement: ``experts_TK`` itself). Rows are
         permuted by slot, so the experts of one rank are contiguous whatever their ids."""
 
+    def num_slots(self, num_experts: int) -> int:
+        """How many slots :meth:`slot_ids` routes to: ``num_experts`` (one device), plus the
+        copy slots of hot experts on a fold that has them."""
+
     def read_counts(self, counts_E: torch.Tensor) -> CountsRead:
         """This rank's per-expert counts [E] read on the host (the forward's one host read), with
         how many rows it sends."""
@@ -134,6 +138,9 @@ class LocalComm:
 
     def slot_ids(self, experts_TK):
         return experts_TK
+
+    def num_slots(self, num_experts: int) -> int:
+        return num_experts
 
     def read_counts(self, counts_E):
         """The rows kept when dropping, read on the host (the forward's one host read)."""

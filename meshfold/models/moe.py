@@ -164,9 +164,9 @@ class MoELayer(nn.Module):
             probs_TK = attach_loss(probs_TK, value if scale == 1 else value * scale)
         self._loss_shares, self._loss_totals = {name: v.detach() for name, v in losses.items()}, None
 
-        # rows in slot order (the expert placement; by default each expert's own id)
-        perm = permute(x_TH, comm.slot_ids(experts_TK), probs_TK, cfg.num_experts, keep_TK, pad_to,
-                       read_counts=comm.read_counts, fused=self.fused_rows)
+        # rows in slot order (the expert placement and its copies; by default each expert's own id)
+        perm = permute(x_TH, comm.slot_ids(experts_TK), probs_TK, comm.num_slots(cfg.num_experts), keep_TK,
+                       pad_to, read_counts=comm.read_counts, fused=self.fused_rows)
         # folded: the all-to-all travels...
         in_flight = comm.dispatch_start(perm.x_NH, perm.counts_E, perm.counts_read)
         shared_TH = None if self.shared is None else self.shared(x_TH, comm)  # ...while this computes

@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor
 from meshfold.kernels import check_etp_alignment
 from meshfold.models.comm import Arrived
 from meshfold.parallel.layouts import MASK_LAYOUT, MOE_LAYOUT
-from meshfold.placements import (Routed, all_gather_v, combine, dispatch, gather_equal, local_view,
+from meshfold.placements import (Routed, all_gather_v, all_to_all_v, combine, dispatch, gather_equal, local_view,
                                   reduce_scatter_v, sum_statistic)
 from meshfold.placements.collectives import debug_checks_enabled
 from meshfold.placements.token_dispatch import block_counts, dispatch_start, rows_sent
@@ -92,6 +92,46 @@ class BlockCounts:
     block: tuple[torch.Tensor, list]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Routes:
+    """Where a placement with copies sends rows and fetches weights, for one ep rank:
+    ``slot_EC`` [E, c] each expert's instances' dispatch slots (own first; padded with it),
+    ``count_E`` [E] its instances; ``send_rows`` the local experts to send for other ranks'
+    copies (grouped by rank), ``send_sizes`` / ``recv_sizes`` per ep rank, and ``arrived`` the
+    received rows in this rank's copy order."""
+
+    slot_EC: torch.Tensor
+    count_E: torch.Tensor
+    send_rows: torch.Tensor
+    send_sizes: list[int]
+    recv_sizes: list[int]
+    arrived: torch.Tensor
+
+    @staticmethod
+    def of(slots, copies, ep: int, me: int) -> "_Routes":
+        E = len(slots)
+        n, r = E // ep, len(copies) // ep
+        slot_of = {e: s for s, e in enumerate(slots)}
+        instances = [[] for _ in range(E)]
+        for s, e in enumerate(slots):
+            instances[e].append((s // n) * (n + r) + s % n)
+        for i, e in enumerate(copies):
+            instances[e].append((i // r) * (n + r) + n + i % r)
+        c = max(len(x) for x in instances)
+        slot_EC = torch.tensor([x + [x[0]] * (c - len(x)) for x in instances], dtype=torch.int64)
+        home = [slot_of[e] // n for e in copies]  # ep rank holding copy i's expert
+        send = [[slot_of[e] % n for i, e in enumerate(copies[d * r:(d + 1) * r]) if home[d * r + i] == me]
+                for d in range(ep)]
+        mine = range(me * r, (me + 1) * r)
+        by_source = sorted(range(r), key=lambda i: home[mine[i]])  # the order the rows arrive in
+        arrived = torch.empty(r, dtype=torch.int64)
+        arrived[torch.tensor(by_source, dtype=torch.int64)] = torch.arange(r)
+        return _Routes(slot_EC, torch.tensor([len(x) for x in instances]),
+                       torch.tensor([i for rows in send for i in rows], dtype=torch.int64),
+                       [len(rows) for rows in send], [sum(1 for i in mine if home[i] == j) for j in range(ep)],
+                       arrived)
+
+
 class FoldedComm:
     """The folded mesh: ``attn`` = (dp, cp, tp) and ``moe`` = (edp, ep, etp) of this pp stage."""
 
@@ -111,6 +151,12 @@ class FoldedComm:
         # ep rank r holds experts r * E / ep ..; else slots[s] is the expert held in slot s
         self.slots: tuple[int, ...] | None = None
         self._slot_of_E: torch.Tensor | None = None  # the inverse of slots: expert id -> slot
+        # hot-expert copies (set_copies): None, or copies[i] is the expert in copy slot i of ep
+        # rank i // (R / ep); ``copied`` names the expert weights local() extends with them
+        self.copies: tuple[int, ...] | None = None
+        self.copied: frozenset[str] = frozenset()
+        self._num_experts = 0
+        self._routes: _Routes | None = None  # built from (slots, copies) when first needed
 
     # ---- parameters ----
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -118,10 +164,24 @@ class FoldedComm:
         says for ``name`` (every parameter of the layer's router keeps its own dtype: see
         :func:`parallelize_moe`); the cast's backward returns the gradient in the parameter's dtype."""
         v = local_view(p)
-        if self.compute_dtype is None:
-            return v
-        dtype = self.keep_dtype[name] if name in self.keep_dtype else self.compute_dtype
-        return v if dtype is None else v.to(dtype)
+        if self.compute_dtype is not None:
+            dtype = self.keep_dtype[name] if name in self.keep_dtype else self.compute_dtype
+            v = v if dtype is None else v.to(dtype)
+        if self.copies is not None and name in self.copied:
+            v = torch.cat([v, self._fetch_copies(v)])
+        return v
+
+    def _fetch_copies(self, v_nX: torch.Tensor) -> torch.Tensor:
+        """This rank's copies' rows of an expert weight [n, X...] -> [r, X...], fetched from the
+        ranks holding them with one all-to-all over ``ep`` (differentiable: in backward each
+        copy's gradient returns to its expert's rank and is summed into its gradient there)."""
+        routes = self._routing(v_nX.device)
+        if v_nX.shape[0] != self._num_experts // self.ep:
+            raise ValueError(f"expert weight with {v_nX.shape[0]} local experts; copies need the whole "
+                             f"{self._num_experts // self.ep} of the ep rank")
+        x = v_nX[routes.send_rows]
+        y = all_to_all_v(x, routes.send_sizes, routes.recv_sizes, self.moe, "ep")
+        return y[routes.arrived]
 
     def local_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a tile mask: experts over ep, ffn tiles over etp (dim 3 of the
@@ -172,24 +232,72 @@ class FoldedComm:
         """The slots of the routed experts: the dispatch sends slot ``s``'s rows to ep rank
         ``s // (E / ep)``, local expert ``s % (E / ep)``. The static placement returns
         ``experts_TK`` itself (the same tensor, the same path)."""
+        if self.copies is not None:
+            return self._split_over_copies(experts_TK)
         if self._slot_of_E is None:
             return experts_TK
         if self._slot_of_E.device != experts_TK.device:
             self._slot_of_E = self._slot_of_E.to(experts_TK.device)
         return self._slot_of_E[experts_TK]
 
+    def num_slots(self, num_experts: int) -> int:
+        """How many slots the dispatch routes to: ``E``, plus the copy slots when there are copies."""
+        return num_experts + (len(self.copies) if self.copies is not None else 0)
+
+    def _split_over_copies(self, experts_TK: torch.Tensor) -> torch.Tensor:
+        """The split rule: this rank's ``j``-th pair (in token order) routed to an expert with
+        ``c`` instances goes to instance ``(j + ep rank) mod c`` (0: the expert's own slot, then
+        its copies in rank order), so each source rank's rows are split evenly to within one row.
+        Slots run ``E / ep + R / ep`` per ep rank (its own, then its copy slots). No host read."""
+        routes = self._routing(experts_TK.device)
+        e_P = experts_TK.reshape(-1)  # pairs in token order
+        order = torch.argsort(e_P, stable=True)
+        seen_E = torch.zeros(self._num_experts, dtype=e_P.dtype, device=e_P.device).scatter_add_(
+            0, e_P, torch.ones_like(e_P))  # not bincount, whose output size is read on the host
+        first_E = torch.cumsum(seen_E, 0) - seen_E
+        j_P = torch.empty_like(e_P)
+        j_P[order] = torch.arange(e_P.numel(), device=e_P.device) - first_E[e_P[order]]
+        pick_P = (j_P + self.ep_rank) % routes.count_E[e_P]
+        return routes.slot_EC[e_P, pick_P].view_as(experts_TK)
+
+    def set_copies(self, copies, num_experts: int, names) -> None:
+        """Give ep rank ``k`` copy slots holding experts ``copies[k * R / ep ..]`` (None or empty:
+        no copies), and split each copied expert's rows over its instances (:meth:`slot_ids`).
+        ``names``: the layer's expert weights (dim 0 over ep) whose local views :meth:`local`
+        extends with the copies' rows. Only routing: the copies hold no state of their own."""
+        if not copies:
+            self.copies, self.copied, self._routes = None, frozenset(), None
+            return
+        copies = tuple(int(e) for e in copies)
+        if (self.ep < 2 or len(copies) % self.ep or num_experts % self.ep
+                or any(not 0 <= e < num_experts for e in copies)):
+            raise ValueError(f"copies {list(copies)} of {num_experts} experts over ep = {self.ep}; valid: a "
+                             f"multiple of ep >= 2 copy slots, each an expert id in 0 .. {num_experts - 1}")
+        self.copies, self.copied, self._num_experts, self._routes = copies, frozenset(names), num_experts, None
+
+    def _routing(self, device) -> "_Routes":
+        """The routes of the current (slots, copies) on ``device``, built and moved there once."""
+        if self._routes is None:
+            self._routes = _Routes.of(self.slots or tuple(range(self._num_experts)), self.copies, self.ep,
+                                      self.ep_rank)
+        if self._routes.slot_EC.device != torch.device(device):
+            fields = (getattr(self._routes, f.name) for f in dataclasses.fields(_Routes))
+            self._routes = _Routes(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in fields))
+        return self._routes
+
     def set_slots(self, slots) -> None:
         """Route by placement ``slots`` (a permutation of the experts; None or the identity: the
         static placement). Only the routing: moving the weights is
         :func:`meshfold.parallel.expert_placement.replace_experts`."""
         if slots is None or list(slots) == list(range(len(slots))):
-            self.slots, self._slot_of_E = None, None
+            self.slots, self._slot_of_E, self._routes = None, None, None
             return
         slots = tuple(int(e) for e in slots)
         if sorted(slots) != list(range(len(slots))) or len(slots) % self.ep:
             raise ValueError(f"expert placement {list(slots)}; valid: a permutation of range(E) with ep = "
                              f"{self.ep} dividing E")
         self.slots, self._slot_of_E = slots, slot_of_expert(slots)
+        self._routes = None
 
     @functools.cached_property
     def experts_mesh(self):

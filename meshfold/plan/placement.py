@@ -13,13 +13,19 @@ order whatever the placement.
 Every ep rank waits for the busiest one (its expert GEMMs and its share of the all-to-all), so
 :func:`balanced` re-assigns experts to ranks from measured per-expert loads to lower the
 largest per-rank load. It is pure Python: the planner, the dry run and training share it.
+
+With ``R`` redundant slots (:func:`replicated`) every ep rank also holds ``R // ep`` *copy
+slots*: ``copies[i]`` is the expert copied into copy slot ``i`` of ep rank ``i // (R // ep)``.
+An expert with ``c`` instances (its slot and its copies) has its rows split evenly over them, so
+an expert hotter than a rank's mean share can be spread over several ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["balanced", "check_placement", "max_over_mean", "rank_loads", "static"]
+__all__ = ["balanced", "check_placement", "check_copies", "max_over_mean", "rank_loads", "replica_rank_loads",
+           "replicated", "static"]
 
 
 def _experts_per_rank(num_experts: int, ep: int) -> int:
@@ -94,3 +100,81 @@ def balanced(load_E: Sequence[float], ep: int, current: Sequence[int] | None = N
         if max(rank_loads(load_E, slots, ep)) >= max(rank_loads(load_E, current, ep)):
             return current
     return slots
+
+
+def check_copies(copies: Sequence[int], num_experts: int, ep: int) -> tuple[int, ...]:
+    """``copies`` as a tuple if it fits ``ep`` ranks (as many copy slots on each) and names only
+    experts of ``range(num_experts)``, at most ``num_experts`` copy slots; else a ValueError."""
+    copies = tuple(copies)
+    if ep < 2 or len(copies) % ep or len(copies) > num_experts:
+        raise ValueError(f"{len(copies)} copy slots over ep = {ep} for {num_experts} experts; valid: a multiple "
+                         f"of ep (ep >= 2), at most {num_experts}")
+    wrong = sorted(e for e in set(copies) if not 0 <= e < num_experts)
+    if wrong:
+        raise ValueError(f"copies {list(copies)} name experts {wrong}; valid: 0 .. {num_experts - 1}")
+    return copies
+
+
+def _instances(copies: Sequence[int], num_experts: int) -> list[int]:
+    """Per expert, how many slots hold it: 1 (its own) + its copies."""
+    count = [1] * num_experts
+    for e in copies:
+        count[e] += 1
+    return count
+
+
+def replica_rank_loads(load_E: Sequence[float], slots: Sequence[int], copies: Sequence[int], ep: int) -> list[float]:
+    """Per ep rank, the load it computes under ``slots`` and ``copies``: each expert's load split
+    evenly over its instances (the split rule balances every source rank to within one row)."""
+    n = _experts_per_rank(len(load_E), ep)
+    slots = check_placement(slots, len(load_E), ep)
+    copies = check_copies(copies, len(load_E), ep) if copies else ()
+    count = _instances(copies, len(load_E))
+    r = len(copies) // ep
+    return [sum(load_E[e] / count[e] for e in (*slots[k * n:(k + 1) * n], *copies[k * r:(k + 1) * r]))
+            for k in range(ep)]
+
+
+def replicated(load_E: Sequence[float], ep: int, redundant: int,
+               current: tuple[Sequence[int], Sequence[int]] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(slots, copies)``: a placement and ``redundant`` copies whose busiest rank carries as
+    little load as a greedy fill allows.
+
+    Copies first: ``redundant`` times, the expert with the largest load per instance (ties to the
+    lower id) among those with fewer than ``ep`` instances gets one more. Then every instance, of
+    load ``load / instances``, largest first (ties: lower expert, then its own slot before its
+    copies), goes to the least-loaded rank (ties to the lower rank) with a free slot of its kind
+    (the expert's own slot, or a copy slot) not yet holding that expert; if every such rank
+    already holds it, to the least-loaded with a free slot of the kind. Each rank's experts and
+    copies are listed in increasing id. With ``current`` (slots, copies) given, it is kept unless
+    the new one lowers the largest rank load (measurement noise moves no weights)."""
+    num_experts = len(load_E)
+    n = _experts_per_rank(num_experts, ep)
+    if any(x < 0 for x in load_E):
+        raise ValueError(f"expert loads {list(load_E)}; valid: every load >= 0")
+    if redundant:
+        check_copies([0] * redundant, num_experts, ep)
+    count = [1] * num_experts
+    for _ in range(redundant):
+        e = max((e for e in range(num_experts) if count[e] < ep), key=lambda e: (load_E[e] / count[e], -e))
+        count[e] += 1
+    room = [[n, redundant // ep] for _ in range(ep)]  # free own slots, free copy slots
+    held: list[list[list[int]]] = [[[], []] for _ in range(ep)]
+    totals = [0.0] * ep
+    pieces = sorted(((e, c) for e in range(num_experts) for c in range(count[e])),
+                    key=lambda p: (-load_E[p[0]] / count[p[0]], p[0], p[1]))
+    for e, c in pieces:
+        kind = 0 if c == 0 else 1
+        free = [r for r in range(ep) if room[r][kind]]
+        apart = [r for r in free if e not in held[r][0] and e not in held[r][1]]
+        r = min(apart or free, key=lambda r: (totals[r], r))
+        room[r][kind] -= 1
+        held[r][kind].append(e)
+        totals[r] += load_E[e] / count[e]
+    slots = tuple(e for r in range(ep) for e in sorted(held[r][0]))
+    copies = tuple(e for r in range(ep) for e in sorted(held[r][1]))
+    if current is not None and len(current[1]) == redundant:
+        old = check_placement(current[0], num_experts, ep), tuple(current[1])
+        if max(replica_rank_loads(load_E, slots, copies, ep)) >= max(replica_rank_loads(load_E, *old, ep)):
+            return old
+    return slots, copies

@@ -63,5 +63,5 @@ def build(run: Resolved, folded, init_from: bool = True) -> Built:
     sp = mcfg.moe.expert_sparsity if mcfg.moe is not None else None
     pruner = FoldedPruner(model, sp, opt) if sp is not None else None
     balanced = t.expert_placement == "balanced"
-    rebalancer = Rebalancer(model, t.rebalance_every, run.spec.ep) if balanced else None
+    rebalancer = Rebalancer(model, t.rebalance_every, run.spec.ep, t.redundant_experts) if balanced else None
     return Built(model, opt, pruner, rebalancer)

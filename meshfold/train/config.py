@@ -237,6 +237,10 @@ class TrainSettings:
                                     choices=("static", "balanced"))
     rebalance_every: int = setting(50, int, "steps between expert re-placements with train.expert_placement = "
                                    "balanced", low=1)
+    redundant_experts: int = setting(0, int, "copy slots for hot experts, R / ep on each ep rank (0: none); with "
+                                     "train.expert_placement = balanced each re-placement copies the hottest "
+                                     "experts into them and splits their rows over the copies; a multiple of "
+                                     "fold.ep, at most moe.num_experts, dropless routing", low=0)
     recompute: str = setting("none", str, "activation recomputation of every transformer block: selective "
                              "keeps the matrix products' outputs and recomputes norms, RoPE, attention "
                              "core and activations; full keeps only each block's input (both replay "
@@ -454,6 +458,8 @@ class TrainConfig:
             if self.sparsity:
                 raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
                                  "all layers, which pipeline stages hold apart; use pp = 1")
+        if t.redundant_experts:
+            self._check_replicas(t.redundant_experts, t.expert_placement, spec, cfg, bool(self.sparsity))
         if t.expert_placement == "balanced":
             why = ("the model has no MoE layers" if not cfg.moe_layer_ids else
                    f"fold.ep = {spec.ep}: one ep rank holds every expert" if spec.ep == 1 else
@@ -466,6 +472,24 @@ class TrainConfig:
 
         check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts
         return spec, cfg
+
+    @staticmethod
+    def _check_replicas(R: int, placement: str, spec, cfg, sparsity: bool) -> None:
+        """Raise naming why ``train.redundant_experts = R`` cannot run on this fold and model."""
+        E = cfg.moe.num_experts if cfg.moe is not None and cfg.moe_layer_ids else 0
+        why = ("the model has no MoE layers" if not E else
+               f"train.expert_placement = '{placement}': copies are chosen at re-placements (valid: 'balanced')"
+               if placement != "balanced" else
+               f"fold.ep = {spec.ep}: one ep rank holds every expert (valid: ep >= 2)" if spec.ep == 1 else
+               f"fold.pp = {spec.pp}: copies run without pipeline stages (valid: pp = 1)" if spec.pp > 1 else
+               "[sparsity]: tile masks are not fetched with the copies" if sparsity else
+               f"fold.ep = {spec.ep}: it is not a multiple of ep (valid: {spec.ep}, {2 * spec.ep}, ..)"
+               if R % spec.ep else
+               f"moe.num_experts = {E}: more copy slots than experts (valid: at most {E})" if R > E else
+               f"moe.capacity_factor = {cfg.moe.capacity_factor}: copies need dropless routing"
+               if cfg.moe.capacity_factor is not None else None)
+        if why:
+            raise ValueError(f"train.redundant_experts = {R} with {why}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,11 @@ unless the new one lowers the busiest rank's load), and moved there with their A
 ``tokens_per_expert``, already summed over every rank, so every rank takes the same decision
 without exchanging anything more. The math is unchanged: routing stays in single-device expert
 ids, and checkpoints are written in single-device expert order.
+
+With ``redundant`` copy slots (``train.redundant_experts``) each re-placement also chooses which
+experts get copies (:func:`meshfold.plan.placement.replicated`) and routes a share of their rows
+to the copies (:meth:`meshfold.parallel.moe.FoldedComm.set_copies`); the copies are fetched from
+their experts each forward, so they move no weights or state of their own.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshfold.parallel.expert_placement import folded_moe_layers, placement_of, replace_experts
-from meshfold.plan.placement import balanced, max_over_mean, rank_loads
+from meshfold.parallel.expert_placement import expert_params, folded_moe_layers, placement_of, replace_experts
+from meshfold.plan.placement import balanced, max_over_mean, replica_rank_loads, replicated
 
 __all__ = ["Rebalancer"]
 
@@ -29,15 +34,16 @@ class Rebalancer:
     :meth:`after_step` is called on every rank after each optimizer step with the step's
     ``tokens_per_expert`` (per MoE layer, in layer order, the same on every rank)."""
 
-    def __init__(self, model, every: int, ep: int):
+    def __init__(self, model, every: int, ep: int, redundant: int = 0):
         self.layers = folded_moe_layers(model)
-        self.every, self.ep = every, ep
+        self.every, self.ep, self.redundant = every, ep, redundant
         self.loads: list[list[float]] | None = None  # per layer [E], since the last re-placement
 
     def after_step(self, n: int, tokens_per_expert: list[list[float]], optimizer) -> dict | None:
         """Add step ``n``'s loads; on a re-placement step, re-place and return what it did:
         ``moved_bytes`` (all ranks), ``seconds``, the busiest ep rank's load over the mean before
-        and after (worst layer, on the loads it was decided from) and the ``placements``."""
+        and after (worst layer, on the loads it was decided from), the ``placements`` and, with
+        redundant slots, the ``copies``."""
         if len(tokens_per_expert) != len(self.layers):
             raise ValueError(f"{len(tokens_per_expert)} layers of tokens_per_expert for {len(self.layers)} "
                              f"MoE layers")
@@ -50,26 +56,44 @@ class Rebalancer:
         t0 = time.perf_counter()
         before, after, sent = [], [], 0
         for layer, load in zip(self.layers, self.loads):
-            current = placement_of(layer)
-            slots = balanced(load, self.ep, current)
-            before.append(max_over_mean(rank_loads(load, current, self.ep)))
-            after.append(max_over_mean(rank_loads(load, slots, self.ep)))
-            sent += replace_experts(layer, slots, optimizer)
+            current = placement_of(layer), layer.comm.copies or ()
+            if self.redundant:
+                slots, copies = replicated(load, self.ep, self.redundant, current)
+            else:
+                slots, copies = balanced(load, self.ep, current[0]), ()
+            before.append(max_over_mean(replica_rank_loads(load, *current, self.ep)))
+            after.append(max_over_mean(replica_rank_loads(load, slots, copies, self.ep)))
+            sent += self._place(layer, slots, copies, optimizer)
         moved = torch.tensor(float(sent), dtype=torch.float64, device=self.layers[0].comm.moe.device_type)
         if dist.is_initialized():
             dist.all_reduce(moved)
         self.loads = None
-        return {"moved_bytes": int(moved.item()), "seconds": time.perf_counter() - t0,
-                "max_over_mean_before": max(before), "max_over_mean_after": max(after),
-                "placements": self.placements()}
+        out = {"moved_bytes": int(moved.item()), "seconds": time.perf_counter() - t0,
+               "max_over_mean_before": max(before), "max_over_mean_after": max(after),
+               "placements": self.placements()}
+        if self.redundant:
+            out["copies"] = self.copies()
+        return out
+
+    @staticmethod
+    def _place(layer, slots, copies, optimizer) -> int:
+        sent = replace_experts(layer, slots, optimizer)
+        layer.comm.set_copies(copies, layer.cfg.num_experts, expert_params(layer))
+        return sent
 
     def placements(self) -> list[list[int]]:
         """Each MoE layer's placement (slot -> expert), in layer order."""
         return [list(placement_of(layer)) for layer in self.layers]
 
-    def restore(self, placements: list[list[int]], optimizer) -> None:
-        """Re-apply placements saved with a checkpoint (after loading it, which is in expert order)."""
+    def copies(self) -> list[list[int]]:
+        """Each MoE layer's copies (copy slot -> expert; empty before the first re-placement)."""
+        return [list(layer.comm.copies or ()) for layer in self.layers]
+
+    def restore(self, placements: list[list[int]], optimizer, copies: list[list[int]] | None = None) -> None:
+        """Re-apply placements (and copies) saved with a checkpoint (after loading it, which is
+        in expert order). Copies are taken up only if they fit this run's redundant slots."""
         if len(placements) != len(self.layers):
             raise ValueError(f"{len(placements)} saved expert placements for {len(self.layers)} MoE layers")
-        for layer, slots in zip(self.layers, placements):
-            replace_experts(layer, slots, optimizer)
+        copies = copies or [[] for _ in placements]
+        for layer, slots, held in zip(self.layers, placements, copies):
+            self._place(layer, slots, held if len(held) == self.redundant else (), optimizer)
