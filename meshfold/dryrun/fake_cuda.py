@@ -44,6 +44,8 @@ from unittest import mock
 
 import torch
 
+from meshfold.runtime import compat
+
 __all__ = ["available", "why_unavailable", "fake_cuda", "FakeStream", "FakeEvent"]
 
 _HOOKS_VTABLE = "_ZTVN2at4cuda6detail9CUDAHooksE"  # at::cuda::detail::CUDAHooks's virtual table
@@ -54,7 +56,7 @@ _ANSWER = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_int8)(lambda
 def why_unavailable() -> str | None:
     """Why a fake-CUDA dry run cannot run in this process (None: it can)."""
     if not torch.backends.cuda.is_built():
-        return (f"torch {torch.__version__} is built without CUDA; the fake-CUDA dry run needs torch's "
+        return (f"torch {compat.torch_version()} is built without CUDA; the fake-CUDA dry run needs torch's "
                 f"CUDA wheel (measured with torch 2.14.1+cu130; no GPU needed)")
     if not torch.cuda.is_available() and not os.path.exists(_library()):
         return f"{_library()} not found"
