@@ -60,10 +60,10 @@ count), so the shares add up to the single-device mean loss and so do the gradie
 from __future__ import annotations
 
 import inspect
-import weakref
 
 import torch
 import torch.nn.utils.parametrize as parametrize
+from torch.utils.weak import WeakTensorKeyDictionary
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -146,20 +146,22 @@ def sequence_parallel(module: nn.Module, mesh, entry: SequenceParallel) -> None:
     module.register_forward_hook(leave)
 
 
-_last_gathered = (lambda: None, None, None)  # (positions, (version, s, mesh), their tp gather)
+_gathered = WeakTensorKeyDictionary()  # positions -> ((version, s, id(mesh)), their tp gather)
 
 
 def _gathered_positions(pos: torch.Tensor, s: int, mesh, tp: int) -> torch.Tensor:
-    """``pos`` [..., s] gathered over ``tp`` ([..., s * tp]), once per positions tensor: the layers
-    of one forward receive the same positions, so they receive the same gathered tensor, and what
-    keys on it runs once per forward, not per layer: ring attention's layout check (a host read
-    off the CPU) and the causal-mask cache."""
-    global _last_gathered
+    """``pos`` [..., s] gathered over ``tp`` ([..., s * tp]), once per positions tensor (while it
+    lives, unchanged in place): the layers of one forward, its recomputation and the other chunks
+    of a pipeline rank receive the same positions, so they receive the same gathered tensor. One
+    gather per positions tensor whatever the schedule (a step's [S] positions serve all its
+    micro-batches: one gather per step), and what keys on it runs as often, not once per layer:
+    ring attention's layout check (a host read off the CPU) and the causal-mask cache."""
     key = (pos._version, s, id(mesh))
-    if _last_gathered[0]() is pos and _last_gathered[1] == key:
-        return _last_gathered[2]
+    hit = _gathered.get(pos)
+    if hit is not None and hit[0] == key:
+        return hit[1]
     gathered = gather_positions(pos, [s] * tp, mesh, "tp")
-    _last_gathered = (weakref.ref(pos), key, gathered)
+    _gathered[pos] = (key, gathered)
     return gathered
 
 

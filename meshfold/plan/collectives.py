@@ -130,25 +130,23 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
         """One layer's collectives in one micro-batch (forward, recomputation, backward)."""
         c = _Tally()
 
-        def tp_pair(positions: bool) -> None:  # sequence_parallel / shared_in + shared_out
+        def tp_pair() -> None:  # sequence_parallel / shared_in + shared_out
             if s.tp == 1:
                 return
-            positions = positions and not megatron
-            c.add("all_gather", "tp", passes * (Tr * h * a + (I64 * s_local if positions else 0)) + Tr * h * a,
-                  passes * (2 if positions else 1) + 1)
+            c.add("all_gather", "tp", passes * Tr * h * a + Tr * h * a, passes + 1)
             c.add(scatter, "tp", passes * T * h * a + T * h * a, passes + 1)  # forward reduce-scatter, backward of the gather
 
-        tp_pair(positions=True)                                       # attention
+        tp_pair()                                                     # attention
         if s.cp > 1:                                                  # ring attention
             travel = T * (model.kv_per_token if model.mla else model.kv_per_token / s.tp)
             for kind in ("send", "recv"):
                 c.add(kind, "cp", (passes + 1) * (s.cp - 1) * travel * a + s.cp * travel * master,
                       (passes + 1) * (s.cp - 1) + s.cp)
         if not moe:
-            tp_pair(positions=False)                                  # dense MLP
+            tp_pair()                                                 # dense MLP
             return c
         if model.shared_ffn:
-            tp_pair(positions=False)                                  # shared expert
+            tp_pair()                                                 # shared expert
         stats = I64 * (2 * E + 2)
         for d in ("cp", "tp", "dp"):
             if sizes[d] > 1:
@@ -186,6 +184,8 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
         for moe, count in ((True, n_moe), (False, len(st.layers) - n_moe)):
             for (kind, dim, when), (nbytes, calls) in per_layer[moe].items():
                 c.add(kind, dim, count * m * nbytes, count * m * calls, when)
+        if s.tp > 1 and not megatron:   # the step's positions [S], shared by its micro-batches: one tp gather
+            c.add("all_gather", "tp", I64 * s_local, 1, STEP)
         for d in ("dp", "cp", "tp"):                                  # the loss: (sum, count) in fp64
             if sizes[d] > 1 and s.pp == 1:
                 c.add("all_reduce", d, 2 * F64 * m, m)

@@ -90,6 +90,7 @@ def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq,
     tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     local, pos = shard_batch(tokens, spec, rank)
     for step in range(2):
+        pos = pos.clone()  # each step's batch brings new positions (their tp gather is kept per tensor)
         mode = Record() if step == 1 else None
         if mode is not None:
             mode.__enter__()
