@@ -249,6 +249,29 @@ def test_context_hook_rings_the_layout_and_masks_other_positions(worlds, spec):
     assert worlds(4).run(_context_hook, spec, 3, 0, True) == [0] * 4  # arbitrary positions: generic path
 
 
+def _one_rank_in_the_ring_layout(rank, world_size, spec, n):
+    """cp rank 1 holds its chunks 1 and 2 (the ring's layout), rank 0 its chunks 3 and 0 in that
+    order (not the ring's): each rank's own answer would differ."""
+    from meshfold.models.attention import CausalMaskCache
+    from meshfold.parallel.context import RingContext
+
+    q, k, v, w, o = _one_device(2, 4, 2, 4 * n, 8, seed=5)
+    c = cached_fold(spec).stage("attn").get_local_rank("cp")
+    pos = torch.cat([torch.arange(i * n, (i + 1) * n) for i in ((1, 2) if c == 1 else (3, 0))])
+    assert ring.load_balanced(pos, c, spec.cp) == (c == 1)
+    hook = RingContext(cached_fold(spec).stage("attn"), spec.cp, CausalMaskCache())
+    _check_local(lambda a, b, c_: hook(a, b, c_, pos), q, k, v, w, o, pos)
+    return True
+
+
+@pytest.mark.multirank
+def test_the_cp_ranks_choose_ring_or_gather_together(worlds):
+    """Ring or all-gather is one decision of all cp ranks: where only some ranks' positions are
+    the ring's layout, every rank takes the generic path and equals one device (each rank
+    deciding alone ran different collectives and waited until the time-out)."""
+    assert worlds(2).run(_one_rank_in_the_ring_layout, FoldSpec(2, cp=2), 3, timeout=20) == [True, True]
+
+
 def _kept_by_attention(rank, world_size, spec, n):
     """Bytes an Attention layer's forward keeps for backward (its output included) over this
     rank's 2n tokens: on one device (positions 0..2n-1, SDPA) and with the ring over cp."""
