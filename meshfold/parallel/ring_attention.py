@@ -445,17 +445,22 @@ def ring_applies(pos: torch.Tensor, mesh, dim: str = "cp") -> bool:
     first = pos[..., 0].reshape(-1).long() if length else pos.new_zeros(0, dtype=torch.long)  # [B] or [1]
     # one MAX over dim: [any rank off the layout, each sequence's largest first position, minus its smallest]
     votes = torch.cat([(~_balanced(pos, rank, cp)).long().reshape(1), first, -first])
+    if votes.device.type != mesh.device_type:  # positions made on the host: NCCL reduces device tensors only
+        votes = votes.to(mesh.device_type)
     dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    votes = votes.tolist()
-    b = len(first)
-    shared = [i for i in range(b) if votes[1 + i] == -votes[1 + b + i]]
-    if shared and cp > 1:
-        raise ValueError(f"every {dim} rank's positions start sequence {shared[0]} at position {votes[1 + shared[0]]}: "
-                         f"the {cp} {dim} ranks' tokens overlap, as when a forward is called without positions on "
-                         f"a fold with {dim} = {cp} (each rank numbering its own tokens 0..s-1), so attention "
-                         f"cannot be one device's; pass the positions shard_batch returns "
-                         f"(model(tokens, positions), loss(tokens, targets, positions))")
-    ok = votes[0] == 0
+    b = first.numel()
+    shared_B = votes[1:1 + b] == -votes[1 + b:]  # every rank starts sequence i at one position
+    # one host read: 1 = ring, 0 = all-gather, 2 = overlapping positions (a dry run's fake read
+    # answers 1, the path of the positions shard_batch gives)
+    verdict = int(torch.where(shared_B.any(), 2, (votes[0] == 0).long()).item())
+    if verdict == 2:
+        i = int(shared_B.nonzero()[0, 0])
+        raise ValueError(f"every {dim} rank's positions start sequence {i} at position {int(votes[1 + i])}: the "
+                         f"{cp} {dim} ranks' tokens overlap, as when a forward is called without positions on a "
+                         f"fold with {dim} = {cp} (each rank numbering its own tokens 0..s-1), so attention cannot "
+                         f"be one device's; pass the positions shard_batch returns (model(tokens, positions), "
+                         f"loss(tokens, targets, positions))")
+    ok = verdict == 1
     _last_agreed = (weakref.ref(pos), key, ok)
     return ok
 
