@@ -434,6 +434,10 @@ def ring_applies(pos: torch.Tensor, mesh, dim: str = "cp") -> bool:
     tensor, unchanged in place) on every device and rank alike, so the ranks make the same
     calls; the layers of one forward share their positions and agree once. Under
     ``torch.compile`` the layout is trusted and nothing is read or reduced."""
+    if not isinstance(pos, torch.Tensor):  # the same on every rank: raised before any collective
+        raise ValueError(f"a context-parallel attention hook got positions {pos!r} on a fold with {dim} > 1: each "
+                         f"rank holds two chunks of every sequence, so the module must pass the positions of its "
+                         f"tokens (forward(x, positions) with those shard_batch returns)")
     length = pos.shape[-1]
     if torch.compiler.is_compiling():
         return length % 2 == 0 and length > 0

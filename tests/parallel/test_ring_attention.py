@@ -119,6 +119,11 @@ def test_load_balanced_accepts_exactly_the_ring_layout_on_every_device(off_cpu):
     assert not ring.load_balanced(layout.neg_(), 1, cp)  # changed in place: checked again
 
 
+def test_a_context_hook_given_no_positions_names_them_before_any_collective():
+    with pytest.raises(ValueError, match=r"hook got positions None on a fold with cp > 1.*must pass the positions"):
+        ring.ring_applies(None, mesh=None)
+
+
 # ---- the attention function on a cp mesh -----------------------------------------------------
 def _chunk_positions(spec, rank, n):
     c = cached_fold(spec).stage("attn").get_local_rank("cp")
