@@ -46,20 +46,19 @@ class RingContext:
     load-balanced layout of :func:`local_positions`, else the generic path (K/V all-gathered,
     masked by position, one mask per forward from the shared ``masks``).
 
-    Which path is decided on the host, from the positions (each sequence: this cp rank's two
-    chunks, up to one offset per sequence), on every device; on an accelerator that costs one host
-    read per positions tensor (:func:`~meshfold.parallel.ring_attention.load_balanced`).
-    ``method = "gather"`` forces the generic path."""
+    Which path is decided by the cp ranks together, from every rank's positions (each sequence:
+    that rank's two chunks, up to one offset per sequence), so all take the same collectives; it
+    costs one all-reduce over ``cp`` and one host read per positions tensor, and positions that
+    overlap across the cp ranks (a forward given none) are an error on every rank
+    (:func:`~meshfold.parallel.ring_attention.ring_applies`). ``method = "gather"`` forces the
+    generic path."""
 
     def __init__(self, mesh, cp: int, masks: CausalMaskCache, method: str = "ring"):
         self.mesh, self.cp, self.masks, self.method = mesh, cp, masks, method
         self.gather = _KVGather(mesh, cp)
 
     def __call__(self, q, k, v, positions):
-        if self.method == "ring" and self._load_balanced(positions):
+        if self.method == "ring" and ring.ring_applies(positions, self.mesh, "cp"):
             return ring.ring_attention(q, k, v, self.mesh, "cp")
         k_all, v_all, k_pos = self.gather(k, v, positions)
         return attend(q, k_all, v_all, positions, k_pos, self.masks)
-
-    def _load_balanced(self, pos) -> bool:
-        return ring.load_balanced(pos, self.mesh.get_local_rank("cp"), self.cp)

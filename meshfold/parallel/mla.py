@@ -69,8 +69,8 @@ class LatentGather:
 class LatentContext:
     """Context-parallel attention core for :class:`~meshfold.models.mla.MLA` (its ``context``
     hook): ring attention over ``cp`` with the latent travelling and ``expand`` per block when
-    the queries are in the load-balanced layout
-    (:func:`~meshfold.parallel.ring_attention.load_balanced`), else the generic path (the latent
+    every cp rank's queries are in the load-balanced layout, decided by the cp ranks together
+    (:func:`~meshfold.parallel.ring_attention.ring_applies`), else the generic path (the latent
     all-gathered, expanded, masked by position from the shared ``masks``). ``method = "gather"``
     forces the generic path, as for GQA's hook."""
 
@@ -80,7 +80,7 @@ class LatentContext:
 
     def __call__(self, q, c_kv, k_pe, positions, expand, wkv_b):
         """q [B, h, S, dn+dr], c_kv [B, 1, S, rkv], k_pe [B, 1, S, dr] -> o [B, h, S, dv]."""
-        if self.method == "ring" and ring.load_balanced(positions, self.mesh.get_local_rank("cp"), self.cp):
+        if self.method == "ring" and ring.ring_applies(positions, self.mesh, "cp"):
             return ring.ring_attention(q, c_kv, k_pe, self.mesh, "cp", expand=expand, weights=(wkv_b,))
         c_all, pe_all, k_pos = self.gather(c_kv, k_pe, positions)
         return attend(q, *expand(c_all, pe_all, wkv_b), positions, k_pos, self.masks)

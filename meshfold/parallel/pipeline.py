@@ -5,8 +5,8 @@ run before it (``before``, e.g. the embeddings) and after it (``after``, e.g. th
 head). The model is cut into ``pp * virtual`` contiguous *chunks* of blocks (Megatron's "model
 chunks"): chunk ``s`` holds blocks ``[s * L // n, (s + 1) * L // n)`` of ``n = pp * virtual``, the
 first also the ``before`` modules, the last the ``after`` modules. A chunk runs ``x`` through
-its ``before`` modules in order (``m(x)``), its blocks (``block(x, positions)``) and its ``after``
-modules; the last chunk's output is the logits the loss reads: the model's ``loss_terms(logits,
+its ``before`` modules in order (``m(x)``), its blocks (``block(x, positions)``, with the plan's
+``token_ids`` and ``per_token`` inputs as keywords) and its ``after`` modules; the last chunk's output is the logits the loss reads: the model's ``loss_terms(logits,
 targets)`` if it defines one (its ``loss`` never runs: a model with a ``loss`` and no
 ``loss_terms`` is refused, since terms of its own would be lost), else the cross-entropy. Pipeline rank ``r`` holds chunks ``r, r + pp,
 r + 2 pp, ...`` (one chunk without virtual stages; ``virtual`` chunks for the interleaved
@@ -264,6 +264,7 @@ class Pipeline:
         tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
         check_pipeline(pp, None, microbatches, schedule, virtual, num_blocks, tied)
         self.folded, self.microbatches, self._token_ids = folded, microbatches, plan.token_ids
+        self._per_token = plan.per_token
         n = pp * virtual
         layers = chunk_layers(num_blocks, n)
         r = folded.attn.get_local_rank("pp")
@@ -299,7 +300,7 @@ class Pipeline:
     def _accumulating(self, model: nn.Module, folded, microbatches: int, plan: Plan) -> None:
         if not (isinstance(microbatches, int) and microbatches >= 1):
             raise ValueError(f"microbatches = {microbatches!r}; valid: an integer >= 1")
-        self.folded, self.microbatches = folded, microbatches
+        self.folded, self.microbatches, self._per_token = folded, microbatches, plan.per_token
         self.stage_ids, self.chunks, self.has_last = [0], [model], True
         self._block_lists = [model.get_submodule(plan.blocks)] if plan.blocks is not None else []
         self._calls, self._n_global, self.schedule = [], None, None
@@ -361,15 +362,18 @@ class Pipeline:
         return self.train(False)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
-             backward: bool = True) -> torch.Tensor:
+             backward: bool = True, **per_token: torch.Tensor) -> torch.Tensor:
         """One forward + backward of this rank's local batch (from ``shard_batch``), microbatched
         through the schedule; gradients accumulate in the parameters. Returns the global mean
         loss (cross-entropy, without the balancing losses, which are in the gradients), the same
         value on every rank. ``backward=False``: forward only (evaluation). With ``pp = 1`` the
         micro-batches run one after the other (:func:`accumulate`); its evaluation runs the whole
-        local batch at once."""
+        local batch at once. ``per_token``: the plan's ``per_token`` inputs (all of them, no
+        other), this rank's [b, s, ...] laid out like ``tokens``; the model's ``loss`` gets them
+        as keywords (pp = 1), every stage's blocks their microbatch's slices (pp > 1)."""
+        _check_per_token(per_token, self._per_token, tokens)
         if self.schedule is None:
-            return self._accumulate_step(tokens, targets, positions, backward)
+            return self._accumulate_step(tokens, targets, positions, backward, per_token)
         if tokens.shape[0] % self.microbatches:
             raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
                              f"microbatches = {self.microbatches}")
@@ -388,7 +392,8 @@ class Pipeline:
         inputs = (tokens,) if 0 in self.stage_ids else ()
         # every stage's blocks get the token ids: the schedule splits keyword inputs into the
         # microbatches along the batch dim and hands each stage its microbatch's
-        per_token = {self._token_ids: tokens} if self._token_ids is not None else {}
+        if self._token_ids is not None:
+            per_token = {**per_token, self._token_ids: tokens}
         if backward:
             self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
         else:
@@ -402,15 +407,29 @@ class Pipeline:
         sum_in_place(share, self.folded.attn)  # only the last stage's ranks hold losses
         return share
 
-    def _accumulate_step(self, tokens, targets, positions, backward: bool) -> torch.Tensor:
+    def _accumulate_step(self, tokens, targets, positions, backward: bool, per_token: dict) -> torch.Tensor:
         model = self.chunks[0]
         if self.microbatches > 1 and backward:
             counts = microbatch_counts(targets, self.microbatches)
-            return torch.tensor(accumulate(model, tokens, targets, positions, counts, backward), dtype=torch.float64)
-        loss = model.loss(tokens, targets, positions)
+            return torch.tensor(accumulate(model, tokens, targets, positions, counts, backward, per_token),
+                                dtype=torch.float64)
+        loss = model.loss(tokens, targets, positions, **per_token)
         if backward:
             loss.backward()
         return torch.tensor(loss.item(), dtype=torch.float64)
+
+
+def _check_per_token(given: dict, named: tuple[str, ...], tokens: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``given`` holds exactly the plan's ``per_token`` inputs, each
+    [b, s, ...] like ``tokens`` [b, s]."""
+    if set(given) != set(named):
+        raise ValueError(f"step got per-token inputs {sorted(given)} but the plan's per_token names {list(named)}; "
+                         f"valid: exactly those (add the others to Plan(per_token=...))")
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != tuple(tokens.shape):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"per-token input {name!r} is {shape}; valid: a tensor [b, s, ...] laid out like the "
+                             f"tokens {tuple(tokens.shape)} (shard_batch it as they are)")
 
 
 def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list[float]:
@@ -425,10 +444,12 @@ def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list
     return counts_m.tolist()
 
 
-def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], backward: bool) -> float:
+def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], backward: bool,
+               per_token: dict | None = None) -> float:
     """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s])
     cut into ``len(counts)`` micro-batches along the batch dim, one forward + backward each of
-    ``model`` (laid out whole by ``parallelize``).
+    ``model`` (laid out whole by ``parallelize``); ``per_token`` inputs [b, s, ...] are cut alike
+    and passed to ``model.loss`` as keywords.
 
     ``model.loss`` of micro-batch i is its global mean, ``sum_i / counts[i]``; weighting it by
     ``counts[i] / sum(counts)`` makes the micro-batches add up to the whole batch's mean loss and
@@ -445,10 +466,12 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], bac
         layer.balancing_scale = 1 / m
     loss = 0.0
     try:
+        cut = {name: t.chunk(m) for name, t in (per_token or {}).items()}
         for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
             if sync is not None and backward:
                 sync(i == m - 1)
-            part = model.loss(tokens_ms, targets_ms, positions) * (counts[i] / total)
+            inputs = {name: parts[i] for name, parts in cut.items()}
+            part = model.loss(tokens_ms, targets_ms, positions, **inputs) * (counts[i] / total)
             if backward:
                 part.backward()
             loss += part.item()

@@ -112,6 +112,12 @@ class Plan:
     * ``token_ids``: for :class:`~meshfold.parallel.pipeline.Pipeline`, the keyword under which
       each block gets the ids [b, s] of its tokens (e.g. for a hash router: ``block(x, positions,
       token_ids=...)``); None: blocks are called ``block(x, positions)``.
+    * ``per_token``: keyword names of the model's other per-token inputs (a segment or language
+      id per token, say): tensors [B, S, ...] laid out like the tokens (``shard_batch`` each),
+      which the model's ``loss`` takes as keywords and passes to its blocks. ``Pipeline.step``
+      takes them under these names and hands every stage's blocks their microbatch's slice
+      (``block(x, positions, name=[b, s, ...])``); an ``MoELayer`` given them as keywords
+      flattens them to [T, ...] for its router.
     * ``check``: optional ``check(spec)`` raising ``ValueError`` naming a model size that does
       not divide over a :class:`~meshfold.mesh.FoldSpec` (heads over tp, ...).
     * ``whole``: the plan lays out a whole model that runs with ``pp > 1`` only as a
@@ -133,15 +139,20 @@ class Plan:
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     token_ids: str | None = None
+    per_token: tuple[str, ...] = ()
     check: Callable | None = None
     whole: bool = False
 
     def __post_init__(self):
-        for name in ("fsdp", "tp_summed", "recompute", "before", "after"):
+        for name in ("fsdp", "tp_summed", "recompute", "before", "after", "per_token"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, Iterable):
                 raise TypeError(f"Plan.{name} = {value!r}; valid: a tuple of patterns")
             object.__setattr__(self, name, tuple(value))
+        for name in self.per_token:
+            if not (isinstance(name, str) and name.isidentifier()) or name in ("positions", self.token_ids):
+                raise ValueError(f"Plan.per_token names {name!r}; valid: keyword names other than 'positions' "
+                                 f"and Plan.token_ids ({self.token_ids!r})")
         for pattern, placements in list(self.params.items()) + ([("default", self.default)] if self.default else []):
             _check_placements(f"Plan.params[{pattern!r}]" if pattern != "default" else "Plan.default", placements)
         for pattern, sp in self.tp.items():

@@ -55,11 +55,13 @@ import functools
 import weakref
 
 import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from meshfold.placements.ring import ring_shift
 from meshfold.runtime import spmd
 
-__all__ = ["KERNELS", "block_kernels", "ring_attention", "rank_chunks", "block_plan", "load_balanced"]
+__all__ = ["KERNELS", "block_kernels", "ring_attention", "rank_chunks", "block_plan", "load_balanced", "ring_applies"]
 
 
 def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -379,7 +381,9 @@ def _expanded_kernels(q, k, v, expand, weights) -> str:
 
 def load_balanced(pos: torch.Tensor, rank: int, cp: int) -> bool:
     """Whether ``pos`` [2n] or [B, 2n] are cp rank ``rank``'s two chunks (each sequence up to one
-    offset), i.e. whether the ring applies; positions in any other layout take the generic path.
+    offset), i.e. whether the ring could apply on this rank. A rank's answer alone must not pick
+    its attention's collectives (the other cp ranks may answer otherwise): a context hook asks
+    :func:`ring_applies`, which decides for every cp rank together.
 
     Checked on every device, from the steps between neighbours (1 inside a chunk, the gap to the
     second chunk between them), so no index tensor is built. Off the CPU the answer is a host
@@ -395,14 +399,75 @@ def load_balanced(pos: torch.Tensor, rank: int, cp: int) -> bool:
     key = (pos._version, rank, cp)
     if pos.device.type != "cpu" and _last_checked[0]() is pos and _last_checked[1] == key:
         return _last_checked[2]
-    n = length // 2
-    first, second = rank_chunks(rank, cp)
-    steps = pos[..., 1:] - pos[..., :-1]  # [..., 2n - 1]
-    gap = (second - first - 1) * n + 1  # from the last position of chunk `first` to the first of `second`
-    ok = bool((steps[..., :n - 1] == 1).all() & (steps[..., n:] == 1).all() & (steps[..., n - 1] == gap).all())
+    ok = bool(_balanced(pos, rank, cp))
     if pos.device.type != "cpu":
         _last_checked = (weakref.ref(pos), key, ok)
     return ok
 
 
+def _balanced(pos: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """:func:`load_balanced` as a 0-dim bool tensor (no host read)."""
+    length = pos.shape[-1]
+    if length % 2 or length == 0:
+        return torch.zeros((), dtype=torch.bool, device=pos.device)
+    n = length // 2
+    first, second = rank_chunks(rank, cp)
+    steps = pos[..., 1:] - pos[..., :-1]  # [..., 2n - 1]
+    gap = (second - first - 1) * n + 1  # from the last position of chunk `first` to the first of `second`
+    return (steps[..., :n - 1] == 1).all() & (steps[..., n:] == 1).all() & (steps[..., n - 1] == gap).all()
+
+
 _last_checked = (lambda: None, None, False)  # (positions, (version, rank, cp), answer)
+
+
+def ring_applies(pos: torch.Tensor, mesh, dim: str = "cp") -> bool:
+    """Whether ring attention applies to this forward: every ``dim`` rank's positions ``pos``
+    ([s] or [B, s], its own tokens) are its two chunks (:func:`load_balanced`). Decided by all
+    ``dim`` ranks together (one all-reduce over ``dim`` of a few integers), so every rank takes
+    the same path and runs the same collectives: a rank deciding alone could take the ring while
+    another all-gathers, and both would wait until the process group's timeout.
+
+    Raises ``ValueError`` on every ``dim`` rank alike when the ranks' positions overlap, i.e. all
+    of them start some sequence at one position (a forward given no positions, each rank then
+    numbering its own tokens 0..s-1): no path computes one device's attention from those.
+
+    One host read per positions tensor, remembered while the tensor lives and is unchanged in
+    place, on every device and rank alike, so the ranks make the same calls; the layers, micro-
+    batches and recomputation of one step share its positions and agree once. Under
+    ``torch.compile`` the layout is trusted and nothing is read or reduced."""
+    if not isinstance(pos, torch.Tensor):  # the same on every rank: raised before any collective
+        raise ValueError(f"a context-parallel attention hook got positions {pos!r} on a fold with {dim} > 1: each "
+                         f"rank holds two chunks of every sequence, so the module must pass the positions of its "
+                         f"tokens (forward(x, positions) with those shard_batch returns)")
+    length = pos.shape[-1]
+    if torch.compiler.is_compiling():
+        return length % 2 == 0 and length > 0
+    key = (pos._version, id(mesh), dim)
+    hit = _agreed.get(pos)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    cp, rank = mesh.size(mesh.mesh_dim_names.index(dim)), mesh.get_local_rank(dim)
+    first = pos[..., 0].reshape(-1).long() if length else pos.new_zeros(0, dtype=torch.long)  # [B] or [1]
+    # one MAX over dim: [any rank off the layout, each sequence's largest first position, minus its smallest]
+    votes = torch.cat([(~_balanced(pos, rank, cp)).long().reshape(1), first, -first])
+    if votes.device.type != mesh.device_type:  # positions made on the host: NCCL reduces device tensors only
+        votes = votes.to(mesh.device_type)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    b = first.numel()
+    shared_B = votes[1:1 + b] == -votes[1 + b:]  # every rank starts sequence i at one position
+    # one host read: 1 = ring, 0 = all-gather, 2 = overlapping positions (a dry run's fake read
+    # answers 1, the path of the positions shard_batch gives)
+    verdict = int(torch.where(shared_B.any(), 2, (votes[0] == 0).long()).item())
+    if verdict == 2:
+        i = int(shared_B.nonzero()[0, 0])
+        raise ValueError(f"every {dim} rank's positions start sequence {i} at position {int(votes[1 + i])}: the "
+                         f"{cp} {dim} ranks' tokens overlap, as when a forward is called without positions on a "
+                         f"fold with {dim} = {cp} (each rank numbering its own tokens 0..s-1), so attention cannot "
+                         f"be one device's; pass the positions shard_batch returns (model(tokens, positions), "
+                         f"loss(tokens, targets, positions))")
+    ok = verdict == 1
+    _agreed[pos] = (key, ok)
+    return ok
+
+
+_agreed = WeakTensorKeyDictionary()  # positions -> ((version, mesh, dim), the ranks' answer), while they live

@@ -186,6 +186,8 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
                 c.add(kind, dim, count * m * nbytes, count * m * calls, when)
         if s.tp > 1 and not megatron:   # the step's positions [S], shared by its micro-batches: one tp gather
             c.add("all_gather", "tp", I64 * s_local, 1, STEP)
+        if s.cp > 1 and not megatron:  # ring or all-gather, decided by the cp ranks together once per
+            c.add("all_reduce", "cp", 3 * I64, 1, STEP)  # positions tensor: [off the layout, first, -first]
         for d in ("dp", "cp", "tp"):                                  # the loss: (sum, count) in fp64
             if sizes[d] > 1 and s.pp == 1:
                 c.add("all_reduce", d, 2 * F64 * m, m)

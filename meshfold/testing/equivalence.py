@@ -41,11 +41,11 @@ def perturb_constants(model: nn.Module, seed: int, scale: float = 0.1) -> None:
             p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
 
 
-def _default_loss(model, tokens, targets, positions):
-    return model.loss(tokens, targets, positions)
+def _default_loss(model, tokens, targets, positions, **per_token):
+    return model.loss(tokens, targets, positions, **per_token)
 
 
-def assert_matches_one_device(build: Callable, plan, fold, batch: tuple[torch.Tensor, torch.Tensor], *,
+def assert_matches_one_device(build: Callable, plan, fold, batch: tuple, *,
                               loss: Callable | None = None, data_parallel: str = "fsdp",
                               compute_dtype: torch.dtype | None = None, recompute: str = "none",
                               on_meta: bool = False, perturb: int | None = 0,
@@ -58,9 +58,13 @@ def assert_matches_one_device(build: Callable, plan, fold, batch: tuple[torch.Te
     and rank, e.g. ``lambda device: init.build(lambda: MyModel(cfg), seed=0, device=device)``.
     ``plan``: the layout plan ``parallelize`` takes (None: the model's own, ``model.plan()``).
     ``fold``: a :class:`~meshfold.mesh.FoldSpec` (its cached fold is used) or a folded mesh.
-    ``batch``: ``(tokens, targets)``, the global [B, S] batch, the same on every rank.
-    ``loss(model, tokens, targets, positions)`` (default ``model.loss(tokens, targets,
-    positions)``): the mean loss; laid out, a rank's call on its slice returns the global mean.
+    ``batch``: ``(tokens, targets)``, the global [B, S] batch, the same on every rank, or
+    ``(tokens, targets, per_token)`` with ``{name: [B, S, ...]}``, the model's other per-token
+    inputs (the plan's ``per_token``), each rank's slice cut as its tokens are
+    (:func:`~meshfold.parallel.batch.shard_batch`) and passed as keywords.
+    ``loss(model, tokens, targets, positions, **per_token)`` (default ``model.loss(tokens,
+    targets, positions, **per_token)``): the mean loss; laid out, a rank's call on its slice
+    returns the global mean.
     ``data_parallel``, ``compute_dtype``, ``recompute``: as ``parallelize`` takes them (with a
     compute dtype narrower than the model's, loosen ``rtol`` / ``atol``: the reference stays in
     the model's dtype). ``on_meta``: lay out ``build("meta")``, each rank materializing its own
@@ -94,7 +98,8 @@ def assert_matches_one_device(build: Callable, plan, fold, batch: tuple[torch.Te
         raise ValueError(f"assert_matches_one_device: pp = {spec.pp} with a loss function: a pipeline computes "
                          f"the loss from the last stage's logits with the model's loss_terms; valid: loss=None")
     loss = loss or _default_loss
-    tokens, targets = batch
+    tokens, targets, *rest = batch
+    per_token = dict(rest[0]) if rest else {}
     device = folded.device
 
     ref = build(device)
@@ -112,19 +117,20 @@ def assert_matches_one_device(build: Callable, plan, fold, batch: tuple[torch.Te
     else:
         parallelize(model, folded, plan, **kwargs)
 
-    ref_loss = loss(ref, tokens.to(device), targets.to(device), None)
+    ref_loss = loss(ref, tokens.to(device), targets.to(device), None, **{n: t.to(device) for n, t in per_token.items()})
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
     rank = dist.get_rank()
     local_tokens, pos = shard_batch(tokens, spec, rank)
     local_targets, _ = shard_batch(targets, spec, rank)
+    local_inputs = {n: shard_batch(t, spec, rank)[0].to(device) for n, t in per_token.items()}
     if pipe is not None:
-        got_loss = pipe.step(local_tokens.to(device), local_targets.to(device), pos.to(device))
+        got_loss = pipe.step(local_tokens.to(device), local_targets.to(device), pos.to(device), **local_inputs)
         pipe.reduce_gradients()
         model = pipe
     else:
-        got_loss = loss(model, local_tokens.to(device), local_targets.to(device), pos.to(device))
+        got_loss = loss(model, local_tokens.to(device), local_targets.to(device), pos.to(device), **local_inputs)
         got_loss.backward()
         if data_parallel == "allreduce":
             reduce_gradients(model)

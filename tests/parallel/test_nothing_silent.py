@@ -141,3 +141,32 @@ def test_a_loss_without_reduce_loss_or_without_positions_on_cp_is_an_error_on_ev
     for no_reduce, no_positions in worlds(4).run(_wrong_loss_calls, FoldSpec(4, cp=2, dp=2)):
         assert "_LocalMeanLM.loss returned without calling self.reduce_loss" in no_reduce
         assert "TinyLM.loss called without positions on a fold with cp = 2" in no_positions
+
+
+class _ForwardLM(TinyLM):
+    def forward(self, tokens, positions=None):  # numbers its tokens 0..s-1 when given no positions
+        return _logits(self, tokens, positions)
+
+
+def _forward_with_and_without_positions(rank, world_size, spec):
+    tokens, _ = _batch(spec)
+    local, pos = shard_batch(tokens, spec, rank)
+    model = parallelize(_ForwardLM(), cached_fold(spec), PLAN, data_parallel="allreduce")
+    logits = model(local, pos)
+    try:
+        model(local)
+    except ValueError as err:
+        return tuple(logits.shape), str(err)
+    return tuple(logits.shape), None
+
+
+@pytest.mark.multirank
+def test_a_forward_without_positions_on_cp_is_an_error_on_every_rank_not_a_hang(worlds):
+    """Every cp rank numbering its own tokens 0..s-1 is refused by every rank alike (the last
+    cp rank's 0..s-1 looked like the ring's layout to it alone, so it took the ring while the
+    others all-gathered, and all waited until the time-out)."""
+    spec = FoldSpec(2, cp=2)
+    for shape, error in worlds(2).run(_forward_with_and_without_positions, spec, timeout=20):
+        assert shape == (2, 4, 16)  # with positions: its 4 tokens of each of 2 sequences
+        assert error is not None and "every cp rank's positions start sequence 0 at position 0" in error
+        assert "a forward is called without positions" in error

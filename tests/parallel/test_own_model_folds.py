@@ -6,6 +6,8 @@ a plan alone: ``assert_matches_one_device`` holds in fp64 on four folds, one of 
 Legend: B = sequences, S = tokens, T = B*S, H = hidden, V = vocab, E = experts, k = top-k,
 F = expert ffn."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,16 +126,20 @@ g = torch.Generator().manual_seed(5)
 BATCH = (torch.randint(0, V, (4, 8), generator=g), torch.randint(0, V, (4, 8), generator=g))
 
 
-def _build(device):
+def build_fp64(cls, seed: int, device):
+    """``cls()`` built in fp64 by ``init.build`` (its declared initialization, from ``seed``)."""
     def make():
         before = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
         try:
-            return Sandwich()
+            return cls()
         finally:
             torch.set_default_dtype(before)
 
-    return init.build(make, seed=2, device=device)
+    return init.build(make, seed=seed, device=device)
+
+
+_build = functools.partial(build_fp64, Sandwich, 2)
 
 
 def _check(rank, world_size, spec, data_parallel):

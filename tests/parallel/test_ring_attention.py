@@ -119,6 +119,11 @@ def test_load_balanced_accepts_exactly_the_ring_layout_on_every_device(off_cpu):
     assert not ring.load_balanced(layout.neg_(), 1, cp)  # changed in place: checked again
 
 
+def test_a_context_hook_given_no_positions_names_them_before_any_collective():
+    with pytest.raises(ValueError, match=r"hook got positions None on a fold with cp > 1.*must pass the positions"):
+        ring.ring_applies(None, mesh=None)
+
+
 # ---- the attention function on a cp mesh -----------------------------------------------------
 def _chunk_positions(spec, rank, n):
     c = cached_fold(spec).stage("attn").get_local_rank("cp")
@@ -247,6 +252,29 @@ def test_context_hook_rings_the_layout_and_masks_other_positions(worlds, spec):
     assert worlds(4).run(_context_hook, spec, 3, 0, False) == [1] * 4
     assert worlds(4).run(_context_hook, spec, 3, 100, False) == [1] * 4  # same layout, offset positions
     assert worlds(4).run(_context_hook, spec, 3, 0, True) == [0] * 4  # arbitrary positions: generic path
+
+
+def _one_rank_in_the_ring_layout(rank, world_size, spec, n):
+    """cp rank 1 holds its chunks 1 and 2 (the ring's layout), rank 0 its chunks 3 and 0 in that
+    order (not the ring's): each rank's own answer would differ."""
+    from meshfold.models.attention import CausalMaskCache
+    from meshfold.parallel.context import RingContext
+
+    q, k, v, w, o = _one_device(2, 4, 2, 4 * n, 8, seed=5)
+    c = cached_fold(spec).stage("attn").get_local_rank("cp")
+    pos = torch.cat([torch.arange(i * n, (i + 1) * n) for i in ((1, 2) if c == 1 else (3, 0))])
+    assert ring.load_balanced(pos, c, spec.cp) == (c == 1)
+    hook = RingContext(cached_fold(spec).stage("attn"), spec.cp, CausalMaskCache())
+    _check_local(lambda a, b, c_: hook(a, b, c_, pos), q, k, v, w, o, pos)
+    return True
+
+
+@pytest.mark.multirank
+def test_the_cp_ranks_choose_ring_or_gather_together(worlds):
+    """Ring or all-gather is one decision of all cp ranks: where only some ranks' positions are
+    the ring's layout, every rank takes the generic path and equals one device (each rank
+    deciding alone ran different collectives and waited until the time-out)."""
+    assert worlds(2).run(_one_rank_in_the_ring_layout, FoldSpec(2, cp=2), 3, timeout=20) == [True, True]
 
 
 def _kept_by_attention(rank, world_size, spec, n):
