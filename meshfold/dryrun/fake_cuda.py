@@ -16,7 +16,8 @@ even for fake tensors; each shim is the smallest that answers, and each is liste
 * RNG state (``torch.cuda.get_rng_state`` / ``set_rng_state``: torch's pipeline schedule forks
   the RNG of every visible device when it initializes a stage, a checkpoint saves it): the
   generator's state lives on the device. Getting answers the 16 bytes of a Philox state (seed and
-  offset), all zero; setting checks the size and keeps nothing.
+  offset), all zero, in a real host tensor as CUDA's is (a checkpoint reads it on the host, under
+  the fake mode too); setting checks the size and keeps nothing.
 * the autograd engine's check that a CUDA context exists: before a backward touching CUDA
   tensors, the engine records each device's current stream where
   ``CUDAHooks::hasPrimaryContext(i)`` holds, for every device the CUDA device guard counts. With
@@ -282,7 +283,11 @@ _RNG_STATE_BYTES = 16  # CUDA's Philox generator: a 64-bit seed and a 64-bit off
 
 
 def _get_rng_state(device="cuda"):
-    return torch.zeros(_RNG_STATE_BYTES, dtype=torch.uint8)
+    # a real host tensor, as CUDA's answer is, even under the fake mode: a checkpoint reads it
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.zeros(_RNG_STATE_BYTES, dtype=torch.uint8)
 
 
 def _set_rng_state(new_state, device="cuda"):

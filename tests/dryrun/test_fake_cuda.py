@@ -2,6 +2,8 @@
 backward included, run without a GPU, and the device does not change the job's state or its
 communication. Needs torch's CUDA wheel; skipped with the reason elsewhere."""
 
+import json
+
 import pytest
 import torch
 
@@ -131,3 +133,80 @@ def test_the_cuda_dry_run_has_the_cpu_dry_runs_state_and_collectives(model, fold
         assert all(where.startswith(STEP_READS) for where in others), others
         forwards = cfg.train.microbatches or 1
         assert sum(where.startswith("parallel/ring_attention.py") for where in others) <= forwards
+
+
+class DiscardingWriter:
+    """A ``torch.distributed.checkpoint`` storage writer that takes every tensor a save hands it,
+    copies it to the host as a file writer does, records where it came from, and writes nothing."""
+
+    def __init__(self):
+        self.tensors: dict[str, tuple[torch.device, torch.device]] = {}  # fqn: (its device, its copy's)
+
+    def reset(self, checkpoint_id=None):
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return True
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        pass
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def write_data(self, plan, planner):
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        results = []
+        for item in plan.items:
+            tensor = planner.resolve_data(item)
+            self.tensors[item.index.fqn] = (tensor.device, tensor.detach().cpu().device)
+            results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+        done = torch.futures.Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata, results):
+        pass
+
+    def storage_meta(self):
+        return None
+
+
+@needs_cuda_wheel
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_save_of_a_fake_cuda_model_reaches_the_writer_and_keeps_the_cuda_rng_state(tmp_path):
+    """The train's save (one process: DCP plans alone, as it does without a process group) on a
+    model and AdamW on fake CUDA tensors: every tensor reaches the storage writer from the device,
+    and the CUDA RNG state is read on the host into the rank's RNG file."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.checkpoint.storage import StorageWriter
+
+    from meshfold.models.transformer import MoETransformer
+    from meshfold.train import checkpoint
+
+    StorageWriter.register(DiscardingWriter)
+    writer = DiscardingWriter()
+    model = MoETransformer(_cfg(*JOBS[0]).model_config(), dtype=torch.bfloat16, seed=0, device="meta")
+    with fake_cuda.fake_cuda(), FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cuda")
+        opt = torch.optim.AdamW(model.parameters())
+        with mock.patch.object(checkpoint.dcp, "HuggingFaceStorageWriter", lambda path, save_distributed: writer), \
+                mock.patch.object(torch.cuda, "is_available", lambda: True), \
+                mock.patch.object(torch.cuda, "is_initialized", lambda: True):  # a rank training on its GPU
+            final = checkpoint.save(tmp_path, 1, model, opt, {"step": 1})
+    cuda, host = torch.device("cuda", 0), torch.device("cpu")
+    names = [n for n, _ in model.named_parameters()]
+    # each parameter, its two AdamW moments and its step count, and the buffers
+    assert len(writer.tensors) == 4 * len(names) + len(list(model.named_buffers()))
+    steps = {fqn for fqn in writer.tensors if fqn.endswith(".step")}  # AdamW keeps its step count on the host
+    assert len(steps) == len(names) and all(writer.tensors[f] == (host, host) for f in steps)
+    assert all(writer.tensors[f] == (cuda, host) for f in set(writer.tensors) - steps)
+    rng = json.loads((final / "rng_rank0.json").read_text())
+    assert len(rng["cuda"]) == 16  # CUDA's Philox state: seed and offset
