@@ -65,7 +65,10 @@ class RankReport:
     ``peak_bytes`` = parameters + optimizer state + that peak (gradients are inside the peak).
     ``expert_rows``: per dispatch (each MoE layer forward, recomputed ones too), the rows each of
     this rank's local experts received, as the dispatch sized them from the block counts.
-    ``optimizer_groups``: the names of the optimizer's parameter groups (``build_optimizer``'s)."""
+    ``optimizer_groups``: the names of the optimizer's parameter groups (``build_optimizer``'s).
+    ``attention_kernels``: the fused attention kernels forward and backward ran, sorted
+    (:data:`~meshfold.dryrun.record.ATTENTION_KERNELS`; none: SDPA's math kernel or the ring's
+    plain blocks), which the device chose."""
 
     rank: int
     stage: int
@@ -78,6 +81,7 @@ class RankReport:
     seconds: float = 0.0
     expert_rows: list = field(default_factory=list)
     optimizer_groups: list = field(default_factory=list)
+    attention_kernels: list = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
@@ -159,7 +163,8 @@ def step_report(run, rank: int, folded, fake=None, on_counts=None) -> RankReport
         opt.step()
     return RankReport(rank, spec.coords(rank)["attn"]["pp"], _local_bytes(model.parameters()), grad_bytes,
                       _local_bytes(_optimizer_tensors(opt)), peak.peak, log.records, reads.reads,
-                      time.perf_counter() - t0, expert_rows, [g["name"] for g in opt.param_groups])
+                      time.perf_counter() - t0, expert_rows, [g["name"] for g in opt.param_groups],
+                      sorted(recorder.attention))
 
 
 def check_dry_run(run) -> None:

@@ -310,15 +310,31 @@ class LivePeak(TorchDispatchMode):
             self.peak = max(self.peak, self.live)
 
 
+# SDPA's fused attention kernels (forward and backward), named in a report's attention kernels.
+# SDPA's math kernel and ring attention's plain blocks are torch ops, not one kernel: a step that
+# took them shows none of these.
+ATTENTION_KERNELS = {op: op.__name__.removesuffix(".default") for op in (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default)}
+
+
 class StepRecorder(TorchDispatchMode):
     """:class:`CollectiveLog`, :class:`HostReads` and, inside :meth:`measuring`, a
     :class:`LivePeak`, as one mode: the same records as the three stacked (the peak outermost,
-    then the host reads, then the log), for one mode's overhead per op."""
+    then the host reads, then the log), for one mode's overhead per op. ``attention``: the
+    :data:`ATTENTION_KERNELS` that ran inside :meth:`measuring` (the device's kernel choice)."""
 
     def __init__(self, log: CollectiveLog, reads: HostReads):
         super().__init__()
         self.log, self.reads = log, reads
         self.peak: LivePeak | None = None
+        self.attention: set[str] = set()
 
     @contextlib.contextmanager
     def measuring(self, peak: LivePeak):
@@ -342,4 +358,6 @@ class StepRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         if self.peak is not None:
             self.peak.track(func, args, out)
+            if func in ATTENTION_KERNELS:
+                self.attention.add(ATTENTION_KERNELS[func])
         return out

@@ -35,8 +35,10 @@ _ATTN_TFLOPS = {  # (kernel, head dim): {"causal": fwd, "full": fwd, "bwd": bwd 
                    "bwd": (214, 260, 291, 310, 318, 322)},
 }
 ATTENTION_KERNELS = ("fa3", "fa2")
-# The attention kernel meshfold itself runs on CUDA: torch's scaled_dot_product_attention, whose
-# flash backend is FlashAttention-2 (the attention layers and the ring's blocks both call it).
+# The attention kernel meshfold itself runs on CUDA: the ring's blocks call torch's flash kernel,
+# FlashAttention-2; the attention layers call scaled_dot_product_attention, which on sm_90 with
+# torch 2.14 takes cuDNN attention first (its own priority; the fake-CUDA dry run reports it),
+# charged here at FlashAttention-2's rate too, unmeasured for cuDNN.
 # The presets keep "fa3", the rate of the Megatron-Core runs the paper's Table 1 measured.
 MESHFOLD_ATTENTION_KERNEL = "fa2"
 
