@@ -121,6 +121,7 @@ def step_report(run, rank: int, folded, fake=None, on_counts=None, copies=None) 
     as after a re-placement with ``train.redundant_experts`` (the weights are not moved: the
     step is costed, not its values)."""
     from meshfold.parallel.data_parallel import grad_norm
+    from meshfold.parallel.expert_placement import expert_params
     from meshfold.train.build import build
     from meshfold.train.loop import _global_loss
 
@@ -141,8 +142,6 @@ def step_report(run, rank: int, folded, fake=None, on_counts=None, copies=None) 
     for layer in model.moe_layers():
         layer.comm.experts_mesh  # a sub-mesh sliced under fake tensors would read fake coordinates
         if copies is not None:
-            from meshfold.parallel.expert_placement import expert_params
-
             layer.comm.set_slots(copies[0])
             layer.comm.set_copies(copies[1], layer.cfg.num_experts, expert_params(layer))
     gen = torch.Generator().manual_seed(t.seed)
