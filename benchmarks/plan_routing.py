@@ -53,15 +53,21 @@ def main(argv=None) -> int:
         for placement in ("static", "balanced"):
             e = estimate(shape, hw, winner, 4096, 256, skew, placement)
             rows.append(_row(gpus, f"balanced winner under {skew.describe()}, {placement}", e))
-    cols = ["gpus", "case", "layout", "mem_gib", "fits", "step_s", "mfu", "compute_s", "ep_s", "busiest_ep_share"]
+    report(rows, ["gpus", "case", "layout", "mem_gib", "fits", "step_s", "mfu", "compute_s", "ep_s",
+                  "busiest_ep_share"], args, skew)
+    return 0
+
+
+def report(rows: list[dict], cols: list[str], args, skew, percent=("mfu", "busiest_ep_share")) -> None:
+    """Print ``rows`` as a table of ``cols`` (``percent`` ones as %, a missing cell as -) and
+    write them to ``args.json`` when given."""
     print(" | ".join(cols))
     for r in rows:
-        print(" | ".join(f"{100 * r[c]:.1f}%" if c in ("mfu", "busiest_ep_share") else str(r[c]) for c in cols))
+        print(" | ".join(f"{100 * r[c]:.1f}%" if c in percent and c in r else str(r.get(c, "-")) for c in cols))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "gpu": args.gpu, "routing": skew.describe(), "cp1": args.cp1,
                        "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

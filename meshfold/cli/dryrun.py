@@ -42,11 +42,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype (default bfloat16; master weights and AdamW state: float32 or wider)")
     parser.add_argument("--gpu", default="h100", help="hardware preset whose memory is the budget (default h100)")
     parser.add_argument("--routing", default="balanced", help="balanced (default) or zipf:S, e.g. zipf:1.0")
-    parser.add_argument("--placement", default="static", choices=("static", "balanced"),
-                        help="expert placement: static (ep rank r holds experts r * E / ep ..) or balanced "
+    parser.add_argument("--placement", default="static",
+                        help="expert placement: static (ep rank r holds experts r * E / ep ..), balanced "
                              "(meshfold.plan.placement.balanced of the routing model's loads, as "
-                             "train.expert_placement = balanced re-places them); with balanced, the busiest "
-                             "ep rank is dry-run too")
+                             "train.expert_placement = balanced re-places them) or replicated:R (R copy slots "
+                             "filled with the hottest experts, as train.redundant_experts = R; the layers fetch "
+                             "the copies and split their rows); with balanced or replicated:R, the busiest ep "
+                             "rank is dry-run too")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="what the fake tensors are on: cpu (default), or cuda to run the CUDA branches a GPU "
                              "job takes, on fake CUDA tensors and CUDA meshes (needs torch's CUDA wheel, no GPU)")
@@ -137,9 +139,11 @@ def _gib(n: int) -> str:
 def _placed(routing, placement: str, cfg, spec, hw):
     """(the routing model under ``placement``, report lines, the busiest ep rank): rows each ep
     rank's experts receive per step under the static and the chosen placement, the busiest
-    rank's share, and its expert GEMM time (forward + backward) at the GPU's GEMM rate."""
+    rank's share, and its expert GEMM time (forward + backward) at the GPU's GEMM rate; with
+    copies, which experts are copied where."""
     from meshfold.dryrun.routing import Placed, expert_rows
-    from meshfold.plan.placement import balanced, max_over_mean, rank_loads, static
+    from meshfold.plan.placement import max_over_mean, replica_rank_loads, static
+    from meshfold.plan.routing import placed
 
     mcfg = cfg.model_config()
     moe = mcfg.moe
@@ -149,23 +153,24 @@ def _placed(routing, placement: str, cfg, spec, hw):
     E = moe.num_experts
     pairs = cfg.train.batch // spec.dp // microbatches * cfg.train.seq // (spec.cp * spec.tp) * moe.topk
     loads = expert_rows(routing, pairs, E, spec.ep, spec.etp)  # one micro-batch, one layer
-    slots = static(E, spec.ep) if placement == "static" else balanced(loads, spec.ep)
+    slots, copies = placed(loads, placement, spec.ep)
     scale = microbatches * len(mcfg.moe_layer_ids)  # rows per step over the MoE layers
     two = 2 if moe.expert_kind == "swiglu" else 1
     lines = [f"expert rows per ep rank per step ({len(mcfg.moe_layer_ids)} MoE layers x "
              f"{microbatches} micro-batches; each etp rank computes ffn / etp of them):"]
     busiest = 0
-    for name, s in (("static", static(E, spec.ep)), (placement, slots)):
-        rows = [scale * x for x in rank_loads(loads, s, spec.ep)]
+    for name, s, c in (("static", static(E, spec.ep), ()), (placement, slots, copies)):
+        rows = [scale * x for x in replica_rank_loads(loads, s, c, spec.ep)]
         top = max(range(spec.ep), key=lambda r: (rows[r], -r))
         flops = 3 * 2 * rows[top] * moe.hidden * (two + 1) * moe.ffn // spec.etp  # fwd + 2x bwd
-        lines.append(f"  {name:>8}: busiest ep rank {top} {rows[top]:,} rows ({rows[top] / sum(rows):.1%} of all, "
-                     f"max/mean {max_over_mean(rows):.2f}), expert GEMMs {hw.gemm_time(flops, 0) * 1e3:.1f} ms "
-                     f"at {hw.name}'s GEMM rate; placement {list(s) if len(s) <= 64 else '(E > 64)'}")
+        lines.append(f"  {name:>8}: busiest ep rank {top} {round(rows[top]):,} rows ({rows[top] / sum(rows):.1%} of "
+                     f"all, max/mean {max_over_mean(rows):.2f}), expert GEMMs {hw.gemm_time(flops, 0) * 1e3:.1f} ms "
+                     f"at {hw.name}'s GEMM rate; placement {list(s) if len(s) <= 64 else '(E > 64)'}"
+                     + (f"; copies {list(c)} (ep rank k holds copies[k * {len(c) // spec.ep} ..])" if c else ""))
         busiest = top
         if placement == "static":
             break
-    return Placed(routing, slots), lines, busiest
+    return Placed(routing, slots, copies), lines, busiest
 
 
 def _check_json_target(path: str) -> None:
@@ -189,10 +194,13 @@ def main(args: argparse.Namespace) -> int:
     from meshfold.dryrun.engine import dry_run
     from meshfold.dryrun.routing import parse_routing
     from meshfold.plan.hardware import hardware
+    from meshfold.plan.placement import check_replicas
+    from meshfold.plan.routing import copy_slots, parse_placement
 
     if args.json:
         _check_json_target(args.json)  # before the dry run, not after its minutes of work
     routing = parse_routing(args.routing)
+    args.placement = parse_placement(args.placement)
     hw = hardware(args.gpu)
     cfg = train_config(args)
     spec = cfg.fold_spec()
@@ -200,6 +208,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--placement balanced with ep = 1 (--fold {args.fold}): one ep rank holds every "
                          f"expert, so there is nothing to re-place; valid: --placement static, or balanced "
                          f"with EP >= 2")
+    R = copy_slots(args.placement)
+    mcfg = cfg.model_config()
+    why = R and mcfg.moe is not None and check_replicas(R, mcfg.moe.num_experts, spec.ep, spec.pp)
+    if why:  # as meshfold train refuses train.redundant_experts = R
+        raise ValueError(f"--placement {args.placement} with {why}")
     if args.ranks:
         bad = [r for r in args.ranks if not 0 <= r < spec.world_size]
         if bad:

@@ -15,10 +15,10 @@ from meshfold.plan.baselines import MEGATRON_STRATEGIES, PAPER_TABLE1, STRATEGIE
 from meshfold.plan.cost import MEGATRON_SHARDINGS, TIME_TERMS, Estimate
 from meshfold.plan.hardware import ATTENTION_KERNELS, GIB, HARDWARE, MESHFOLD_ATTENTION_KERNEL, hardware
 from meshfold.plan.models import MODELS, model_shape
-from meshfold.plan.routing import PLACEMENTS, parse_routing_load
+from meshfold.plan.routing import PLACEMENTS, copy_slots, parse_placement, parse_routing_load
 from meshfold.plan.search import plan
 
-__all__ = ["configure", "main", "format_table"]
+__all__ = ["configure", "main", "format_table", "placement_overrides"]
 
 
 def _positive_int(text: str) -> int:
@@ -51,11 +51,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "a share proportional to (e+1)^-S, as meshfold dryrun --routing), or replay:RUN_DIR "
                              "(the loads a meshfold train run measured, its metrics.jsonl); the busiest ep rank's "
                              "expert GEMMs, all-to-all bytes and activations are charged")
-    parser.add_argument("--placement", default="static", choices=PLACEMENTS,
-                        help="which experts each ep rank holds: static (contiguous blocks, default) or balanced "
-                             "(re-placed from the routing's loads, as train.expert_placement=balanced)")
+    parser.add_argument("--placement", default="static", metavar="|".join(PLACEMENTS),
+                        help="which experts each ep rank holds: static (contiguous blocks, default), balanced "
+                             "(re-placed from the routing's loads, as train.expert_placement=balanced) or "
+                             "replicated:R (also R copy slots holding the hottest experts, as "
+                             "train.redundant_experts=R: only folds with pp = 1 and ep >= 2 dividing R)")
     parser.add_argument("--cp1", action="store_true",
                         help="only folds with cp=1 (the setting of the paper's Table 1)")
+
+
+def placement_overrides(placement: str) -> list[str]:
+    """``meshfold train --set`` overrides that run ``placement`` (``static``: none)."""
+    if placement == "static":
+        return []
+    R = copy_slots(placement)
+    return ["train.expert_placement=balanced"] + ([f"train.redundant_experts={R}"] if R else [])
 
 
 def _fold(e: Estimate) -> str:
@@ -92,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
         hw = hardware(megatron_hw, attention_kernel=args.attention_kernel)  # the kernel meshfold runs
         where = (lambda lay: lay.spec.cp == 1) if getattr(args, "cp1", False) else None
         routing = parse_routing_load(getattr(args, "routing", "balanced"))
-        placement = getattr(args, "placement", "static")
+        placement = parse_placement(getattr(args, "placement", "static"))
         results = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where, routing=routing, placement=placement)
         megatron = plan(shape, args.gpus, megatron_hw, args.seq, args.gbs, where=where,
                         shardings=MEGATRON_SHARDINGS, routing=routing, placement=placement) if args.compare else []
@@ -107,7 +117,8 @@ def main(args: argparse.Namespace) -> int:
     if feasible:
         print(format_table([(f"#{i + 1}", e) for i, e in enumerate(feasible[:args.top])]))
         best = feasible[0].layout
-        print(f"run #1: meshfold train --set {' --set '.join(best.train_overrides(shape.name, args.seq, args.gbs))}")
+        sets = best.train_overrides(shape.name, args.seq, args.gbs) + placement_overrides(placement)
+        print(f"run #1: meshfold train --set {' --set '.join(sets)}")
     else:
         print("no layout fits in memory; closest:")
         for e in results[:3]:

@@ -41,7 +41,7 @@ from meshfold.plan.stages import FP32, expert_shard
 from meshfold.plan.models import MODELS
 from meshfold.plan.routing import Routing
 
-__all__ = ["Case", "Row", "compare", "cases", "pipeline_cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
+__all__ = ["Case", "Row", "compare", "cases", "pipeline_cases", "replica_cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
            "TOLERANCE"]
 
 TOLERANCE = 0.10  # every term within 10%: the accuracy the planner states (docs/plan.md)
@@ -64,6 +64,8 @@ class Case:
     recompute: str = "none"
     schedule: str = "1f1b"
     virtual: int = 1
+    zipf: float = 0.0          # the routing: zipf:S (0: balanced)
+    placement: str = "static"  # static | balanced | replicated:R (meshfold.plan.routing.parse_placement)
 
     @property
     def global_batch(self) -> int:
@@ -74,7 +76,9 @@ class Case:
         return (f"{self.model} ({self.layers} layer{'s' * (self.layers > 1)}) on {s.world_size} ranks, "
                 f"{s.cp}/{s.tp}/{s.ep}/{s.pp}/{s.etp}, seq {self.seq}, mbs {self.mbs} x {self.microbatches} "
                 f"micro-batches, recompute {self.recompute}"
-                + (f", {self.schedule}" + (f" virtual {self.virtual}" if self.virtual > 1 else "") if s.pp > 1 else ""))
+                + (f", {self.schedule}" + (f" virtual {self.virtual}" if self.virtual > 1 else "") if s.pp > 1 else "")
+                + (f", routing zipf:{self.zipf:g}" if self.zipf else "")
+                + (f", {self.placement} placement" if self.placement != "static" else ""))
 
 
 @dataclass(frozen=True)
@@ -111,14 +115,14 @@ def _train_config(case: Case):
     return cfg
 
 
-def planned(case: Case, routing=None):
+def planned(case: Case, routing=None, placement: str = "static"):
     """The planner's :class:`~meshfold.plan.cost.Estimate` of ``case`` (on the reduced model)
-    under the dry run's ``routing`` (None or Balanced: balanced; Zipf: the same shares), static
-    placement."""
+    under the dry run's ``routing`` (None or Balanced: balanced; Zipf: the same shares) and
+    ``placement`` (``static``, ``balanced`` or ``replicated:R``)."""
     shape = dataclasses.replace(MODELS[case.model], layers=case.layers)
     lay = Layout(case.spec, mbs=case.mbs, vpp=case.virtual, recompute=case.recompute, sharding="fsdp",
                  schedule=case.schedule)
-    return estimate(shape, hardware("h100"), lay, case.seq, case.global_batch, _plan_routing(routing))
+    return estimate(shape, hardware("h100"), lay, case.seq, case.global_batch, _plan_routing(routing), placement)
 
 
 def _plan_routing(routing) -> Routing:
@@ -132,6 +136,23 @@ def _plan_routing(routing) -> Routing:
     raise ValueError(f"routing {routing.describe()}; the planner compares under balanced or zipf:S")
 
 
+def placed_routing(case: Case, routing, placement: str):
+    """The dry run's routing model of ``case`` under ``placement``: ``routing`` itself for
+    ``static``; else :class:`~meshfold.dryrun.routing.Placed` by the planner's choice
+    (:func:`meshfold.plan.routing.placed`) of the routing's shares, so both sides place the same
+    experts and copies. With its busiest ep rank (the one to dry-run)."""
+    from meshfold.dryrun.routing import Placed
+    from meshfold.plan.placement import replica_rank_loads
+    from meshfold.plan.routing import placed
+
+    if placement == "static":
+        return routing, 0
+    shares = _plan_routing(routing).shares_LE(MODELS[case.model].experts)[0]
+    slots, copies = placed(shares, placement, case.spec.ep)
+    per_rank = replica_rank_loads(shares, slots, copies, case.spec.ep)
+    return Placed(routing, slots, copies), max(range(case.spec.ep), key=lambda i: (per_rank[i], -i))
+
+
 def planned_collectives(est, stage: int) -> dict[tuple[str, str], float]:
     """The planner's ``{(kind, dim): bytes}`` of pipeline rank ``stage`` under the dry run's
     routing: the model's step (equal etp counts where E divides each rank's pairs under balanced
@@ -143,7 +164,8 @@ def planned_collectives(est, stage: int) -> dict[tuple[str, str], float]:
     model = d["model"]
     pairs = d["seq"] * est.layout.mbs // (s.cp * s.tp) * model.topk
     ragged = d["routing"] == "balanced" and pairs % model.experts != 0
-    c = dict(collective_bytes(model, est.layout, d["seq"], d["global_batch"], ragged=ragged, recv=d["recv"])[stage])
+    c = dict(collective_bytes(model, est.layout, d["seq"], d["global_batch"], ragged=ragged, recv=d["recv"],
+                              copy_slots=d["copy_slots"], fetched=d["fetched"])[stage])
     for key, v in loop_collectives(est.layout, d["global_batch"]).items():
         c[key] = c.get(key, 0.0) + v
     return c
@@ -187,17 +209,25 @@ def rows(est, report) -> list[Row]:
     return out
 
 
-def compare(case: Case, routing=None) -> list[Row]:
-    """Planner against dry run for ``case`` under ``routing`` (a dry-run routing model; None:
-    balanced): one dry-run process per pipeline stage, its first rank
+def compare(case: Case, routing=None, placement: str | None = None) -> list[Row]:
+    """Planner against dry run for ``case`` under ``routing`` (a dry-run routing model; None: the
+    case's, ``zipf`` or balanced) and ``placement`` (None: the case's): one dry-run process per
+    pipeline stage, its first rank
     (:func:`~meshfold.dryrun.representative_ranks`: with pp = 2 the first stage, with the
-    embedding, and the last, with the head and the loss; ep rank 0, the busiest under Zipf),
+    embedding, and the last, with the head and the loss; ep rank 0, the busiest under Zipf with
+    the static placement; under another placement, the first rank of the busiest ep rank),
     memory and collectives (:func:`rows`), then its expert work (:func:`expert_work`)."""
-    from meshfold.dryrun.engine import dry_run
+    from meshfold.dryrun.engine import dry_run, representative_ranks
+    from meshfold.dryrun.routing import Zipf
 
-    est = planned(case, routing)
+    routing = routing if routing is not None else Zipf(case.zipf) if case.zipf else None
+    placement = case.placement if placement is None else placement
+    est = planned(case, routing, placement)
+    dry, busiest = placed_routing(case, routing, placement)
+    ranks = None if placement == "static" else [
+        case.spec.rank("moe", pp=p, edp=0, ep=busiest, etp=0) for p in range(case.spec.pp)]
     out = []
-    for report in dry_run(_train_config(case), routing):
+    for report in dry_run(_train_config(case), dry, ranks if ranks != representative_ranks(case.spec) else None):
         out += rows(est, report) + expert_work(est, report)
     return out
 
@@ -242,6 +272,20 @@ def cases() -> list[Case]:
         Case("cp 2, etp 2", "mixtral-8x22b", FoldSpec(16, tp=2, cp=2, ep=4, etp=2), 1, microbatches=1),
         Case("full recompute", "qwen2-57b-a14b", FoldSpec(16, tp=2, ep=8), 1, microbatches=2, recompute="full"),
         *pipeline_cases(),
+        *replica_cases(),
+    ]
+
+
+def replica_cases() -> list[Case]:
+    """Hot-expert copies under Zipf 1.2 (``replicated:R``): the dry run's layers fetch the copies
+    (one all-to-all over ep per expert weight, their gradients back) and split the copied
+    experts' rows; compared on the busiest ep rank's first rank. One layer of Mixtral-8x22B:
+    ep8 with one copy a rank (seconds), and ep4 with one copy a rank beside two experts."""
+    return [
+        Case("copies, ep 8, replicated:8", "mixtral-8x22b", FoldSpec(16, tp=2, ep=8), 1, zipf=1.2,
+             placement="replicated:8"),
+        Case("copies, ep 4, replicated:4", "mixtral-8x22b", FoldSpec(16, tp=2, ep=4), 1, zipf=1.2,
+             placement="replicated:4"),
     ]
 
 

@@ -115,13 +115,17 @@ def _optimizer_tensors(opt):
     return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def step_report(run, rank: int, folded, fake=None, on_counts=None) -> RankReport:
+def step_report(run, rank: int, folded, fake=None, on_counts=None, copies=None) -> RankReport:
     """Build ``run``'s job (a :class:`~meshfold.train.config.Resolved`) on ``folded`` with
     :func:`meshfold.train.build.build`, as ``meshfold train`` builds it (with pp > 1 this rank's
     pipeline chunks), and run one training step on random tokens, recorded. ``fake``: the
     FakeTensorMode of a dry run (None: a real step). ``on_counts``: called with each host read
-    of block counts ``C`` (real runs record them for :class:`~meshfold.dryrun.routing.Replay`)."""
+    of block counts ``C`` (real runs record them for :class:`~meshfold.dryrun.routing.Replay`).
+    ``copies``: ``(slots, copies)`` every MoE layer routes by, fetching the copies each forward
+    as after a re-placement with ``train.redundant_experts`` (the weights are not moved: the
+    step is costed, not its values)."""
     from meshfold.parallel.data_parallel import grad_norm
+    from meshfold.parallel.expert_placement import expert_params
     from meshfold.train.build import build
     from meshfold.train.loop import _global_loss
 
@@ -141,6 +145,9 @@ def step_report(run, rank: int, folded, fake=None, on_counts=None) -> RankReport
     model, opt = built.model, built.optimizer
     for layer in model.moe_layers():
         layer.comm.experts_mesh  # a sub-mesh sliced under fake tensors would read fake coordinates
+        if copies is not None:
+            layer.comm.set_slots(copies[0])
+            layer.comm.set_copies(copies[1], layer.cfg.num_experts, expert_params(layer))
     gen = torch.Generator().manual_seed(t.seed)
     tokens = torch.randint(0, mcfg.vocab, (t.batch, t.seq + 1), generator=gen)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -380,7 +387,9 @@ def dry_run_rank(run, rank: int, routing=None, device: str = "cpu") -> RankRepor
             try:
                 with _routed_counts(routing, lambda: current["topk"], lambda: current["tokens"]), \
                         _on_this_thread(), _without_profiler_ranges():
-                    return step_report(run, rank, folded, fake=fake)
+                    placed = getattr(routing, "copies", ())  # a Placed model with copies: the layers fetch them
+                    return step_report(run, rank, folded, fake=fake,
+                                       copies=(routing.slots, routing.copies) if placed else None)
             finally:
                 hook.remove()
     finally:

@@ -20,6 +20,9 @@ a real run is sized from its read.
 * :class:`Placed`: another model's counts under an expert placement (a permutation of the
   experts into ep-rank slots, :mod:`meshfold.plan.placement`): the dispatch counts rows per
   slot, so slot ``s`` gets the rows of expert ``slots[s]``; a re-balanced run is planned with it.
+  With hot-expert ``copies`` the counts cover the ``E + R`` dispatch slots, each expert's rows
+  split over its instances by the training dispatch's rule
+  (:func:`meshfold.plan.placement.split_counts`), and the dry run's layers fetch the copies.
 * :class:`Replay`: the counts a real run read, call by call (tests compare a dry run with the
   real run it replays).
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshfold.plan.placement import split_counts
 from meshfold.plan.routing import largest_remainder, zipf_weights
 
 __all__ = ["Balanced", "Zipf", "Replay", "Placed", "parse_routing", "expert_rows"]
@@ -90,21 +94,30 @@ class Replay:
 @dataclass(frozen=True)
 class Placed:
     """``inner``'s counts in slot order under placement ``slots`` (slot ``s`` holds expert
-    ``slots[s]``, slot ``s`` is on ep rank ``s // (E / ep)``)."""
+    ``slots[s]``, slot ``s`` is on ep rank ``s // (E / ep)``) and, when given, ``copies`` (copy
+    slot ``i`` of ep rank ``i // (R / ep)`` holds expert ``copies[i]``): then the counts are per
+    dispatch slot (``E / ep + R / ep`` per ep rank), each expert's split over its instances as
+    source ep rank ``i`` splits them."""
 
     inner: object
     slots: tuple
+    copies: tuple = ()
 
-    def block(self, call: int, pairs: int, num_experts: int, n_ep: int, n_etp: int) -> list:
-        if len(self.slots) != num_experts or sorted(self.slots) != list(range(num_experts)):
-            raise ValueError(f"placement {list(self.slots)} is not a permutation of the layer's "
-                             f"{num_experts} experts")
-        C = self.inner.block(call, pairs, num_experts, n_ep, n_etp)
+    def block(self, call: int, pairs: int, num_slots: int, n_ep: int, n_etp: int) -> list:
+        E = len(self.slots)
+        if num_slots != E + len(self.copies) or sorted(self.slots) != list(range(E)):
+            raise ValueError(f"placement {list(self.slots)} with copies {list(self.copies)} does not fit the "
+                             f"layer's {num_slots} dispatch slots (valid: a permutation of its experts, and its "
+                             f"copy slots)")
+        C = self.inner.block(call, pairs, E, n_ep, n_etp)
+        if self.copies:
+            return [[split_counts(row, self.slots, self.copies, n_ep, i) for i, row in enumerate(q)] for q in C]
         return [[[row[e] for e in self.slots] for row in q] for q in C]
 
     def describe(self) -> str:
-        static = list(self.slots) == sorted(self.slots)
-        return f"{self.inner.describe()}, {'static' if static else 'balanced'} placement"
+        kind = (f"{len(self.copies)} copies {list(self.copies)}" if self.copies else
+                "static" if list(self.slots) == sorted(self.slots) else "balanced")
+        return f"{self.inner.describe()}, {kind} placement"
 
 
 def expert_rows(routing, pairs: int, num_experts: int, n_ep: int, n_etp: int) -> list[int]:

@@ -28,6 +28,10 @@ fp32 all-reduces per partial dim. Recomputation reissues a block's forward colle
 
 Routing is taken as balanced (every rank sends ``Tr k`` rows and its experts receive as many)
 unless ``recv`` says the rank's experts receive more (a skewed routing's busiest ep rank).
+With hot-expert copies (``copy_slots`` R, ``fetched``) the dispatch counts cover ``E + R`` slots
+and each forward fetches the copies' weights with one all-to-all over ep per expert weight
+(``FoldedComm.local``): the rank sends its experts that are copied elsewhere and, in backward,
+the gradients of the copies it received.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ __all__ = ["KINDS", "MICROBATCH", "STEP", "collective_bytes", "collective_traffi
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv", "broadcast")
 MICROBATCH, STEP = "microbatch", "step"   # issued with every micro-batch / once per step
 I64, F32, F64 = 8, 4, 8  # bytes
+EXPERT_WEIGHTS = 2  # tensors of a SwiGLU expert (meshfold's gate_up and down): one fetch each
 
 
 def group_name(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
@@ -55,7 +60,8 @@ def group_name(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
 
 
 def collective_bytes(model: ModelShape, layout, seq: int, global_batch: int, compute_bytes: int = 2,
-                     backend: str = "nccl", ragged: bool = True, recv: float = 1.0) -> list[dict[tuple[str, str], float]]:
+                     backend: str = "nccl", ragged: bool = True, recv: float = 1.0, copy_slots: int = 0,
+                     fetched: tuple[float, float] = (0.0, 0.0)) -> list[dict[tuple[str, str], float]]:
     """Per pipeline rank, ``{(kind, dim): bytes per step}`` of one of its ranks (see the module
     docstring). ``ragged``: the etp blocks' row counts differ (real routing; the gather-v is an
     all-to-all sending its rows to every etp rank); False: exactly equal counts, as ``meshfold
@@ -65,9 +71,9 @@ def collective_bytes(model: ModelShape, layout, seq: int, global_batch: int, com
     planner's setting; 4: fp32 compute; 8: fp64), which picks the reduce-scatter path: native on
     NCCL for fp32 and wider, an all-to-all otherwise (half precision, or gloo). Megatron rows
     (``zero1``, not meshfold runs) get Megatron-Core's traffic as :func:`collective_traffic`
-    models it."""
+    models it. ``copy_slots``, ``fetched``: as :func:`collective_traffic`."""
     return [_bytes_only(t) for t in collective_traffic(model, layout, seq, global_batch, compute_bytes, backend,
-                                                        ragged, recv=recv)]
+                                                        ragged, recv=recv, copy_slots=copy_slots, fetched=fetched)]
 
 
 def _bytes_only(traffic: dict[tuple[str, str, str], list[float]]) -> dict[tuple[str, str], float]:
@@ -91,7 +97,8 @@ class _Tally:
 
 def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, compute_bytes: int = 2,
                        backend: str = "nccl", ragged: bool = True,
-                       stages=None, recv: float = 1.0) -> list[dict[tuple[str, str, str], list[float]]]:
+                       stages=None, recv: float = 1.0, copy_slots: int = 0,
+                       fetched: tuple[float, float] = (0.0, 0.0)) -> list[dict[tuple[str, str, str], list[float]]]:
     """Per pipeline rank, ``{(kind, dim, when): [bytes, calls] per step}``: what
     :func:`collective_bytes` counts (the same walk; its bytes are these summed over ``when``),
     with the number of calls (each pays a link latency in the time model) and ``when`` each is
@@ -111,7 +118,11 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
     :func:`~meshfold.plan.stages.stage_params`, when the caller has them already. ``recv``: the
     rows the rank's experts receive over the balanced ``Tr k`` per etp rank (the busiest ep rank's
     under a skewed routing, :func:`meshfold.plan.cost.estimate`): the dispatch's backward and the
-    combine send back what was received, the etp gather-v and reduce-scatter-v carry it."""
+    combine send back what was received, the etp gather-v and reduce-scatter-v carry it.
+    ``copy_slots``: the ``R`` copy slots of hot experts (``train.redundant_experts``), which the
+    dispatch's counts cover too; ``fetched``: (experts whose weights the rank sends for other
+    ranks' copies, copies it receives) per MoE layer forward, each an all-to-all over ep per
+    expert weight in the compute dtype, its gradients sent back in backward."""
     s = layout.spec
     megatron = layout.megatron
     sizes = {"pp": s.pp, "dp": s.dp, "cp": s.cp, "tp": s.tp, "ep": s.ep, "etp": s.etp, "edp": s.edp}
@@ -151,10 +162,15 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
         for d in ("cp", "tp", "dp"):
             if sizes[d] > 1:
                 c.add("all_reduce", d, passes * stats, passes)
+        slots = E + copy_slots             # the dispatch's counts: one per slot
         if s.ep > 1:
-            c.add("all_gather", "ep", passes * I64 * E, passes)
+            c.add("all_gather", "ep", passes * I64 * slots, passes)
         if s.etp > 1:
-            c.add("all_gather", "etp", passes * I64 * s.ep * E, passes)
+            c.add("all_gather", "etp", passes * I64 * s.ep * slots, passes)
+        if copy_slots:                     # the copies' weights (each forward), their gradients back
+            w = model.expert_params / s.etp * a
+            c.add("all_to_all", "ep", passes * fetched[0] * w + fetched[1] * w,
+                  (passes + 1) * EXPERT_WEIGHTS)
         rows = Tr * k * h * a              # the rank's own routed rows
         got = recv * rows                  # the rows its experts receive (from its etp column)
         # dispatch and the combine's backward send the rank's own rows; the combine and the

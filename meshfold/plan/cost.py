@@ -36,7 +36,8 @@ from meshfold.plan.collectives import MICROBATCH, STEP, collective_traffic, loop
 from meshfold.plan.hardware import GIB, Hardware
 from meshfold.plan.memory import memory_terms
 from meshfold.plan.models import ModelShape
-from meshfold.plan.routing import Routing, busiest_rank_shares
+from meshfold.plan.placement import check_replicas
+from meshfold.plan.routing import Routing, busiest_rank_fetches, busiest_rank_shares, copy_slots, parse_placement
 from meshfold.plan.traffic import traffic_seconds
 
 __all__ = ["Layout", "Estimate", "estimate", "check_layout", "RECOMPUTE", "SHARDINGS", "MEGATRON_SHARDINGS",
@@ -169,7 +170,8 @@ class Estimate:
         loop = loop_traffic(self.layout, d["global_batch"])
         out, merged = [], {}   # ranks that issue the same share one dict (and its seconds)
         for t in collective_traffic(d["model"], self.layout, d["seq"], d["global_batch"],
-                                    stages=d.get("params_per_rank"), recv=d.get("recv", 1.0)):
+                                    stages=d.get("params_per_rank"), recv=d.get("recv", 1.0),
+                                    copy_slots=d.get("copy_slots", 0), fetched=d.get("fetched", (0.0, 0.0))):
             if id(t) not in merged:
                 both = {key: list(v) for key, v in t.items()}
                 for key, (nbytes, calls) in loop.items():
@@ -252,17 +254,22 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
              routing: Routing | None = None, placement: str = "static") -> Estimate:
     """Memory per GPU, step-time breakdown and MFU of ``layout`` training ``model``.
 
-    ``routing`` (:mod:`meshfold.plan.routing`; None: balanced) and ``placement`` (``static`` or
-    ``balanced``: which experts each ep rank holds) set the rows the busiest ep rank's experts
-    receive: its expert GEMMs, its all-to-all bytes and its activations are charged, since every
-    ep rank waits for it.
+    ``routing`` (:mod:`meshfold.plan.routing`; None: balanced) and ``placement`` (``static``,
+    ``balanced`` or ``replicated:R``: which experts each ep rank holds, and copies of the hot
+    ones) set the rows the busiest ep rank's experts receive: its expert GEMMs, its all-to-all
+    bytes and its activations are charged, since every ep rank waits for it. Copies add their
+    weights' fetch and their gradients' return over ep and the fetched weights' memory.
 
     Raises ``ValueError`` (see :func:`check_layout`) when the layout cannot run the model at all;
     a layout that runs but does not fit in memory gives ``feasible=False`` with the reason.
     """
     why = check_layout(model, layout, seq, global_batch)
+    placement = parse_placement(placement)
+    R = copy_slots(placement)
+    why = why or (R and check_replicas(R, model.experts, layout.spec.ep, layout.spec.pp))
     if why:
-        raise ValueError(f"layout {layout.describe()} cannot run {model.name}: {why}")
+        raise ValueError(f"layout {layout.describe()} cannot run {model.name}"
+                         f"{f' with --placement {placement}' if R else ''}: {why}")
     sp = layout.spec
     tp, cp, dp, pp, ep, etp = sp.tp, sp.cp, sp.dp, sp.pp, sp.ep, sp.etp
     h, n, g, E, k = model.hidden, model.heads, model.kv_groups, model.experts, model.topk
@@ -279,6 +286,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     block_pairs = Tr * k * etp * ep
     recv = sum(ep * sum(shares) for shares in busy_LE) / len(busy_LE)
     M_e = recv * Tr * k * etp * ep / E     # mean rows of the busiest rank's local expert GEMMs
+    fetched = busiest_rank_fetches(routing, placement, E, ep)  # copies' weights: sent, received
 
     # ---- compute, one layer forward -------------------------------------------------------------
     # GEMMs: 2*rows*in*out FLOPs each plus a fixed cost per GEMM problem (QKV, O; shared or dense
@@ -337,7 +345,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     head = 3 * hw.gemm_time(2 * T * h * V / tp, 1)
 
     # ---- memory per GPU (meshfold.plan.memory) ---------------------------------------------------
-    memory, mem_detail = memory_terms(model, layout, seq, global_batch, recv=recv)
+    memory, mem_detail = memory_terms(model, layout, seq, global_batch, recv=recv, copy_slots=R)
     stages = mem_detail["params_per_rank"]
 
     # ---- communication: the collectives this step issues (Estimate.collectives) --------------------
@@ -345,7 +353,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # group; per micro-batch what is issued with every micro-batch, plus what is issued once per step.
     detail = {"tokens": global_batch * seq, "microbatches": m, "model": model, "seq": seq,
               "global_batch": global_batch, "recv": recv, "routing": routing.describe(), "placement": placement,
-              "busiest_share": recv / ep, **mem_detail}
+              "busiest_share": recv / ep, "copy_slots": R, "fetched": fetched, **mem_detail}
     draft = Estimate(layout, memory, {}, 0.0, 0.0, True, detail=detail)
     seconds: dict[int, dict] = {}
     for t in draft.traffic_per_rank:   # pipeline ranks that issue the same share one dict

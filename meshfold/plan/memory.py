@@ -53,7 +53,7 @@ from meshfold.plan.models import ModelShape
 from meshfold.plan.stages import (BF16, FP32, StageParams, expert_shard, regathered, stage_layers,  # noqa: F401
                                   stage_params, wide_shared)
 
-__all__ = ["StageParams", "stage_layers", "stage_params", "in_flight", "layer_activations", "memory_terms",
+__all__ = ["StageParams", "stage_layers", "stage_params", "in_flight", "layer_activations", "memory_terms", "copy_weights",
            "expert_shard", "REDUCE_BUCKET_BYTES"]
 
 REDUCE_BUCKET_BYTES = 16 * 2**20  # meshfold.parallel.data_parallel.REDUCE_BUCKET_BYTES (a test checks)
@@ -74,11 +74,16 @@ def in_flight(layout, microbatches: int, rank: int) -> float:
     return min(((v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v, float(m))
 
 
-def layer_activations(model: ModelShape, layout, seq: int, moe: bool, recv: float = 1.0) -> tuple[float, float]:
+def layer_activations(model: ModelShape, layout, seq: int, moe: bool, recv: float = 1.0,
+                      copy_slots: int = 0) -> tuple[float, float]:
     """(bytes one layer keeps for backward under ``layout.recompute``, bytes of the whole layer's
     activations) for one micro-batch; docs/plan.md, *Memory*, derives each term. ``recv``: the
     rows the rank's experts receive over the balanced ones (a skewed routing's busiest ep rank):
-    the expert-side activations scale with it."""
+    the expert-side activations scale with it. ``copy_slots``: ``R`` hot-expert copies over the
+    ep ranks; each forward concatenates the rank's ``E / ep`` experts and its ``R / ep`` fetched
+    copies into one weight per expert tensor, which the expert GEMMs keep for backward (FSDP2
+    no longer frees and re-gathers the experts' own: they sit in the concatenation; under
+    all-reduce the bf16 cast of the rank's experts, kept anyway, is the part no longer held)."""
     s, a = layout.spec, BF16
     tp, etp = s.tp, s.etp
     h, n, g, E, k = model.hidden, model.heads, model.kv_groups, model.experts, model.topk
@@ -106,6 +111,8 @@ def layer_activations(model: ModelShape, layout, seq: int, moe: bool, recv: floa
         routing = 28 * Tr * k
         mlp_sel = (4 * Tr * E + a * recv * (2 * Tr * k * f_e + Tr * k * etp * h) + routing
                    + (a * (2 * T * f_sh / tp + T * h) if f_sh else 0.0))
+        mlp += copy_weights(model, layout, copy_slots)
+        mlp_sel += copy_weights(model, layout, copy_slots)
     else:  # the dense SwiGLU MLP under sequence parallelism: gathered input, fc1, SwiGLU out
         mlp = norm + (gathered if mine else a * T * h) + a * 3 * T * f_d / tp
         routing = 0.0
@@ -113,6 +120,17 @@ def layer_activations(model: ModelShape, layout, seq: int, moe: bool, recv: floa
     full = attn + mlp
     kept = {"none": full, "selective": attn_sel + mlp_sel, "full": a * Tr * h + routing}[layout.recompute]
     return kept, full
+
+
+def copy_weights(model: ModelShape, layout, copy_slots: int) -> float:
+    """Bytes one MoE layer keeps for backward per micro-batch because of ``copy_slots`` copies
+    (:func:`layer_activations`): the concatenated ``E / ep + R / ep`` experts' weights (bf16, the
+    rank's etp shard) under FSDP2, the ``R / ep`` fetched copies' under all-reduce."""
+    if not copy_slots:
+        return 0.0
+    s = layout.spec
+    held = copy_slots / s.ep + (model.experts / s.ep if layout.sharding == "fsdp" else 0.0)
+    return BF16 * held * model.expert_params / s.etp
 
 
 def largest_group(model: ModelShape, layout, layers) -> float:
@@ -240,18 +258,20 @@ def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: Stage
 
 
 def memory_terms(model: ModelShape, layout, seq: int, global_batch: int,
-                 recv: float = 1.0) -> tuple[dict[str, float], dict]:
+                 recv: float = 1.0, copy_slots: int = 0) -> tuple[dict[str, float], dict]:
     """The memory terms (params, grads, optimizer, buffers, activations; bytes per GPU) of the
     pipeline rank that needs most, and details: ``params_per_rank`` (the :class:`StageParams`
     of every pipeline rank), ``memory_per_rank`` (every pipeline rank's terms; the dry-run
     comparison reads each stage's), ``worst_rank`` and ``grads_held`` (the gradient bytes the
     step ends with). Under FSDP2 without pp, grads + buffers + activations are those of the
     step's largest phase (:func:`fsdp_step_phases`, totals in ``step_phases``), whose gradients
-    may be fewer than those held at the end."""
+    may be fewer than those held at the end. ``recv``, ``copy_slots``: as
+    :func:`layer_activations`'."""
     s, a = layout.spec, BF16
     m = global_batch // (s.dp * layout.mbs)
     n_dense, exp_share = s.dp * s.cp, expert_shard(model, s)
-    acts = {kind: layer_activations(model, layout, seq, kind, recv if kind else 1.0) for kind in (True, False)}
+    acts = {kind: layer_activations(model, layout, seq, kind, recv if kind else 1.0, copy_slots if kind else 0)
+            for kind in (True, False)}
     # The loss's backward holds three fp32 [Tr, V]: log-softmax's output, its gradient and the
     # logits' gradient (the dry run's peak, docs/plan.md); with tp > 1 the head is gathered in
     # fp32 and its bf16 copy for compute lives beside it.
@@ -303,4 +323,10 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int,
     if phases:  # FSDP2 without pp: the phases' totals, and the gradients the step ends with
         detail["step_phases"] = phases[detail["worst_rank"]]
     detail["grads_held"] = held.get(detail["worst_rank"], mem["grads"])
+    # what the copies' weights add to that rank's activations: every MoE layer's in flight, or
+    # the one layer rematerialized under full recomputation
+    st = stages[detail["worst_rank"]]
+    n_moe = sum(map(model.is_moe_layer, st.layers))
+    detail["copies_bytes"] = copy_weights(model, layout, copy_slots) * (
+        1 if layout.recompute == "full" else n_moe * in_flight(layout, m, st.rank))
     return {t: mem[t] for t in ("params", "grads", "optimizer", "buffers", "activations")}, detail

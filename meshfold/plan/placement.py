@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["balanced", "check_placement", "check_copies", "max_over_mean", "rank_loads", "replica_rank_loads",
-           "replicated", "static"]
+__all__ = ["balanced", "check_placement", "check_copies", "check_replicas", "dispatch_instances", "max_over_mean",
+           "rank_loads", "replica_rank_loads", "replicated", "split_counts", "static"]
 
 
 def _experts_per_rank(num_experts: int, ep: int) -> int:
@@ -178,3 +178,50 @@ def replicated(load_E: Sequence[float], ep: int, redundant: int,
         if max(replica_rank_loads(load_E, slots, copies, ep)) >= max(replica_rank_loads(load_E, *old, ep)):
             return old
     return slots, copies
+
+
+def check_replicas(redundant: int, num_experts: int, ep: int, pp: int = 1) -> str:
+    """Why ``redundant`` copy slots cannot run with ``num_experts`` experts on ep ``ep`` and pp
+    ``pp`` (empty when they can): the rules ``train.redundant_experts`` is validated by."""
+    if redundant < 1:
+        return f"{redundant} copy slots (valid: at least 1)"
+    if ep < 2:
+        return f"ep = {ep}: one ep rank holds every expert (valid: ep >= 2)"
+    if pp > 1:
+        return f"pp = {pp}: copies run without pipeline stages (valid: pp = 1)"
+    if redundant % ep:
+        return f"ep = {ep}: {redundant} copy slots are not a multiple of it (valid: {ep}, {2 * ep}, ..)"
+    if redundant > num_experts:
+        return f"{num_experts} experts: more copy slots than experts (valid: at most {num_experts})"
+    return ""
+
+
+def dispatch_instances(slots: Sequence[int], copies: Sequence[int], ep: int) -> list[list[int]]:
+    """Per expert, the dispatch slots of its instances: its own slot first, then its copies in
+    rank order. With copies the dispatch routes to ``E + R`` slots, ``E / ep + R / ep`` per ep
+    rank: own slot ``s`` is dispatch slot ``(s // n) (n + r) + s % n`` and copy slot ``i`` is
+    ``(i // r) (n + r) + n + i % r`` (n = E / ep, r = R / ep)."""
+    E = len(slots)
+    n = _experts_per_rank(E, ep)
+    r = len(copies) // ep
+    out: list[list[int]] = [[] for _ in range(E)]
+    for s, e in enumerate(slots):
+        out[e].append((s // n) * (n + r) + s % n)
+    for i, e in enumerate(copies):
+        out[e].append((i // r) * (n + r) + n + i % r)
+    return out
+
+
+def split_counts(count_E: Sequence[int], slots: Sequence[int], copies: Sequence[int], ep: int,
+                 source: int) -> list[int]:
+    """The rows ep rank ``source`` sends to each of the ``E + R`` dispatch slots when it routes
+    ``count_E[e]`` pairs to expert ``e``, by the split rule of the training dispatch: its ``j``-th
+    pair to an expert with ``c`` instances goes to instance ``(j + source) mod c``, so instance
+    ``t`` gets ``count // c`` rows, one more when ``(t - source) mod c < count mod c``."""
+    inst = dispatch_instances(slots, copies, ep)
+    out = [0] * (len(slots) + len(copies))
+    for e, x in enumerate(count_E):
+        c = len(inst[e])
+        for t, slot in enumerate(inst[e]):
+            out[slot] = x // c + (1 if (t - source) % c < x % c else 0)
+    return out

@@ -14,8 +14,9 @@ both:
   charged the mean over the measured layers of what its busiest rank gets.
 
 Every source rank is taken to route the same shares (so an ep rank receives its experts' share
-of each peer's pairs); the placement (``static`` or ``balanced``, :mod:`meshfold.plan.placement`)
-says which experts each ep rank holds. Pure Python.
+of each peer's pairs); the placement (:func:`parse_placement`: ``static``, ``balanced`` or
+``replicated:R``, :mod:`meshfold.plan.placement`) says which experts each ep rank holds and,
+with ``R`` copy slots, which hot experts have copies there. Pure Python.
 """
 
 from __future__ import annotations
@@ -25,12 +26,39 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from meshfold.plan.placement import balanced, rank_loads, static
+from meshfold.plan.placement import balanced, replica_rank_loads, replicated, static
 
-__all__ = ["PLACEMENTS", "Routing", "busiest_rank_shares", "largest_remainder", "parse_routing_load",
-           "replay_loads", "zipf_weights"]
+__all__ = ["PLACEMENTS", "Routing", "busiest_rank_fetches", "busiest_rank_shares", "copy_slots", "largest_remainder", "parse_placement",
+           "parse_routing_load", "placed", "replay_loads", "zipf_weights"]
 
-PLACEMENTS = ("static", "balanced")
+PLACEMENTS = ("static", "balanced", "replicated:R")
+
+
+def parse_placement(text: str) -> str:
+    """``"static"``, ``"balanced"`` or ``"replicated:R"`` (``R >= 1`` copy slots over the ep
+    ranks, as ``train.redundant_experts = R`` with ``expert_placement = "balanced"``), checked."""
+    if text in ("static", "balanced"):
+        return text
+    if text.startswith("replicated:") and text[11:].isdigit() and int(text[11:]) >= 1:
+        return f"replicated:{int(text[11:])}"
+    raise ValueError(f"placement {text!r}; valid: 'static', 'balanced' or 'replicated:R' with R >= 1 copy "
+                     f"slots (e.g. replicated:8)")
+
+
+def copy_slots(placement: str) -> int:
+    """``R`` of ``replicated:R``; 0 for ``static`` and ``balanced``."""
+    placement = parse_placement(placement)
+    return int(placement[11:]) if placement.startswith("replicated:") else 0
+
+
+def placed(shares_E, placement: str, ep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(slots, copies)`` of ``placement`` for one layer's expert shares (or loads) on ``ep``
+    ranks: the static placement, :func:`~meshfold.plan.placement.balanced` or
+    :func:`~meshfold.plan.placement.replicated` of them."""
+    R = copy_slots(placement)
+    if R:
+        return replicated(shares_E, ep, R)
+    return (static(len(shares_E), ep) if placement == "static" else balanced(shares_E, ep)), ()
 
 
 def zipf_weights(num_experts: int, s: float) -> list[float]:
@@ -121,18 +149,42 @@ def parse_routing_load(text: str) -> Routing:
                      f"'replay:RUN_DIR' (a meshfold train run's folder)")
 
 
+def _busiest(shares, placement: str, ep: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(the busiest ep rank, slots, copies) of one layer's shares under ``placement``."""
+    slots, copies = placed(shares, placement, ep)
+    per_rank = replica_rank_loads(shares, slots, copies, ep)
+    return max(range(ep), key=lambda i: (per_rank[i], -i)), slots, copies
+
+
 @lru_cache(maxsize=4096)
 def busiest_rank_shares(routing: Routing, placement: str, num_experts: int, ep: int) -> tuple[tuple[float, ...], ...]:
-    """Per MoE layer of ``routing``, the shares (of all routed pairs) of the local experts of the
-    busiest ep rank under ``placement`` (``static``, or ``balanced``: :func:`~meshfold.plan.
-    placement.balanced` of that layer's shares). Balanced routing: each ``1 / E``."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement {placement!r}; valid: {list(PLACEMENTS)}")
-    n = num_experts // ep
+    """Per MoE layer of ``routing``, the shares (of all routed pairs) of the expert instances of
+    the busiest ep rank under ``placement`` (:func:`placed` of that layer's shares): its
+    ``E / ep`` experts and, under ``replicated:R``, its ``R / ep`` copies, each expert's share
+    split evenly over its instances (the split rule's, to within a row per source). Balanced
+    routing, static: each ``1 / E``."""
+    n, r = num_experts // ep, copy_slots(placement) // ep
     out = []
     for shares in routing.shares_LE(num_experts):
-        slots = static(num_experts, ep) if placement == "static" else balanced(shares, ep)
-        per_rank = rank_loads(shares, slots, ep)
-        r = max(range(ep), key=lambda i: (per_rank[i], -i))
-        out.append(tuple(shares[e] for e in slots[r * n:(r + 1) * n]))
+        k, slots, copies = _busiest(shares, placement, ep)
+        count = [1 + copies.count(e) for e in range(num_experts)]
+        held = (*slots[k * n:(k + 1) * n], *copies[k * r:(k + 1) * r])
+        out.append(tuple(shares[e] / count[e] for e in held))
     return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def busiest_rank_fetches(routing: Routing, placement: str, num_experts: int, ep: int) -> tuple[float, float]:
+    """Under ``replicated:R``, (expert weights the busiest ep rank sends for the copies of its
+    experts, copies it receives) per MoE layer forward, the mean over ``routing``'s layers; (0, 0)
+    without copies."""
+    n, r = num_experts // ep, copy_slots(placement) // ep
+    if not r:
+        return 0.0, 0.0
+    sent = 0
+    layers = routing.shares_LE(num_experts)
+    for shares in layers:
+        k, slots, copies = _busiest(shares, placement, ep)
+        mine = set(slots[k * n:(k + 1) * n])
+        sent += sum(1 for e in copies if e in mine)  # its own share included, as an all-to-all's input
+    return sent / len(layers), float(r)

@@ -27,7 +27,8 @@ from meshfold.mesh import FoldSpec
 from meshfold.plan.cost import MEGATRON_SHARDINGS, SHARDINGS, Estimate, Layout, check_layout, estimate
 from meshfold.plan.hardware import Hardware, hardware
 from meshfold.plan.models import ModelShape, model_shape
-from meshfold.plan.routing import Routing
+from meshfold.plan.placement import check_replicas
+from meshfold.plan.routing import Routing, copy_slots, parse_placement
 
 __all__ = ["candidates", "plan", "validate_request"]
 
@@ -98,8 +99,11 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
         shardings: data-parallel shardings to try: meshfold's ``"fsdp"``, ``"allreduce"``
             (the default, both); add ``"zero1"`` for the paper's Megatron comparison rows.
         routing, placement: the routing load (:mod:`meshfold.plan.routing`; None: balanced) and
-            the expert placement (``static`` | ``balanced``) each layout is costed under: the
-            busiest ep rank's expert GEMMs, all-to-all bytes and activations (``estimate``).
+            the expert placement (``static`` | ``balanced`` | ``replicated:R``) each layout is
+            costed under: the busiest ep rank's expert GEMMs, all-to-all bytes and activations,
+            and the copies' fetch and memory (``estimate``). ``balanced`` tries only the layouts
+            ``train.expert_placement = "balanced"`` runs on (ep >= 2, pp = 1), ``replicated:R``
+            those ``train.redundant_experts = R`` runs on (also ep dividing R, R <= E).
 
     Returns feasible estimates by decreasing MFU, then infeasible ones (out of memory, with
     ``reason``) by increasing memory. Recomputation is tried for a layout only where the layout
@@ -112,9 +116,15 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
     bad = [s for s in shardings if s not in SHARDINGS + MEGATRON_SHARDINGS]
     if bad:
         raise ValueError(f"unknown sharding {bad}; valid: {list(SHARDINGS + MEGATRON_SHARDINGS)}")
+    placement = parse_placement(placement)
+    R = copy_slots(placement)
     out = []
     for layout in candidates(shape, gpus, seq, global_batch, shardings, max_mbs):
         if where is not None and not where(layout):
+            continue
+        if placement != "static" and (layout.spec.ep < 2 or layout.spec.pp > 1):
+            continue  # meshfold train re-places experts only there
+        if R and check_replicas(R, shape.experts, layout.spec.ep, layout.spec.pp):
             continue
         e = estimate(shape, hw, layout, seq, global_batch, routing, placement)
         out.append(e)
@@ -130,6 +140,9 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
         raise ValueError(
             f"no layout of {gpus} GPUs can run {shape.name} with seq={seq}, global batch={global_batch}"
             + (" under the given constraint" if where is not None else "")
+            + (f" with --placement {placement} (re-placement needs ep >= 2 and pp = 1"
+               + (f", copies ep dividing {R} and at most {shape.experts} copy slots" if R else "") + ")"
+               if placement != "static" else "")
             + f": the global batch must be divisible by some dp = gpus / (tp*cp*pp) (divisors of {gpus}:"
             f" {_divisors(gpus)}), tp must divide heads={shape.heads} and kv_groups={shape.kv_groups},"
             f" pp must be at most layers={shape.layers}, 2*cp*tp (or tp) must divide seq")

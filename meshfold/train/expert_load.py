@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from meshfold.plan.placement import max_over_mean, replica_rank_loads
 
-__all__ = ["ep_load_metrics"]
+__all__ = ["copy_ranks", "describe_copies", "ep_load_metrics"]
 
 
 def ep_load_metrics(tokens_per_expert_LE: Sequence[Sequence[int]], slots_L: Sequence[Sequence[int]],
@@ -38,3 +38,19 @@ def ep_load_metrics(tokens_per_expert_LE: Sequence[Sequence[int]], slots_L: Sequ
     rows = [[round(x) for x in replica_rank_loads(load_E, slots, copies, ep)]
             for load_E, slots, copies in zip(tokens_per_expert_LE, slots_L, copies_L)]
     return {"ep_rank_rows": rows, "ep_max_over_mean": [max_over_mean(r) for r in rows]}
+
+
+def copy_ranks(copies: Sequence[int], ep: int) -> dict[int, list[int]]:
+    """``{expert: [ep ranks holding a copy of it]}`` (experts and ranks increasing) of a layer's
+    ``copies``: copy slot ``i`` is on ep rank ``i // (R / ep)`` (``R = len(copies)``)."""
+    per_rank = len(copies) // ep if ep else 0
+    out: dict[int, list[int]] = {}
+    for i, e in enumerate(copies):
+        out.setdefault(int(e), []).append(i // per_rank)
+    return {e: sorted(out[e]) for e in sorted(out)}
+
+
+def describe_copies(copies: Sequence[int], ep: int) -> str:
+    """One line of where a layer's copies are: ``expert 0 on ep ranks 1, 2, 3; expert 5 on ep rank 0``."""
+    where = copy_ranks(copies, ep)
+    return "; ".join(f"expert {e} on ep rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}" for e, r in where.items())

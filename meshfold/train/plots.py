@@ -1,5 +1,6 @@
 """PNG plots of a run from its metrics.jsonl: loss curves, and the expert load (a heatmap of each
-expert's share, and each ep rank's rows over the mean with the worst MoE layer's max / mean).
+expert's share, and each ep rank's rows over the mean with the worst MoE layer's max / mean;
+re-placement steps are marked, labelled with where the first MoE layer's hot-expert copies went).
 
 matplotlib is an optional extra (``pip install meshfold[plots]``); without it the plots are
 skipped with a note, never an error.
@@ -10,7 +11,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["write_plots"]
+__all__ = ["replacement_marks", "write_plots"]
+
+
+def replacement_marks(rows: list[dict]) -> list[tuple[int, str]]:
+    """``(step, label)`` of each re-placement in ``rows`` (metrics.jsonl rows): ``re-placed``, and
+    with copies where the first MoE layer's are, e.g. ``copies e0: r1 r2 r3; e5: r0``."""
+    from meshfold.train.expert_load import copy_ranks
+
+    out = []
+    for r in rows:
+        placed = r.get("expert_placement")
+        if not placed or not r.get("ep_rank_rows"):
+            continue
+        copies = (placed.get("copies") or [[]])[0]
+        where = copy_ranks(copies, len(r["ep_rank_rows"][0]))
+        label = "copies " + "; ".join(f"e{e}: " + " ".join(f"r{k}" for k in ks) for e, ks in where.items()) \
+            if where else "re-placed"
+        out.append((r["step"], label))
+    return out
 
 
 def write_plots(out_dir: str | Path) -> list[Path] | str:
@@ -69,6 +88,10 @@ def write_plots(out_dir: str | Path) -> list[Path] | str:
             ax.plot(x, [max(r["ep_max_over_mean"]) for r in ranked], "k--", lw=1.5,
                     label="max/mean, worst MoE layer")
             ax.axhline(1.0, color="grey", lw=0.5)
+            for step, label in replacement_marks(load):  # rows after it are split over the copies
+                ax.axvline(step, color="grey", ls=":", lw=1)
+                ax.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                            ha="right", fontsize="x-small")
             ax.set_xlabel("step")
             ax.set_ylabel("rows / mean rows per ep rank")
             ax.set_title("ep rank load (first MoE layer)")

@@ -604,16 +604,16 @@ def test_per_rank_parameter_bytes_are_the_parallelized_models(worlds, spec, data
 
 
 def test_the_plan_guide_is_a_guide_and_its_tables_are_in_results():
-    """docs/plan.md holds usage, the cost model and a validation summary (about 450 lines, no
-    issue numbers); the validation tables live in benchmarks/RESULTS.md beside the commands that
-    regenerate them."""
+    """docs/plan.md holds usage, the cost model and a validation summary (about 450 lines, 480 with
+    the hot-expert copies' terms and their table; no issue numbers); the validation tables live in
+    benchmarks/RESULTS.md beside the commands that regenerate them."""
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     guide = (root / "docs" / "plan.md").read_text()
     results = (root / "benchmarks" / "RESULTS.md").read_text()
-    assert len(guide.splitlines()) <= 460, len(guide.splitlines())
+    assert len(guide.splitlines()) <= 480, len(guide.splitlines())
     assert not re.search(r"\bissues? \d+", guide, re.I)
     for heading, command in [("### Planner against the paper's Table 1", "python -m meshfold.plan.curves table1"),
                              ("### Planner against the dry run", "python -m meshfold.dryrun.check")]:

@@ -149,6 +149,7 @@ def _check(world, case):
         assert all(max(c) - min(c) <= 1 for c in counts), counts
 
 
+@pytest.mark.slow  # 5-32 s; the quick tier's ep2 x etp2 and ep2 x edp2 cases below hold ep2 copies too
 @pytest.mark.multirank
 def test_copies_on_ep2_train_like_one_device(worlds):
     """ep2 (world 2): loss and every gradient equal one device (fp64) over two AdamW steps, with

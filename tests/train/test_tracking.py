@@ -197,3 +197,42 @@ def test_a_step_where_clear_refs_cannot_be_written_still_records_the_next_one(tm
             x = torch.empty(1 << 20, dtype=torch.uint8)
         assert memory.tensors.peak >= 1 << 20
         del x
+
+
+REPLACED = {"step": 10, "loss": 1.0, "tokens_per_s": 5.0, "mfu": None, "mfu_of_measured_gemm": 0.1,
+            "ep_rank_rows": [[40, 10, 10, 20], [30, 20, 15, 15]], "ep_max_over_mean": [2.0, 1.5],
+            "expert_placement": {"moved_bytes": 4096, "seconds": 0.1, "max_over_mean_before": 2.0,
+                                 "max_over_mean_after": 1.1, "placements": [list(range(8))] * 2,
+                                 "copies": [[3, 0, 0, 0], [1, 1, 2, 2]]}}
+
+
+def test_a_replacement_step_says_where_the_copies_went_on_a_line_of_its_own():
+    """R = 4 copies over ep4 (one a rank): copy slot i is on ep rank i. The worst layer (0, max/mean
+    2.0) copies expert 0 to ranks 1, 2, 3 and expert 3 to rank 0; the progress line follows."""
+    from meshfold.train.progress import Progress
+
+    stream = io.StringIO()
+    Progress(10, stream=stream).update(REPLACED)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == ("step 10: experts re-placed, ep load max/mean 2.00 -> 1.10 (worst moe layer), 4,096 bytes "
+                        "moved; copies (moe layer 0): expert 0 on ep ranks 1, 2, 3; expert 3 on ep rank 0")
+    assert lines[1].startswith("[") and "ep load max/mean 2.00 (moe layer 0)" in lines[1]
+
+
+def test_the_expert_load_plot_marks_each_replacement_with_its_copies(tmp_path):
+    """The plot's re-placement marks: step and where the first MoE layer's copies are (two copy
+    slots a rank over ep2: slots 0, 1 on rank 0, slots 2, 3 on rank 1)."""
+    import json
+
+    from meshfold.train.plots import replacement_marks, write_plots
+
+    rows = [{"step": 1, "loss": 2.0, "tokens_per_expert": [[5, 1, 1, 1]], "ep_rank_rows": [[6, 2]],
+             "ep_max_over_mean": [1.5]},
+            {"step": 2, "loss": 1.9, "tokens_per_expert": [[5, 1, 1, 1]], "ep_rank_rows": [[6, 2]],
+             "ep_max_over_mean": [1.5], "expert_placement": {"copies": [[0, 1, 0, 2]]}},
+            {"step": 3, "loss": 1.8, "tokens_per_expert": [[5, 1, 1, 1]], "ep_rank_rows": [[4, 4]],
+             "ep_max_over_mean": [1.0], "expert_placement": {}}]
+    assert replacement_marks(rows) == [(2, "copies e0: r0 r1; e1: r0; e2: r1")]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = write_plots(tmp_path)
+    assert tmp_path / "expert_load.png" in paths and (tmp_path / "expert_load.png").stat().st_size > 0
