@@ -100,6 +100,14 @@ def test_dry_run_reports_the_real_pipeline_step_of_the_last_stage(worlds):
     _check_rank(worlds, {"world_size": 4, "pp": 2, "ep": 2}, "float64", "none", 2, 3)
 
 
+@pytest.mark.slow
+def test_dry_run_reports_the_real_bf16_step_with_tp_2_cp_2_etp_2(worlds):
+    """bf16 with tp 2: at the end of backward, where rank 6 peaks, FSDP2's post-backward
+    all-reduces the fp32 gradients that are partial over tp (the embedding's [V, H]); eager, each
+    comes back wrapped in an AsyncCollectiveTensor (the draws above do not reach this fold in CI)."""
+    _check_rank(worlds, {"world_size": 8, "pp": 1, "tp": 2, "cp": 2, "ep": 4, "etp": 2}, "bfloat16", "full", 1, 6)
+
+
 # ---- the step's one recording mode against the three modes it merges -----------------------------
 def _recorded_work(rank, world_size, rows, answer, merged):
     """A few ops of each kind the recorders see, recorded by StepRecorder (``merged``) or by the
