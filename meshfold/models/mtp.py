@@ -41,12 +41,14 @@ __all__ = ["MTPDepth", "mtp_targets", "depth_inputs", "mtp_objective"]
 
 
 class MTPDepth(nn.Module):
-    """One prediction depth: ``forward(h [B, S, H], e [B, S, H], positions) -> h^k [B, S, H]``.
+    """One prediction depth: ``forward(h [B, S, H], e [B, S, H], positions) -> (h^k, head_norm(h^k))``,
+    both [B, S, H].
 
     ``h`` is the previous depth's hidden state, ``e`` the embeddings of the tokens k ahead.
     ``block`` is a transformer block of the model's kind (built by the model: GQA or MLA, dense or
-    MoE as layer ``cfg.layers + k - 1`` would be); ``head_norm`` is applied before the shared head
-    (:meth:`logits_input`), not to what the next depth reads.
+    MoE as layer ``cfg.layers + k - 1`` would be). ``head_norm(h^k)`` is what the shared head reads;
+    the next depth reads ``h^k`` itself. Both come out of one forward, so a wrapper that gathers
+    the depth's weights around its forward (FSDP2) covers every weight it uses.
     """
 
     def __init__(self, hidden: int, eps: float, block: nn.Module, dtype: torch.dtype | None = None):
@@ -58,9 +60,10 @@ class MTPDepth(nn.Module):
         self.block = block
         self.head_norm = RMSNorm(hidden, eps, dtype)
 
-    def forward(self, h: torch.Tensor, e: torch.Tensor, positions, rope=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, e: torch.Tensor, positions, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.proj(torch.cat([self.emb_norm(e), self.hidden_norm(h)], dim=-1))  # [B, S, H]
-        return self.block(x, positions, rope)
+        h = self.block(x, positions, rope)  # [B, S, H]
+        return h, self.head_norm(h)
 
 
 def mtp_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:

@@ -254,14 +254,14 @@ class MoETransformer(nn.Module):
             raise ValueError(f"targets have shape {tuple(targets.shape)}; valid with mtp_depth = {D}: "
                              f"[B, S] or [B, S, {1 + D}] (mtp_targets)")
         h = self._hidden(tokens, positions)  # [B, S, H]
-        main = self._mean(*self.loss_terms(self._head(self.norm, h), targets if targets.dim() == 2 else targets[..., 0]))
+        main = self._mean(*self.loss_terms(self._head(self.norm(h)), targets if targets.dim() == 2 else targets[..., 0]))
         if not D:
             return {"loss": main, "main": main.detach()}
         depth = []
         for k, m in enumerate(self.mtp, start=1):
             read, want = depth_inputs(targets, k)  # [B, S] each
-            h = m(h, self.embed(read), positions)  # [B, S, H]
-            depth.append(self._mean(*cross_entropy_sum(self._head(m.head_norm, h), want)))
+            h, normed = m(h, self.embed(read), positions)  # [B, S, H] each
+            depth.append(self._mean(*cross_entropy_sum(self._head(normed), want)))
         mtp = torch.stack(depth).detach()
         return {"loss": mtp_objective(main, depth, self.cfg.mtp_loss_weight), "main": main.detach(),
                 "mtp": mtp.mean(), "mtp_depths": mtp}
@@ -270,9 +270,10 @@ class MoETransformer(nn.Module):
         """The last block's output [B, S, H] (before the final norm): what the head and MTP read."""
         return run_blocks(self.layers, self.embed(tokens), positions, self.cfg)
 
-    def _head(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits [B, S, V] of normed hidden states [B, S, H] (the head, or the tied embedding)."""
         w_head = self.embed.weight if self.head is None else self.head.weight  # [V, H]
-        return F.linear(norm(h), w_head)  # [B, S, V]
+        return F.linear(normed, w_head)
 
     def _mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return total / count if self.reduce_loss is None else self.reduce_loss(total, count)
