@@ -66,7 +66,8 @@ from meshfold.parallel.plan import Plan, check_plan, restrict
 from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
 
-__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts"]
+__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
+           "model_loss"]
 
 
 def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
@@ -369,7 +370,7 @@ class Pipeline:
         micro-batches run one after the other (:func:`accumulate`); its evaluation runs the whole
         local batch at once."""
         if self.schedule is None:
-            return self._accumulate_step(tokens, targets, positions, backward)
+            return self._accumulate_step(tokens, targets, positions, backward)[0]
         if tokens.shape[0] % self.microbatches:
             raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
                              f"microbatches = {self.microbatches}")
@@ -402,21 +403,44 @@ class Pipeline:
         sum_in_place(share, self.folded.attn)  # only the last stage's ranks hold losses
         return share
 
-    def _accumulate_step(self, tokens, targets, positions, backward: bool) -> torch.Tensor:
+    def step_parts(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                   backward: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`step`, and the parts of the loss the model reports apart (``loss_parts`` beyond
+        ``"loss"``, e.g. the main and multi-token-prediction losses), weighted over the
+        micro-batches as the loss is; with pp > 1 no parts (``{}``)."""
+        if self.schedule is not None:
+            return self.step(tokens, targets, positions, backward), {}
+        return self._accumulate_step(tokens, targets, positions, backward)
+
+    def _accumulate_step(self, tokens, targets, positions, backward: bool):
         model = self.chunks[0]
         if self.microbatches > 1 and backward:
             counts = microbatch_counts(targets, self.microbatches)
-            return torch.tensor(accumulate(model, tokens, targets, positions, counts, backward), dtype=torch.float64)
-        loss = model.loss(tokens, targets, positions)
+            parts: dict = {}
+            loss = accumulate(model, tokens, targets, positions, counts, backward, parts)
+            return torch.tensor(loss, dtype=torch.float64), parts
+        loss, parts = model_loss(model, tokens, targets, positions)
         if backward:
             loss.backward()
-        return torch.tensor(loss.item(), dtype=torch.float64)
+        return torch.tensor(loss.item(), dtype=torch.float64), parts
+
+
+def model_loss(model, tokens, targets, positions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(model's loss, {name: detached part})``: from ``model.loss_parts`` where the model has one
+    (its ``"loss"`` entry and the rest), else ``model.loss`` and no parts."""
+    loss_parts = getattr(model, "loss_parts", None)
+    if loss_parts is None:
+        return model.loss(tokens, targets, positions), {}
+    out = dict(loss_parts(tokens, targets, positions))
+    return out.pop("loss"), out
 
 
 def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list[float]:
     """Counted target tokens (!= -100) of each global micro-batch, from this rank's own [b, s]
     targets: micro-batch i is the i-th slice of every dp rank's rows, and without pp every
     global token sits on exactly one rank, so one all-reduce of the local counts sums them."""
+    if local_targets_bs.dim() == 3:  # multi-token prediction's side-by-side targets: column 0 is the main one
+        local_targets_bs = local_targets_bs[..., 0]
     b = local_targets_bs.shape[0]
     if b % microbatches:
         raise ValueError(f"local batch of {b} sequences is not divisible by microbatches = {microbatches}")
@@ -425,7 +449,8 @@ def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list
     return counts_m.tolist()
 
 
-def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], backward: bool) -> float:
+def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], backward: bool,
+               parts: dict | None = None) -> float:
     """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s])
     cut into ``len(counts)`` micro-batches along the batch dim, one forward + backward each of
     ``model`` (laid out whole by ``parallelize``).
@@ -436,7 +461,8 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], bac
     computed per micro-batch (Megatron-Core's definition) and each enters the backward scaled by
     1 / microbatches, as with pp > 1 and in Megatron-Core (``MoELayer.balancing_scale``), so
     their gradient is the mean over the micro-batches. Under FSDP2 only the last backward
-    reduce-scatters.
+    reduce-scatters. ``parts`` (a dict, filled in): the model's loss parts (:func:`model_loss`),
+    weighted as the loss is.
     """
     m, total = len(counts), sum(counts)
     sync = getattr(model, "set_requires_gradient_sync", None)
@@ -448,10 +474,14 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], bac
         for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
             if sync is not None and backward:
                 sync(i == m - 1)
-            part = model.loss(tokens_ms, targets_ms, positions) * (counts[i] / total)
+            part, named = model_loss(model, tokens_ms, targets_ms, positions)
+            part = part * (counts[i] / total)
             if backward:
                 part.backward()
             loss += part.item()
+            if parts is not None:
+                for name, value in named.items():
+                    parts[name] = parts.get(name, 0) + value * (counts[i] / total)
     finally:
         for layer in layers:
             layer.balancing_scale = 1.0

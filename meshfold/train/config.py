@@ -458,6 +458,11 @@ class TrainConfig:
             if self.sparsity:
                 raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
                                  "all layers, which pipeline stages hold apart; use pp = 1")
+        mtp_moe = [i for i in range(cfg.layers, cfg.layers + cfg.mtp_depth) if cfg.is_moe_layer(i)]
+        if mtp_moe and (t.expert_placement == "balanced" or self.sparsity):
+            what = "train.expert_placement = 'balanced'" if t.expert_placement == "balanced" else "[sparsity]"
+            raise ValueError(f"{what} with model.mtp_depth = {cfg.mtp_depth}: the multi-token-prediction blocks' "
+                             f"MoE layers are not re-placed or pruned; use mtp_depth = 0 or drop {what}")
         if t.redundant_experts:
             self._check_replicas(t.redundant_experts, t.expert_placement, spec, cfg, bool(self.sparsity))
         if t.expert_placement == "balanced":
