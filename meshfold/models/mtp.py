@@ -2,17 +2,20 @@
 
 Legend: B = sequences, S = sequence length (this rank's tokens), H = hidden, V = vocab, D = depths.
 
-Depth ``k`` (1..D) at position ``i`` reads the previous depth's hidden state ``h^{k-1}_i``
-(``h^0``: the main model's last block output, before its final norm) and the embedding of token
-``t_{i+k}``, and predicts token ``t_{i+k+1}``::
+Depth ``k`` (1..D) at position ``i`` reads the previous depth's hidden state ``h^{k-1}_i`` and
+the embedding of token ``t_{i+k}``, and predicts token ``t_{i+k+1}``::
 
     x_i   = proj([emb_norm(embed(t_{i+k})); hidden_norm(h^{k-1}_i)])     # 2H -> H
-    h^k   = block(x)                                                      # one transformer block
-    p^k_i = softmax(head(head_norm(h^k_i)))                               # the model's own head
+    h^k   = head_norm(block(x))                                           # one transformer block
+    p^k_i = softmax(head(h^k_i))                                          # the model's own head
 
-``embed`` and ``head`` are the main model's (shared, not copies). The concatenation puts the
-embedding first, as DeepSeek-V3's released weights and transformers' ``MtpLayer`` do (the paper
-writes the hidden state first; only the order of ``proj``'s input columns differs).
+``h^0`` is what the main head reads: the last block's output through the model's final norm.
+Each depth's output is normed the same way (``head_norm``, DeepSeek-V3's ``shared_head.norm``)
+before both the head and the next depth read it, as Megatron-Core, transformers' ``MtpLayer`` and
+the inference engines that serve DeepSeek-V3's MTP weights chain them. ``embed`` and ``head`` are
+the main model's (shared, not copies). The concatenation puts the embedding first, as DeepSeek-V3's
+released weights and transformers' ``MtpLayer`` do (the paper writes the hidden state first; only
+the order of ``proj``'s input columns differs).
 
 The shifted tokens come from the targets: with ``targets[:, i] = t_{i+1}`` (the next token),
 ``t_{i+k} = targets[:, i+k-1]`` and the depth-k target ``t_{i+k+1} = targets[:, i+k]``.
@@ -41,14 +44,12 @@ __all__ = ["MTPDepth", "mtp_targets", "depth_inputs", "mtp_objective"]
 
 
 class MTPDepth(nn.Module):
-    """One prediction depth: ``forward(h [B, S, H], e [B, S, H], positions) -> (h^k, head_norm(h^k))``,
-    both [B, S, H].
+    """One prediction depth: ``forward(h [B, S, H], e [B, S, H], positions) -> h^k [B, S, H]``.
 
-    ``h`` is the previous depth's hidden state, ``e`` the embeddings of the tokens k ahead.
-    ``block`` is a transformer block of the model's kind (built by the model: GQA or MLA, dense or
-    MoE as layer ``cfg.layers + k - 1`` would be). ``head_norm(h^k)`` is what the shared head reads;
-    the next depth reads ``h^k`` itself. Both come out of one forward, so a wrapper that gathers
-    the depth's weights around its forward (FSDP2) covers every weight it uses.
+    ``h`` is the previous depth's output (depth 1: the main model's normed last hidden state),
+    ``e`` the embeddings of the tokens k ahead. ``block`` is a transformer block of the model's
+    kind (built by the model: GQA or MLA, dense or MoE as layer ``cfg.layers + k - 1`` would be).
+    The output is normed by ``head_norm``: what the shared head and the next depth read.
     """
 
     def __init__(self, hidden: int, eps: float, block: nn.Module, dtype: torch.dtype | None = None):
@@ -60,10 +61,9 @@ class MTPDepth(nn.Module):
         self.block = block
         self.head_norm = RMSNorm(hidden, eps, dtype)
 
-    def forward(self, h: torch.Tensor, e: torch.Tensor, positions, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, e: torch.Tensor, positions, rope=None) -> torch.Tensor:
         x = self.proj(torch.cat([self.emb_norm(e), self.hidden_norm(h)], dim=-1))  # [B, S, H]
-        h = self.block(x, positions, rope)  # [B, S, H]
-        return h, self.head_norm(h)
+        return self.head_norm(self.block(x, positions, rope))
 
 
 def mtp_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:

@@ -253,21 +253,21 @@ class MoETransformer(nn.Module):
         if targets.dim() == 3 and targets.shape[-1] != 1 + D:
             raise ValueError(f"targets have shape {tuple(targets.shape)}; valid with mtp_depth = {D}: "
                              f"[B, S] or [B, S, {1 + D}] (mtp_targets)")
-        h = self._hidden(tokens, positions)  # [B, S, H]
-        main = self._mean(*self.loss_terms(self._head(self.norm(h)), targets if targets.dim() == 2 else targets[..., 0]))
+        h = self.norm(self._hidden(tokens, positions))  # [B, S, H]: what the head and depth 1 read
+        main = self._mean(*self.loss_terms(self._head(h), targets if targets.dim() == 2 else targets[..., 0]))
         if not D:
             return {"loss": main, "main": main.detach()}
         depth = []
         for k, m in enumerate(self.mtp, start=1):
             read, want = depth_inputs(targets, k)  # [B, S] each
-            h, normed = m(h, self.embed(read), positions)  # [B, S, H] each
-            depth.append(self._mean(*cross_entropy_sum(self._head(normed), want)))
+            h = m(h, self.embed(read), positions)  # [B, S, H]
+            depth.append(self._mean(*cross_entropy_sum(self._head(h), want)))
         mtp = torch.stack(depth).detach()
         return {"loss": mtp_objective(main, depth, self.cfg.mtp_loss_weight), "main": main.detach(),
                 "mtp": mtp.mean(), "mtp_depths": mtp}
 
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """The last block's output [B, S, H] (before the final norm): what the head and MTP read."""
+        """The last block's output [B, S, H], before the final norm."""
         return run_blocks(self.layers, self.embed(tokens), positions, self.cfg)
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:

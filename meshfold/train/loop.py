@@ -58,14 +58,19 @@ def _measure_peak(seconds: float = 0.5, device=None, dtype=torch.float32) -> flo
     return 2 * size ** 3 * n / (time.perf_counter() - t0)
 
 
-def _global_loss(model: Pipeline, tokens, targets, spec, rank, backward: bool, mtp_depth: int = 0
-                 ) -> tuple[float, dict]:
+def _global_loss(model: Pipeline, tokens, targets, spec, rank, backward: bool) -> float:
     """The global mean loss of one global batch (the same on every rank), this rank's rows of it
     run through ``model``'s schedule (micro-batches, gradient accumulation with pp = 1); with
-    ``backward`` its gradients accumulate. Also returns the loss's parts for the metrics: with
-    ``mtp_depth`` > 0, ``loss`` (the main head's cross-entropy), ``mtp_loss`` (the mean over the
-    depths) and ``mtp_losses`` (each depth's); the first value is then the objective
-    ``loss + model.mtp_loss_weight * mtp_loss``."""
+    ``backward`` its gradients accumulate."""
+    return _global_loss_parts(model, tokens, targets, spec, rank, backward)[0]
+
+
+def _global_loss_parts(model: Pipeline, tokens, targets, spec, rank, backward: bool, mtp_depth: int = 0
+                       ) -> tuple[float, dict]:
+    """:func:`_global_loss` and the loss's parts for the metrics: with ``mtp_depth`` > 0,
+    ``loss`` (the main head's cross-entropy), ``mtp_loss`` (the mean over the depths) and
+    ``mtp_losses`` (each depth's); the first value is then the objective ``loss +
+    model.mtp_loss_weight * mtp_loss``."""
     device = next(model.parameters()).device
     if mtp_depth:  # every depth's targets side by side, before the sequence is cut over cp x tp
         targets = mtp_targets(targets, mtp_depth)
@@ -200,7 +205,7 @@ def _loop(run: Resolved, rank, world_size, built: Built, corpus, log: _Log, inje
                 expert_slots = [tuple(slots) for slots in built.rebalancer.placements()]
                 expert_copies = built.rebalancer.copies()
             faults.before_step(injected, rank, n)
-            loss, parts = _global_loss(model, tokens, targets, spec, rank, True, run.model.mtp_depth)  # same on all ranks
+            loss, parts = _global_loss_parts(model, tokens, targets, spec, rank, True, run.model.mtp_depth)  # all ranks
             if faults.loss_is_nan(injected, n):
                 loss = float("nan")  # all ranks stop or skip together
             if math.isfinite(loss):
@@ -323,7 +328,7 @@ def evaluate(model, corpus, cfg, spec, rank, mtp_depth: int = 0) -> float:
     try:
         for i in range(t.eval_batches):
             tokens, targets = corpus.batch("val", i, t.batch, t.seq, t.seed, rows=rows)
-            loss, parts = _global_loss(model, tokens, targets, spec, rank, False, mtp_depth)
+            loss, parts = _global_loss_parts(model, tokens, targets, spec, rank, False, mtp_depth)
             total += parts.get("loss", loss)  # the main head's cross-entropy
     finally:
         model.train()

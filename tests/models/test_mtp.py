@@ -3,7 +3,8 @@
 The reference below takes the whole token chunk ``t_0 .. t_S`` (the model sees ``t_0 .. t_{S-1}``
 and next-token targets) and follows the paper's formulation: depth k runs on a sequence *one
 shorter* than depth k - 1 (positions ``0 .. S-1-k``), reads ``t_{i+k}`` straight from the chunk
-and predicts ``t_{i+k+1}``; norms, the 2H -> H projection, the head and the cross-entropy are
+and the previous depth's normed output (depth 1: the main head's input), and predicts
+``t_{i+k+1}``; norms, the 2H -> H projection, the head and the cross-entropy are
 written out by hand. The model instead keeps every depth at length S and masks with -100
 (:func:`meshfold.models.mtp.mtp_targets`); causal attention makes the two agree. Only the
 transformer blocks themselves (tested elsewhere) are shared.
@@ -45,14 +46,15 @@ def reference(model: MoETransformer, chunk: torch.Tensor) -> tuple[torch.Tensor,
     h = model.embed.weight[tokens]
     for block in model.layers:
         h = block(h, torch.arange(h.shape[1]))
-    main = _ce(_norm(h, model.norm.weight, eps) @ w_head.T, chunk[:, 1:])
+    h = _norm(h, model.norm.weight, eps)
+    main = _ce(h @ w_head.T, chunk[:, 1:])
     losses = []
     for k, depth in enumerate(model.mtp, start=1):
         n = S - k  # positions i = 0 .. S-1-k: t_{i+k+1} exists
         e = model.embed.weight[chunk[:, k:k + n]]  # Emb(t_{i+k})
         x = torch.cat([_norm(e, depth.emb_norm.weight, eps), _norm(h[:, :n], depth.hidden_norm.weight, eps)], -1)
-        h = depth.block(x @ depth.proj.weight.T, torch.arange(n))
-        logits = _norm(h, depth.head_norm.weight, eps) @ w_head.T
+        h = _norm(depth.block(x @ depth.proj.weight.T, torch.arange(n)), depth.head_norm.weight, eps)
+        logits = h @ w_head.T
         losses.append(_ce(logits, chunk[:, k + 1:k + 1 + n]))
     return main, losses
 
