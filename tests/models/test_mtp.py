@@ -113,3 +113,16 @@ def test_mtp_leaves_the_main_logits_and_loss_unchanged():
 def test_bad_mtp_settings_are_named(field, value):
     with pytest.raises(ValueError, match=f"{field} .*{value}"):
         _cfg(False, depth=0, **{field: value})
+
+
+def test_an_mtp_depth_costs_a_layer_a_projection_and_a_head_in_the_flop_count():
+    import dataclasses
+
+    from meshfold.train.flops import train_flops_per_step
+
+    base = _cfg(False, depth=0)
+    B, s = 4, 32
+    one_more_layer = train_flops_per_step(dataclasses.replace(base, layers=3), B, s) - train_flops_per_step(base, B, s)
+    extra = one_more_layer + 3 * (2 * B * s * (2 * H) * H + 2 * B * s * H * V)
+    got = train_flops_per_step(_cfg(False, depth=1), B, s) - train_flops_per_step(base, B, s)
+    assert got == extra
