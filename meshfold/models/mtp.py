@@ -40,7 +40,7 @@ from torch import nn
 from meshfold.models import init
 from meshfold.models.layers import RMSNorm
 
-__all__ = ["MTPDepth", "mtp_targets", "depth_inputs", "mtp_objective"]
+__all__ = ["MTPDepth", "mtp_targets", "depth_inputs", "counted", "mtp_objective"]
 
 
 class MTPDepth(nn.Module):
@@ -84,6 +84,14 @@ def depth_inputs(targets_bsd: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     read, want = targets_bsd[..., k - 1], targets_bsd[..., k]
     known = read != -100
     return torch.where(known, read, 0), torch.where(known, want, -100)
+
+
+def counted(targets_bsd: torch.Tensor) -> torch.Tensor:
+    """Which positions each term of the objective counts, bool [B, S, 1 + D] of :func:`mtp_targets`'
+    output: column 0 the main head's (its target known), column k depth k's (the token it reads
+    and the one it predicts both known, as :func:`depth_inputs` masks them)."""
+    known = targets_bsd != -100
+    return torch.cat([known[..., :1], known[..., :-1] & known[..., 1:]], dim=-1)
 
 
 def mtp_objective(main: torch.Tensor, depth_losses: list[torch.Tensor], weight: float) -> torch.Tensor:

@@ -233,8 +233,8 @@ class MoETransformer(nn.Module):
         already attached to the graph by each MoELayer (see ``last_losses``)."""
         return self.loss_parts(tokens, targets, positions)["loss"]
 
-    def loss_parts(self, tokens: torch.Tensor, targets: torch.Tensor,
-                   positions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def loss_parts(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
+                   weights: list[float] | None = None) -> dict[str, torch.Tensor]:
         """``{"loss": the objective (with its graph), "main": the main head's mean cross-entropy}``
         and with ``cfg.mtp_depth = D``, ``"mtp"``: the mean over depths of each depth's mean
         cross-entropy, and ``"mtp_depths"`` [D] each of them (detached); ``loss = main +
@@ -242,7 +242,13 @@ class MoETransformer(nn.Module):
 
         ``targets``: [B, S] next tokens, or with D > 0 the [B, S, 1 + D] of
         :func:`~meshfold.models.mtp.mtp_targets`, which a fold needs (a rank cannot shift its
-        slice of the sequence by itself: the tokens ahead sit on other ranks)."""
+        slice of the sequence by itself: the tokens ahead sit on other ranks).
+
+        ``weights`` ``[w_0, w_1 .. w_D]`` (None: all 1) scale each mean before it enters the
+        objective and the parts (``w_0 * main``, ``w_k * L_k``): gradient accumulation weights a
+        micro-batch's term k by its share of the whole batch's term-k positions
+        (:func:`~meshfold.parallel.pipeline.accumulate`), so that the micro-batches add up to the
+        whole batch's means even where masked targets leave their shares unequal."""
         D = self.cfg.mtp_depth
         if targets.dim() == 2 and D:
             if self.reduce_loss is not None:
@@ -254,14 +260,19 @@ class MoETransformer(nn.Module):
             raise ValueError(f"targets have shape {tuple(targets.shape)}; valid with mtp_depth = {D}: "
                              f"[B, S] or [B, S, {1 + D}] (mtp_targets)")
         h = self.norm(self._hidden(tokens, positions))  # [B, S, H]: what the head and depth 1 read
-        main = self._mean(*self.loss_terms(self._head(h), targets if targets.dim() == 2 else targets[..., 0]))
+        w = [1.0] * (1 + D) if weights is None else weights
+        if len(w) != 1 + D:
+            raise ValueError(f"weights {w!r} have {len(w)} entries; valid with mtp_depth = {D}: {1 + D} "
+                             f"(the main head's, then each depth's)")
+        main_targets = targets if targets.dim() == 2 else targets[..., 0]  # [B, S]
+        main = self._weighted_mean(w[0], *self.loss_terms(self._head(h), main_targets))
         if not D:
             return {"loss": main, "main": main.detach()}
         depth = []
         for k, m in enumerate(self.mtp, start=1):
             read, want = depth_inputs(targets, k)  # [B, S] each
             h = m(h, self.embed(read), positions)  # [B, S, H]
-            depth.append(self._mean(*cross_entropy_sum(self._head(h), want)))
+            depth.append(self._weighted_mean(w[k], *cross_entropy_sum(self._head(h), want)))
         mtp = torch.stack(depth).detach()
         return {"loss": mtp_objective(main, depth, self.cfg.mtp_loss_weight), "main": main.detach(),
                 "mtp": mtp.mean(), "mtp_depths": mtp}
@@ -277,6 +288,12 @@ class MoETransformer(nn.Module):
 
     def _mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return total / count if self.reduce_loss is None else self.reduce_loss(total, count)
+
+    def _weighted_mean(self, weight: float, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        # weight 0: a micro-batch with none of the term's positions, whose own mean (0 / 0) would
+        # turn the sum of the micro-batches into NaN; every rank has the same weights, so all skip
+        # reduce_loss's collective alike
+        return weight * self._mean(total, count) if weight else 0.0 * total
 
     def loss_terms(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cross-entropy summed over targets != -100, their count)`` of logits [B, S, V]: what

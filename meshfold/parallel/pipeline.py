@@ -60,6 +60,7 @@ from torch import nn
 
 from meshfold.catalog import SCHEDULES, check_choice
 from meshfold.models.moe import MoELayer, add_step_entries
+from meshfold.models.mtp import counted
 from meshfold.models.transformer import cross_entropy_sum
 from meshfold.parallel.data_parallel import reduce_gradients
 from meshfold.parallel.plan import Plan, check_plan, restrict
@@ -67,7 +68,7 @@ from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
 
 __all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
-           "model_loss"]
+           "local_microbatch_counts", "model_loss"]
 
 
 def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
@@ -435,36 +436,52 @@ def model_loss(model, tokens, targets, positions) -> tuple[torch.Tensor, dict[st
     return out.pop("loss"), out
 
 
-def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list[float]:
-    """Counted target tokens (!= -100) of each global micro-batch, from this rank's own [b, s]
-    targets: micro-batch i is the i-th slice of every dp rank's rows, and without pp every
-    global token sits on exactly one rank, so one all-reduce of the local counts sums them."""
-    if local_targets_bs.dim() == 3:  # multi-token prediction's side-by-side targets: column 0 is the main one
-        local_targets_bs = local_targets_bs[..., 0]
-    b = local_targets_bs.shape[0]
+def local_microbatch_counts(targets: torch.Tensor, microbatches: int) -> torch.Tensor:
+    """Counted positions of each term of the loss in each of ``microbatches`` slices of this rank's
+    ``targets`` along the batch dim, fp64 [m, 1 + D]: [b, s] next-token targets give the main
+    head's (!= -100, D = 0); multi-token prediction's side-by-side [b, s, 1 + D] targets
+    (:func:`~meshfold.models.mtp.mtp_targets`) also each depth's
+    (:func:`~meshfold.models.mtp.counted`)."""
+    b = targets.shape[0]
     if b % microbatches:
         raise ValueError(f"local batch of {b} sequences is not divisible by microbatches = {microbatches}")
-    counts_m = (local_targets_bs.reshape(microbatches, b // microbatches, -1) != -100).sum(dim=(1, 2)).double()
-    dist.all_reduce(counts_m)
-    return counts_m.tolist()
+    known = (targets != -100).unsqueeze(-1) if targets.dim() == 2 else counted(targets)  # [b, s, 1 + D]
+    return known.reshape(microbatches, -1, known.shape[-1]).sum(dim=1).double()
 
 
-def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], backward: bool,
+def microbatch_counts(local_targets: torch.Tensor, microbatches: int) -> list[list[float]]:
+    """:func:`local_microbatch_counts` of every global micro-batch, from this rank's own targets:
+    micro-batch i is the i-th slice of every dp rank's rows, and without pp every global token
+    sits on exactly one rank, so one all-reduce of the local counts sums them (one read to the
+    host, however many terms)."""
+    counts_mt = local_microbatch_counts(local_targets, microbatches)
+    dist.all_reduce(counts_mt)
+    return counts_mt.tolist()
+
+
+def accumulate(model, tokens_bs, targets_bs, positions, counts: list, backward: bool,
                parts: dict | None = None) -> float:
-    """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s])
-    cut into ``len(counts)`` micro-batches along the batch dim, one forward + backward each of
-    ``model`` (laid out whole by ``parallelize``).
+    """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s],
+    or multi-token prediction's [b, s, 1 + D]) cut into ``len(counts)`` micro-batches along the
+    batch dim, one forward + backward each of ``model`` (laid out whole by ``parallelize``).
 
+    ``counts[i]``: micro-batch i's counted target tokens, or a list of its counted positions per
+    term of the loss (:func:`microbatch_counts`: the main head's, then each MTP depth's).
     ``model.loss`` of micro-batch i is its global mean, ``sum_i / counts[i]``; weighting it by
     ``counts[i] / sum(counts)`` makes the micro-batches add up to the whole batch's mean loss and
-    gradients (up to summation order), as the pipeline schedules do. MoE balancing losses are
+    gradients (up to summation order), as the pipeline schedules do. With several terms each is
+    weighted by its own share (``model.loss_parts(..., weights=)``): a depth-k prediction counts
+    only where two targets are known, so where -100 targets mask a micro-batch unevenly its share
+    of depth-k positions is not its share of main targets. MoE balancing losses are
     computed per micro-batch (Megatron-Core's definition) and each enters the backward scaled by
     1 / microbatches, as with pp > 1 and in Megatron-Core (``MoELayer.balancing_scale``), so
     their gradient is the mean over the micro-batches. Under FSDP2 only the last backward
     reduce-scatters. ``parts`` (a dict, filled in): the model's loss parts (:func:`model_loss`),
     weighted as the loss is.
     """
-    m, total = len(counts), sum(counts)
+    rows = [list(c) if isinstance(c, (list, tuple)) else [c] for c in counts]
+    totals = [sum(column) for column in zip(*rows)]
+    m = len(rows)
     sync = getattr(model, "set_requires_gradient_sync", None)
     layers = [x for x in model.modules() if isinstance(x, MoELayer)]
     for layer in layers:
@@ -474,14 +491,20 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], bac
         for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
             if sync is not None and backward:
                 sync(i == m - 1)
-            part, named = model_loss(model, tokens_ms, targets_ms, positions)
-            part = part * (counts[i] / total)
+            # a term no position of the batch counts is 0 / 0 in the whole batch too (NaN)
+            w = [c / t if t else float("nan") for c, t in zip(rows[i], totals)]
+            if len(w) > 1:  # one weight per term: the model scales each mean by its own
+                named = dict(model.loss_parts(tokens_ms, targets_ms, positions, weights=w))
+                part = named.pop("loss")
+            else:
+                part, named = model_loss(model, tokens_ms, targets_ms, positions)
+                part, named = part * w[0], {name: value * w[0] for name, value in named.items()}
             if backward:
                 part.backward()
             loss += part.item()
             if parts is not None:
                 for name, value in named.items():
-                    parts[name] = parts.get(name, 0) + value * (counts[i] / total)
+                    parts[name] = parts.get(name, 0) + value
     finally:
         for layer in layers:
             layer.balancing_scale = 1.0
