@@ -96,7 +96,8 @@ MODEL_CONFIGS: dict[str, dict] = {
     # q_lora_rank 1536, kv_lora_rank 512, qk_nope/rope/v head dims 128/64/128, 256 routed experts
     # of 2048 + 1 shared, top-8 in 4 of 8 groups, routed_scaling_factor 2.5, vocab 129280, YaRN
     # factor 40 over 4096 positions (beta 32/1, mscale = mscale_all_dim = 1), 163840 positions.
-    # Its multi-token-prediction layer (num_nextn_predict_layers = 1) is not built.
+    # Its multi-token-prediction layer (num_nextn_predict_layers = 1) is model.mtp_depth = 1, off here
+    # (a planner shape; from_pretrained of the checkpoint builds it).
     "deepseek-v3-671b": _deepseek_v3(
         129280, 7168, 61, 128, 18432, 2048, 256, 8, 8, 4, 1, 3, max_seq=163840,
         mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

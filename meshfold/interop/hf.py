@@ -26,7 +26,9 @@ meshfold parameter into slices of checkpoint tensors and read only those
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +43,7 @@ from meshfold.interop.recipes import Leaf, Stack, gate_up, leaves, linear
 from meshfold.models.config import MoEConfig
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 
-__all__ = ["SUPPORTED", "config_from_hf", "config_to_hf", "infer_architecture", "checkpoint_map", "load_state", "save_mapped",
+__all__ = ["SUPPORTED", "config_from_hf", "checkpoint_config", "config_to_hf", "infer_architecture", "checkpoint_map", "load_state", "save_mapped",
            "from_pretrained", "save_pretrained", "Leaf", "Stack"]
 
 SUPPORTED = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", hf_deepseek.ARCH)
@@ -145,6 +147,24 @@ def config_from_hf(hf: dict) -> TransformerConfig:
         rope_theta=theta, norm_eps=float(c["rms_norm_eps"]), max_seq=c["max_position_embeddings"])
 
 
+def checkpoint_config(path) -> TransformerConfig:
+    """The :class:`TransformerConfig` of a checkpoint folder: its ``config.json``
+    (:func:`config_from_hf`), with as many multi-token-prediction depths as the checkpoint holds
+    weights for, at most ``num_nextn_predict_layers``. transformers' own
+    ``DeepseekV3ForCausalLM`` builds no MTP layer, so its ``save_pretrained`` writes
+    ``num_nextn_predict_layers`` without their weights: such a checkpoint loads with none."""
+    path = Path(path)
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    if not cfg.mtp_depth:
+        return cfg
+    with ExitStack() as stack:
+        keys = _Checkpoint(path, stack).where
+    held = 0
+    while held < cfg.mtp_depth and f"model.layers.{cfg.layers + held}.eh_proj.weight" in keys:
+        held += 1
+    return dataclasses.replace(cfg, mtp_depth=held)
+
+
 def infer_architecture(cfg: TransformerConfig) -> str:
     """The HF architecture a config most naturally saves as (q/k norm: Qwen3-MoE; qkv bias, a
     shared expert or dense layers: Qwen2-MoE; otherwise Mixtral; MLA: DeepSeek-V3)."""
@@ -171,7 +191,8 @@ def config_to_hf(cfg: TransformerConfig, arch: str | None = None, dtype: torch.d
     m = cfg.moe
     if m is None:
         raise ValueError("a dense model (moe = None) has no Hugging Face MoE architecture")
-    bad = []
+    bad = [f"mtp_depth={cfg.mtp_depth} (multi-token prediction; valid architecture: {hf_deepseek.ARCH})"
+           ] if cfg.mtp_depth else []
     if m.score_function != "softmax" or not m.pre_softmax:
         bad.append(f"routing score_function={m.score_function!r}, pre_softmax={m.pre_softmax} "
                    f"(HF: softmax over all experts, then top-k)")
@@ -331,14 +352,21 @@ def load_state(path, cfg: TransformerConfig, select: Select | None = None,
         if select is None:
             used = {leaf.key for r in recipes.values() for leaf in leaves(r)}
             ignorable = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if cfg.tie_embeddings else ())
-            mtp = f"model.layers.{cfg.layers}." if arch == hf_deepseek.ARCH else None  # multi-token prediction
+            if arch == hf_deepseek.ARCH:  # the MTP layers' copies of embedding and head, and layers not built
+                used |= set(hf_deepseek.mtp_copies(cfg))
             extra = sorted(k for k in ckpt.where if k not in used and not k.endswith(ignorable)
-                           and not (mtp and k.startswith(mtp)))
+                           and not (arch == hf_deepseek.ARCH and _layer_id(k) >= cfg.layers + cfg.mtp_depth))
             if extra:
                 more = f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""
                 raise ValueError(f"checkpoint tensors not used by the config (does it fit the checkpoint?): "
                                  f"{extra[:5]}{more}")
     return state
+
+
+def _layer_id(key: str) -> int:
+    """The decoder layer id of a checkpoint key ``model.layers.<id>...`` (-1 for other keys)."""
+    m = re.match(r"model\.layers\.(\d+)\.", key)
+    return int(m.group(1)) if m else -1
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -359,7 +387,7 @@ def from_pretrained(path, mesh=None, dtype: torch.dtype | None = None, cfg: Tran
     """
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
-    cfg = cfg or config_from_hf(hf)
+    cfg = cfg or checkpoint_config(path)
     if dtype is None:
         dtype = _DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"), torch.float32)
     with torch.device("meta"):  # no random init of weights about to be overwritten
@@ -456,5 +484,8 @@ def save_pretrained(model: MoETransformer, path, arch: str | None = None, dtype:
     arch = arch or infer_architecture(cfg)
     recipes = checkpoint_map(cfg, arch)
     state = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n in recipes}
+    if arch == hf_deepseek.ARCH:  # each MTP layer's copies of the embedding and head, as DeepSeek-V3 stores them
+        for key, name in hf_deepseek.mtp_copies(cfg).items():
+            state[key], recipes[key] = state[name].detach().clone(), Leaf(key)  # its own storage on disk
     save_mapped(state, recipes, path, config_to_hf(cfg, arch, dtype or model.embed.weight.dtype), dtype,
                 keep_dtype=lambda name: name.endswith(("router.weight", "router.expert_bias")))  # fp32, as HF keeps them

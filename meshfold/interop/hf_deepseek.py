@@ -16,8 +16,19 @@ Checkpoint tensors (``[out, in]`` for linears) and the meshfold parameters they 
     model.layers.N.mlp.shared_experts.{gate,up,down}_proj.weight   -> mlp.shared.w_gate_up / w_down
     model.layers.N.mlp.{gate,up,down}_proj.weight (N < first_k_dense_replace) -> mlp.w_gate_up / w_down
 
-plus embeddings, norms and head as for the other families (:mod:`meshfold.interop.hf`). The
-multi-token-prediction layers (``model.layers.{num_hidden_layers}.*``) are skipped on load.
+plus embeddings, norms and head as for the other families (:mod:`meshfold.interop.hf`).
+
+Multi-token prediction (``num_nextn_predict_layers`` = D; DeepSeek-V3's released format, and the
+names transformers' ``MtpLayer`` reads): depth k (0-based) is the layer after the last decoder
+layer, ``model.layers.{L + k}`` with L = ``num_hidden_layers``::
+
+    model.layers.{L+k}.enorm.weight [H]                 -> mtp.{k}.emb_norm.weight
+    model.layers.{L+k}.hnorm.weight [H]                 -> mtp.{k}.hidden_norm.weight
+    model.layers.{L+k}.eh_proj.weight [H, 2H]           -> mtp.{k}.proj.weight ([embedding; hidden] inputs)
+    model.layers.{L+k}.shared_head.norm.weight [H]      -> mtp.{k}.head_norm.weight
+    model.layers.{L+k}.{input_layernorm,self_attn,...}  -> mtp.{k}.block.* (as decoder layer L + k)
+    model.layers.{L+k}.embed_tokens.weight, .shared_head.head.weight: copies of the main embedding
+        and head, written on export, not read on load (meshfold shares the main ones)
 
 Routing maps exactly: sigmoid scores; ``e_score_correction_bias`` is meshfold's expert bias (it
 picks the groups and experts, the weights are the unbiased scores); ``n_group`` /
@@ -92,7 +103,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
         vocab=c["vocab_size"], hidden=H, layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
         ffn=c["intermediate_size"], moe=moe, first_k_dense=c["first_k_dense_replace"],
         tie_embeddings=bool(c["tie_word_embeddings"]), rope_theta=theta, norm_eps=float(c["rms_norm_eps"]),
-        max_seq=max_seq, mla=mla)
+        max_seq=max_seq, mla=mla, mtp_depth=int(c.get("num_nextn_predict_layers") or 0))
 
 
 def config_to_hf(cfg, dtype_name: str | None = None) -> dict:
@@ -137,7 +148,7 @@ def config_to_hf(cfg, dtype_name: str | None = None) -> dict:
               qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim, rope_interleave=a.rope_interleave,
               hidden_act="silu", max_position_embeddings=cfg.max_seq, rms_norm_eps=cfg.norm_eps,
               rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
-              num_nextn_predict_layers=0)
+              num_nextn_predict_layers=cfg.mtp_depth)
     if dtype_name is not None:
         hf["dtype"] = dtype_name
     return hf
@@ -150,32 +161,53 @@ def checkpoint_map(cfg) -> dict:
     if not cfg.tie_embeddings:
         r["head.weight"] = Leaf("lm_head.weight")
     for i in range(cfg.layers):
-        hf, mf = f"model.layers.{i}", f"layers.{i}"
-        att = f"{hf}.self_attn"
-        r[f"{mf}.attn_norm.weight"] = Leaf(f"{hf}.input_layernorm.weight")
-        r[f"{mf}.mlp_norm.weight"] = Leaf(f"{hf}.post_attention_layernorm.weight")
-        if cfg.mla.q_lora_rank is None:
-            r[f"{mf}.attn.wq"] = linear(f"{att}.q_proj.weight")
-        else:
-            r[f"{mf}.attn.wq_a.weight"] = linear(f"{att}.q_a_proj.weight")
-            r[f"{mf}.attn.q_norm.weight"] = Leaf(f"{att}.q_a_layernorm.weight")
-            r[f"{mf}.attn.wq_b"] = linear(f"{att}.q_b_proj.weight")
-        r[f"{mf}.attn.wkv_a.weight"] = linear(f"{att}.kv_a_proj_with_mqa.weight")
-        r[f"{mf}.attn.kv_norm.weight"] = Leaf(f"{att}.kv_a_layernorm.weight")
-        r[f"{mf}.attn.wkv_b"] = linear(f"{att}.kv_b_proj.weight")
-        r[f"{mf}.attn.wo"] = linear(f"{att}.o_proj.weight")
-        blk = f"{hf}.mlp"
-        if not cfg.is_moe_layer(i):
-            r[f"{mf}.mlp.w_gate_up"] = gate_up(blk, "gate_proj", "up_proj")
-            r[f"{mf}.mlp.w_down"] = linear(f"{blk}.down_proj.weight")
-            continue
-        E = range(cfg.moe.num_experts)
-        r[f"{mf}.mlp.router.weight"] = Leaf(f"{blk}.gate.weight")
-        r[f"{mf}.mlp.router.expert_bias"] = Leaf(f"{blk}.gate.e_score_correction_bias")
-        r[f"{mf}.mlp.experts.w_gate_up"] = Stack(tuple(gate_up(f"{blk}.experts.{e}", "gate_proj", "up_proj")
-                                                       for e in E), 0)
-        r[f"{mf}.mlp.experts.w_down"] = Stack(tuple(linear(f"{blk}.experts.{e}.down_proj.weight") for e in E), 0)
-        if cfg.moe.shared_ffn:
-            r[f"{mf}.mlp.shared.w_gate_up"] = gate_up(f"{blk}.shared_experts", "gate_proj", "up_proj")
-            r[f"{mf}.mlp.shared.w_down"] = linear(f"{blk}.shared_experts.down_proj.weight")
+        _layer(r, cfg, i, f"model.layers.{i}", f"layers.{i}")
+    for k in range(cfg.mtp_depth):
+        hf, mf = f"model.layers.{cfg.layers + k}", f"mtp.{k}"
+        for ours, theirs in (("emb_norm", "enorm"), ("hidden_norm", "hnorm"), ("proj", "eh_proj"),
+                             ("head_norm", "shared_head.norm")):
+            r[f"{mf}.{ours}.weight"] = Leaf(f"{hf}.{theirs}.weight")
+        _layer(r, cfg, cfg.layers + k, hf, f"{mf}.block")
     return r
+
+
+def mtp_copies(cfg) -> dict[str, str]:
+    """Checkpoint key -> the meshfold parameter it copies: each MTP layer's ``embed_tokens`` and
+    ``shared_head.head`` (DeepSeek-V3 stores the shared embedding and head again in each)."""
+    out = {}
+    for k in range(cfg.mtp_depth):
+        hf = f"model.layers.{cfg.layers + k}"
+        out[f"{hf}.embed_tokens.weight"] = "embed.weight"
+        out[f"{hf}.shared_head.head.weight"] = "embed.weight" if cfg.tie_embeddings else "head.weight"
+    return out
+
+
+def _layer(r: dict, cfg, i: int, hf: str, mf: str) -> None:
+    """The recipes of decoder layer ``i`` (checkpoint prefix ``hf``) into meshfold block ``mf``."""
+    att = f"{hf}.self_attn"
+    r[f"{mf}.attn_norm.weight"] = Leaf(f"{hf}.input_layernorm.weight")
+    r[f"{mf}.mlp_norm.weight"] = Leaf(f"{hf}.post_attention_layernorm.weight")
+    if cfg.mla.q_lora_rank is None:
+        r[f"{mf}.attn.wq"] = linear(f"{att}.q_proj.weight")
+    else:
+        r[f"{mf}.attn.wq_a.weight"] = linear(f"{att}.q_a_proj.weight")
+        r[f"{mf}.attn.q_norm.weight"] = Leaf(f"{att}.q_a_layernorm.weight")
+        r[f"{mf}.attn.wq_b"] = linear(f"{att}.q_b_proj.weight")
+    r[f"{mf}.attn.wkv_a.weight"] = linear(f"{att}.kv_a_proj_with_mqa.weight")
+    r[f"{mf}.attn.kv_norm.weight"] = Leaf(f"{att}.kv_a_layernorm.weight")
+    r[f"{mf}.attn.wkv_b"] = linear(f"{att}.kv_b_proj.weight")
+    r[f"{mf}.attn.wo"] = linear(f"{att}.o_proj.weight")
+    blk = f"{hf}.mlp"
+    if not cfg.is_moe_layer(i):
+        r[f"{mf}.mlp.w_gate_up"] = gate_up(blk, "gate_proj", "up_proj")
+        r[f"{mf}.mlp.w_down"] = linear(f"{blk}.down_proj.weight")
+        return
+    E = range(cfg.moe.num_experts)
+    r[f"{mf}.mlp.router.weight"] = Leaf(f"{blk}.gate.weight")
+    r[f"{mf}.mlp.router.expert_bias"] = Leaf(f"{blk}.gate.e_score_correction_bias")
+    r[f"{mf}.mlp.experts.w_gate_up"] = Stack(tuple(gate_up(f"{blk}.experts.{e}", "gate_proj", "up_proj")
+                                                   for e in E), 0)
+    r[f"{mf}.mlp.experts.w_down"] = Stack(tuple(linear(f"{blk}.experts.{e}.down_proj.weight") for e in E), 0)
+    if cfg.moe.shared_ffn:
+        r[f"{mf}.mlp.shared.w_gate_up"] = gate_up(f"{blk}.shared_experts", "gate_proj", "up_proj")
+        r[f"{mf}.mlp.shared.w_down"] = linear(f"{blk}.shared_experts.down_proj.weight")

@@ -99,7 +99,8 @@ def moe_config(c: dict, experts: int, topk: int, granularity: int, first_dense: 
     hf = {**c, "architectures": [ARCH], "n_routed_experts": E * R,
           "moe_intermediate_size": c["intermediate_size"] // G, "num_experts_per_tok": k * R,
           "n_shared_experts": S, "n_group": ng, "topk_group": tg, "norm_topk_prob": True,
-          "routed_scaling_factor": 1.0, "first_k_dense_replace": K}
+          "routed_scaling_factor": 1.0, "first_k_dense_replace": K,
+          "num_nextn_predict_layers": 0}  # upcycling writes no multi-token-prediction layer
     cfg = hf_deepseek.config_from_hf(hf)
     out = hf_deepseek.config_to_hf(cfg, c.get("dtype") or c.get("torch_dtype"))
     return cfg, out

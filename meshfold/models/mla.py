@@ -39,13 +39,8 @@ dr numbers per token, 576 for DeepSeek-V3, against h * (dn + dr + dv) = 40960 fo
 K/V) and :meth:`MLA.expand` with this rank's heads of ``wkv_b``, so each rank expands the other
 ranks' latents itself. Layout: :mod:`meshfold.parallel.mla`.
 
-Multi-token prediction (DeepSeek-V3's MTP, ``num_nextn_predict_layers``) is not built. It would
-take: per MTP depth ``j`` a module of its own (``enorm``, ``hnorm`` RMSNorms, a projection
-``eh_proj`` [2H, H] of ``[hnorm(h_{j-1}) ; enorm(embed(t_{i+j}))]``, one more :class:`Block`
-(MLA + MoE) and the shared head), a loss ``lambda * mean_j CE(token i+j+1)`` added to the main
-one, checkpoint keys ``model.layers.{L + j - 1}.*`` (today skipped on load), and, for pipeline
-parallelism, the MTP module on the last stage beside the head (the embedding is needed there
-too, as with tied embeddings).
+Multi-token prediction (DeepSeek-V3's MTP, ``num_nextn_predict_layers``) is
+``TransformerConfig.mtp_depth`` (:mod:`meshfold.models.mtp`); with MLA its blocks are MLA blocks.
 """
 
 from __future__ import annotations

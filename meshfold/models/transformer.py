@@ -22,6 +22,7 @@ from meshfold.models.config import MoEConfig
 from meshfold.models.layers import MLP, RMSNorm
 from meshfold.models.mla import MLA, MLAConfig, mla_rope_cos_sin
 from meshfold.models.moe import MoELayer
+from meshfold.models.mtp import MTPDepth, depth_inputs, mtp_objective, mtp_targets
 
 __all__ = ["TransformerConfig", "Block", "MoETransformer", "run_blocks", "run_layers", "cross_entropy_sum"]
 
@@ -36,6 +37,10 @@ class TransformerConfig:
     ``hidden // heads``. ``max_seq`` is informational (RoPE tables are computed per call).
     ``mla`` (None: grouped-query attention) makes every layer's attention multi-head latent
     attention (:class:`~meshfold.models.mla.MLA`, DeepSeek-V2/V3), with its own head dims.
+    ``mtp_depth`` (D, 0 = none) adds D multi-token-prediction depths after the last layer
+    (:mod:`meshfold.models.mtp`, DeepSeek-V3), each with one block of the kind layer
+    ``layers + k - 1`` would have; ``mtp_loss_weight`` is their weight in the objective
+    ``L_main + mtp_loss_weight / D * sum_k L_k``.
     """
 
     vocab: int
@@ -55,6 +60,8 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     max_seq: int = 4096
     mla: MLAConfig | None = None
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
@@ -72,6 +79,12 @@ class TransformerConfig:
                              f"{[g for g in range(1, self.heads + 1) if self.heads % g == 0]})")
         if self.head_dim % 2:
             raise ValueError(f"TransformerConfig.head_dim = {self.head_dim} must be even (RoPE rotates pairs)")
+        if isinstance(self.mtp_depth, bool) or not (isinstance(self.mtp_depth, int) and self.mtp_depth >= 0):
+            raise ValueError(f"TransformerConfig.mtp_depth must be an integer >= 0 (0: no multi-token "
+                             f"prediction), got {self.mtp_depth!r}")
+        if isinstance(self.mtp_loss_weight, bool) or not (isinstance(self.mtp_loss_weight, (int, float))
+                                                          and self.mtp_loss_weight >= 0):
+            raise ValueError(f"TransformerConfig.mtp_loss_weight must be a number >= 0, got {self.mtp_loss_weight!r}")
         if not (isinstance(self.first_k_dense, int) and self.first_k_dense >= 0):
             raise ValueError(f"TransformerConfig.first_k_dense must be an integer >= 0, got {self.first_k_dense!r}")
         if not self.rope_theta > 0:
@@ -83,7 +96,7 @@ class TransformerConfig:
         if self.mla is not None and (self.qkv_bias or self.qk_norm):
             raise ValueError(f"TransformerConfig.mla has no q/k/v biases or per-head q/k norms (got "
                              f"qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm}; valid: False, False)")
-        dense = [i for i in range(self.layers) if not self.is_moe_layer(i)]
+        dense = [i for i in range(self.layers + self.mtp_depth) if not self.is_moe_layer(i)]
         if dense and not (isinstance(self.ffn, int) and self.ffn >= 1):
             raise ValueError(f"TransformerConfig.ffn = {self.ffn!r} but layers {dense} are dense and need "
                              f"a positive ffn")
@@ -185,6 +198,10 @@ class MoETransformer(nn.Module):
             else:
                 self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=dtype)  # weight [V, H]
                 init.normal_(self.head.weight, std=cfg.hidden ** -0.5)
+            # multi-token prediction: depth k's block is built as layer layers + k - 1 would be
+            self.mtp = nn.ModuleList(
+                MTPDepth(cfg.hidden, cfg.norm_eps, Block(cfg, cfg.layers + k - 1, dtype), dtype)
+                for k in range(1, cfg.mtp_depth + 1)) if cfg.mtp_depth else None
         self.init_seed = init.draw_seed() if seed is None else seed
         self.inits = init.declared_inits(self)
         if device.type != "meta":
@@ -210,13 +227,73 @@ class MoETransformer(nn.Module):
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor,
              positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean cross-entropy over targets != -100 (fp32 or wider); on a folded mesh the mean over
-        the global batch, the same value on every rank. MoE balancing losses, if configured, are
+        """The objective: the mean cross-entropy over targets != -100 (fp32 or wider), plus with
+        ``cfg.mtp_depth`` the multi-token-prediction term (:meth:`loss_parts`); on a folded mesh
+        the global batch's, the same value on every rank. MoE balancing losses, if configured, are
         already attached to the graph by each MoELayer (see ``last_losses``)."""
-        total, count = self.loss_terms(self._logits(tokens, positions), targets)
-        if self.reduce_loss is not None:
-            return self.reduce_loss(total, count)
-        return total / count
+        return self.loss_parts(tokens, targets, positions)["loss"]
+
+    def loss_parts(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
+                   weights: list[float] | None = None) -> dict[str, torch.Tensor]:
+        """``{"loss": the objective (with its graph), "main": the main head's mean cross-entropy}``
+        and with ``cfg.mtp_depth = D``, ``"mtp"``: the mean over depths of each depth's mean
+        cross-entropy, and ``"mtp_depths"`` [D] each of them (detached); ``loss = main +
+        mtp_loss_weight * mtp`` (:func:`~meshfold.models.mtp.mtp_objective`).
+
+        ``targets``: [B, S] next tokens, or with D > 0 the [B, S, 1 + D] of
+        :func:`~meshfold.models.mtp.mtp_targets`, which a fold needs (a rank cannot shift its
+        slice of the sequence by itself: the tokens ahead sit on other ranks).
+
+        ``weights`` ``[w_0, w_1 .. w_D]`` (None: all 1) scale each mean before it enters the
+        objective and the parts (``w_0 * main``, ``w_k * L_k``): gradient accumulation weights a
+        micro-batch's term k by its share of the whole batch's term-k positions
+        (:func:`~meshfold.parallel.pipeline.accumulate`), so that the micro-batches add up to the
+        whole batch's means even where masked targets leave their shares unequal."""
+        D = self.cfg.mtp_depth
+        if targets.dim() == 2 and D:
+            if self.reduce_loss is not None:
+                raise ValueError(f"mtp_depth = {D} on a fold: targets {tuple(targets.shape)} are this rank's "
+                                 f"slice and cannot be shifted here; pass mtp_targets(global targets, {D}) "
+                                 f"[B, S, {1 + D}], sharded like the tokens")
+            targets = mtp_targets(targets, D)
+        if targets.dim() == 3 and targets.shape[-1] != 1 + D:
+            raise ValueError(f"targets have shape {tuple(targets.shape)}; valid with mtp_depth = {D}: "
+                             f"[B, S] or [B, S, {1 + D}] (mtp_targets)")
+        h = self.norm(self._hidden(tokens, positions))  # [B, S, H]: what the head and depth 1 read
+        w = [1.0] * (1 + D) if weights is None else weights
+        if len(w) != 1 + D:
+            raise ValueError(f"weights {w!r} have {len(w)} entries; valid with mtp_depth = {D}: {1 + D} "
+                             f"(the main head's, then each depth's)")
+        main_targets = targets if targets.dim() == 2 else targets[..., 0]  # [B, S]
+        main = self._weighted_mean(w[0], *self.loss_terms(self._head(h), main_targets))
+        if not D:
+            return {"loss": main, "main": main.detach()}
+        depth = []
+        for k, m in enumerate(self.mtp, start=1):
+            read, want = depth_inputs(targets, k)  # [B, S] each
+            h = m(h, self.embed(read), positions)  # [B, S, H]
+            depth.append(self._weighted_mean(w[k], *cross_entropy_sum(self._head(h), want)))
+        mtp = torch.stack(depth).detach()
+        return {"loss": mtp_objective(main, depth, self.cfg.mtp_loss_weight), "main": main.detach(),
+                "mtp": mtp.mean(), "mtp_depths": mtp}
+
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """The last block's output [B, S, H], before the final norm."""
+        return run_blocks(self.layers, self.embed(tokens), positions, self.cfg)
+
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits [B, S, V] of normed hidden states [B, S, H] (the head, or the tied embedding)."""
+        w_head = self.embed.weight if self.head is None else self.head.weight  # [V, H]
+        return F.linear(normed, w_head)
+
+    def _mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return total / count if self.reduce_loss is None else self.reduce_loss(total, count)
+
+    def _weighted_mean(self, weight: float, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        # weight 0: a micro-batch with none of the term's positions, whose own mean (0 / 0) would
+        # turn the sum of the micro-batches into NaN; every rank has the same weights, so all skip
+        # reduce_loss's collective alike
+        return weight * self._mean(total, count) if weight else 0.0 * total
 
     def loss_terms(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cross-entropy summed over targets != -100, their count)`` of logits [B, S, V]: what
@@ -224,8 +301,10 @@ class MoETransformer(nn.Module):
         return cross_entropy_sum(logits, targets)
 
     def moe_layers(self) -> list[MoELayer]:
-        return [b.mlp for _, b in self.moe_blocks()]
+        """Every MoE layer, the multi-token-prediction blocks' included (as ``Pipeline.moe_layers``)."""
+        return [m for m in self.modules() if isinstance(m, MoELayer)]
 
     def moe_blocks(self) -> list[tuple[int, Block]]:
-        """``(layer id, block)`` of the blocks with an MoE layer (as ``Pipeline.moe_blocks``)."""
+        """``(layer id, block)`` of the main layers' blocks with an MoE layer (as
+        ``Pipeline.moe_blocks``; multi-token-prediction blocks are not among them)."""
         return [(i, b) for i, b in enumerate(self.layers) if isinstance(b.mlp, MoELayer)]

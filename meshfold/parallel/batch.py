@@ -36,8 +36,10 @@ def local_positions(S: int, spec, rank: int) -> torch.Tensor:
 
 
 def shard_batch(tokens: torch.Tensor, spec, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of a global [B, S] batch (batch over dp, sequence over cp x tp) and the
-    positions of its tokens; of a per-token input [B, S, ...], its tokens' rows [b, s, ...]."""
+    """This rank's slice of a global [B, S, ...] batch (batch over dp, sequence over cp x tp) and the
+    positions of its tokens. Trailing dims are per-position data: a per-token input [B, S, ...]
+    (``Plan.per_token``) or the side-by-side targets of multi-token prediction
+    (:func:`meshfold.models.mtp.mtp_targets`)."""
     B, S = tokens.shape[:2]
     rows = batch_rows(B, spec, rank)
     pos = local_positions(S, spec, rank)

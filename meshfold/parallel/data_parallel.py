@@ -122,7 +122,7 @@ def fully_shard_folded(model: nn.Module, folded, resolved, compute_dtype: torch.
                              shard_placement_fn=lambda p: expert_shard_placement(p, folded.spec.edp))
         else:
             fully_shard_over(module, attn, ("dp", "cp"), mp_policy=groups[path] if path else wide)
-    for method in ("loss", "local_logits"):  # entry points besides forward: gather the root's weights too
+    for method in ("loss", "loss_parts", "local_logits"):  # entry points besides forward: gather the root's weights too
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
     for m in model.modules():

@@ -60,13 +60,15 @@ from torch import nn
 
 from meshfold.catalog import SCHEDULES, check_choice
 from meshfold.models.moe import MoELayer, add_step_entries
+from meshfold.models.mtp import counted
 from meshfold.models.transformer import cross_entropy_sum
 from meshfold.parallel.data_parallel import reduce_gradients
 from meshfold.parallel.plan import Plan, check_plan, restrict
 from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
 
-__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts"]
+__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
+           "local_microbatch_counts", "model_loss"]
 
 
 def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
@@ -373,7 +375,7 @@ class Pipeline:
         as keywords (pp = 1), every stage's blocks their microbatch's slices (pp > 1)."""
         _check_per_token(per_token, self._per_token, tokens)
         if self.schedule is None:
-            return self._accumulate_step(tokens, targets, positions, backward, per_token)
+            return self._accumulate_step(tokens, targets, positions, backward, per_token)[0]
         if tokens.shape[0] % self.microbatches:
             raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
                              f"microbatches = {self.microbatches}")
@@ -407,16 +409,27 @@ class Pipeline:
         sum_in_place(share, self.folded.attn)  # only the last stage's ranks hold losses
         return share
 
-    def _accumulate_step(self, tokens, targets, positions, backward: bool, per_token: dict) -> torch.Tensor:
+    def step_parts(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                   backward: bool = True, **per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`step`, and the parts of the loss the model reports apart (``loss_parts`` beyond
+        ``"loss"``, e.g. the main and multi-token-prediction losses), weighted over the
+        micro-batches as the loss is; with pp > 1 no parts (``{}``)."""
+        if self.schedule is not None:
+            return self.step(tokens, targets, positions, backward, **per_token), {}
+        _check_per_token(per_token, self._per_token, tokens)
+        return self._accumulate_step(tokens, targets, positions, backward, per_token)
+
+    def _accumulate_step(self, tokens, targets, positions, backward: bool, per_token: dict):
         model = self.chunks[0]
         if self.microbatches > 1 and backward:
             counts = microbatch_counts(targets, self.microbatches)
-            return torch.tensor(accumulate(model, tokens, targets, positions, counts, backward, per_token),
-                                dtype=torch.float64)
-        loss = model.loss(tokens, targets, positions, **per_token)
+            parts: dict = {}
+            loss = accumulate(model, tokens, targets, positions, counts, backward, parts, per_token)
+            return torch.tensor(loss, dtype=torch.float64), parts
+        loss, parts = model_loss(model, tokens, targets, positions, **per_token)
         if backward:
             loss.backward()
-        return torch.tensor(loss.item(), dtype=torch.float64)
+        return torch.tensor(loss.item(), dtype=torch.float64), parts
 
 
 def _check_per_token(given: dict, named: tuple[str, ...], tokens: torch.Tensor) -> None:
@@ -432,34 +445,64 @@ def _check_per_token(given: dict, named: tuple[str, ...], tokens: torch.Tensor) 
                              f"tokens {tuple(tokens.shape)} (shard_batch it as they are)")
 
 
-def microbatch_counts(local_targets_bs: torch.Tensor, microbatches: int) -> list[float]:
-    """Counted target tokens (!= -100) of each global micro-batch, from this rank's own [b, s]
-    targets: micro-batch i is the i-th slice of every dp rank's rows, and without pp every
-    global token sits on exactly one rank, so one all-reduce of the local counts sums them."""
-    b = local_targets_bs.shape[0]
+def model_loss(model, tokens, targets, positions, **per_token) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(model's loss, {name: detached part})``: from ``model.loss_parts`` where the model has one
+    (its ``"loss"`` entry and the rest), else ``model.loss`` and no parts; ``per_token`` inputs
+    reach either as keywords."""
+    loss_parts = getattr(model, "loss_parts", None)
+    if loss_parts is None:
+        return model.loss(tokens, targets, positions, **per_token), {}
+    out = dict(loss_parts(tokens, targets, positions, **per_token))
+    return out.pop("loss"), out
+
+
+def local_microbatch_counts(targets: torch.Tensor, microbatches: int) -> torch.Tensor:
+    """Counted positions of each term of the loss in each of ``microbatches`` slices of this rank's
+    ``targets`` along the batch dim, fp64 [m, 1 + D]: [b, s] next-token targets give the main
+    head's (!= -100, D = 0); multi-token prediction's side-by-side [b, s, 1 + D] targets
+    (:func:`~meshfold.models.mtp.mtp_targets`) also each depth's
+    (:func:`~meshfold.models.mtp.counted`)."""
+    b = targets.shape[0]
     if b % microbatches:
         raise ValueError(f"local batch of {b} sequences is not divisible by microbatches = {microbatches}")
-    counts_m = (local_targets_bs.reshape(microbatches, b // microbatches, -1) != -100).sum(dim=(1, 2)).double()
-    dist.all_reduce(counts_m)
-    return counts_m.tolist()
+    known = (targets != -100).unsqueeze(-1) if targets.dim() == 2 else counted(targets)  # [b, s, 1 + D]
+    return known.reshape(microbatches, -1, known.shape[-1]).sum(dim=1).double()
 
 
-def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], backward: bool,
-               per_token: dict | None = None) -> float:
-    """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s])
-    cut into ``len(counts)`` micro-batches along the batch dim, one forward + backward each of
-    ``model`` (laid out whole by ``parallelize``); ``per_token`` inputs [b, s, ...] are cut alike
-    and passed to ``model.loss`` as keywords.
+def microbatch_counts(local_targets: torch.Tensor, microbatches: int) -> list[list[float]]:
+    """:func:`local_microbatch_counts` of every global micro-batch, from this rank's own targets:
+    micro-batch i is the i-th slice of every dp rank's rows, and without pp every global token
+    sits on exactly one rank, so one all-reduce of the local counts sums them (one read to the
+    host, however many terms)."""
+    counts_mt = local_microbatch_counts(local_targets, microbatches)
+    dist.all_reduce(counts_mt)
+    return counts_mt.tolist()
 
+
+def accumulate(model, tokens_bs, targets_bs, positions, counts: list, backward: bool,
+               parts: dict | None = None, per_token: dict | None = None) -> float:
+    """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s],
+    or multi-token prediction's [b, s, 1 + D]) cut into ``len(counts)`` micro-batches along the
+    batch dim, one forward + backward each of ``model`` (laid out whole by ``parallelize``);
+    ``per_token`` inputs [b, s, ...] are cut alike and reach the model's loss as keywords.
+
+    ``counts[i]``: micro-batch i's counted target tokens, or a list of its counted positions per
+    term of the loss (:func:`microbatch_counts`: the main head's, then each MTP depth's).
     ``model.loss`` of micro-batch i is its global mean, ``sum_i / counts[i]``; weighting it by
     ``counts[i] / sum(counts)`` makes the micro-batches add up to the whole batch's mean loss and
-    gradients (up to summation order), as the pipeline schedules do. MoE balancing losses are
+    gradients (up to summation order), as the pipeline schedules do. With several terms each is
+    weighted by its own share (``model.loss_parts(..., weights=)``): a depth-k prediction counts
+    only where two targets are known, so where -100 targets mask a micro-batch unevenly its share
+    of depth-k positions is not its share of main targets. MoE balancing losses are
     computed per micro-batch (Megatron-Core's definition) and each enters the backward scaled by
     1 / microbatches, as with pp > 1 and in Megatron-Core (``MoELayer.balancing_scale``), so
     their gradient is the mean over the micro-batches. Under FSDP2 only the last backward
-    reduce-scatters.
+    reduce-scatters. ``parts`` (a dict, filled in): the model's loss parts (:func:`model_loss`),
+    weighted as the loss is.
     """
-    m, total = len(counts), sum(counts)
+    rows = [list(c) if isinstance(c, (list, tuple)) else [c] for c in counts]
+    totals = [sum(column) for column in zip(*rows)]
+    m = len(rows)
     sync = getattr(model, "set_requires_gradient_sync", None)
     layers = [x for x in model.modules() if isinstance(x, MoELayer)]
     for layer in layers:
@@ -470,11 +513,21 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list[float], bac
         for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
             if sync is not None and backward:
                 sync(i == m - 1)
-            inputs = {name: parts[i] for name, parts in cut.items()}
-            part = model.loss(tokens_ms, targets_ms, positions, **inputs) * (counts[i] / total)
+            inputs = {name: pieces[i] for name, pieces in cut.items()}
+            # a term no position of the batch counts is 0 / 0 in the whole batch too (NaN)
+            w = [c / t if t else float("nan") for c, t in zip(rows[i], totals)]
+            if len(w) > 1:  # one weight per term: the model scales each mean by its own
+                named = dict(model.loss_parts(tokens_ms, targets_ms, positions, weights=w, **inputs))
+                part = named.pop("loss")
+            else:
+                part, named = model_loss(model, tokens_ms, targets_ms, positions, **inputs)
+                part, named = part * w[0], {name: value * w[0] for name, value in named.items()}
             if backward:
                 part.backward()
             loss += part.item()
+            if parts is not None:
+                for name, value in named.items():
+                    parts[name] = parts.get(name, 0) + value
     finally:
         for layer in layers:
             layer.balancing_scale = 1.0

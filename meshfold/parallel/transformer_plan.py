@@ -35,8 +35,13 @@ def transformer_plan(cfg, layers: list[int] | None = None, first: bool = True, l
     whole model's plan (``layers`` None) is ``whole``: with pp > 1 the model runs as a
     :class:`~meshfold.parallel.pipeline.Pipeline`."""
     ids = list(range(cfg.layers)) if layers is None else list(layers)
-    moe_ids = [i for i in ids if cfg.is_moe_layer(i)]
-    dense_ids = [i for i in ids if not cfg.is_moe_layer(i)]
+    # multi-token prediction (whole model only: check_fold refuses it with pp > 1): depth k's block
+    # is laid out as layer cfg.layers + k - 1 would be, its norms and 2H -> H projection replicated
+    depths = list(range(cfg.mtp_depth)) if layers is None and last else []
+    blocks = {f"layers.{i}": i for i in ids} | {f"mtp.{k}.block": cfg.layers + k for k in depths}
+    prefixes = (["layers.*"] if ids else []) + (["mtp.*.block"] if depths else [])
+    moe_paths = [p for p, i in blocks.items() if cfg.is_moe_layer(i)]
+    dense_paths = [p for p, i in blocks.items() if not cfg.is_moe_layer(i)]
     mla = cfg.mla
     q_latent = mla is not None and mla.q_lora_rank is not None
     if mla is None:
@@ -45,37 +50,42 @@ def transformer_plan(cfg, layers: list[int] | None = None, first: bool = True, l
         attn = ["wkv_a.weight", "kv_norm.weight", "wkv_b", "wo"] + (["wq_a.weight", "q_norm.weight", "wq_b"]
                                                                     if q_latent else ["wq"])
     tables = MLA_LAYOUT | TRANSFORMER_LAYOUT  # keyed by the name within a block
-    params = {f"layers.*.attn.{n}": tables["attn." + n] for n in attn}
-    params |= {f"layers.*.{n}.weight": (R, R, R) for n in ("attn_norm", "mlp_norm")}
-    if cfg.qk_norm:
-        params |= {f"layers.*.attn.{n}.weight": (R, R, R) for n in ("q_norm", "k_norm")}
-    if dense_ids:
-        params |= {f"layers.*.{n}": TRANSFORMER_LAYOUT[n] for n in ("mlp.w_gate_up", "mlp.w_down")}
+    params, tp_summed = {}, []
+    for b in prefixes:
+        params |= {f"{b}.attn.{n}": tables["attn." + n] for n in attn}
+        params |= {f"{b}.{n}.weight": (R, R, R) for n in ("attn_norm", "mlp_norm")}
+        if cfg.qk_norm:
+            params |= {f"{b}.attn.{n}.weight": (R, R, R) for n in ("q_norm", "k_norm")}
+        tp_summed += [f"{b}.attn_norm", f"{b}.mlp_norm"]
+        if cfg.qk_norm:
+            tp_summed += [f"{b}.attn.q_norm", f"{b}.attn.k_norm"]
+        if mla:
+            tp_summed += [f"{b}.attn.kv_norm", f"{b}.attn.wkv_a"] + ([f"{b}.attn.q_norm", f"{b}.attn.wq_a"]
+                                                                  if q_latent else [])
+    for p in dense_paths:
+        params |= {f"{p}.{n}": TRANSFORMER_LAYOUT[n] for n in ("mlp.w_gate_up", "mlp.w_down")}
+    mtp_parts = ("emb_norm", "hidden_norm", "proj", "head_norm") if depths else ()
+    params |= {f"mtp.*.{n}.weight": (R, R, R) for n in mtp_parts}  # applied to each rank's own tokens
+    tp_summed += [f"mtp.*.{n}" for n in mtp_parts]
     if first:
         params["embed.weight"] = (R, R, R)
     if last:
         params["norm.weight"] = (R, R, R)
         if not cfg.tie_embeddings:
             params["head.weight"] = (R, R, R)
-    blocks = ("layers.*",) if ids else ()
-    tp_summed = ["layers.*.attn_norm", "layers.*.mlp_norm"] if ids else []
-    if cfg.qk_norm:
-        tp_summed += ["layers.*.attn.q_norm", "layers.*.attn.k_norm"]
-    if mla:
-        tp_summed += ["layers.*.attn.kv_norm", "layers.*.attn.wkv_a"] + (["layers.*.attn.q_norm", "layers.*.attn.wq_a"]
-                                                                      if q_latent else [])
     moe = cfg.moe
     if moe is not None and moe.shared_ffn and moe.shared_kind == "qwen2":  # its gate is tp-replicated
-        tp_summed += [f"layers.{i}.mlp.shared" for i in moe_ids]
+        tp_summed += [f"{p}.mlp.shared" for p in moe_paths]
     return Plan(
         params=params,
-        tp=({"layers.*.attn": SequenceParallel(positions=True)} | {f"layers.{i}.mlp": SequenceParallel()
-                                                                   for i in dense_ids}) if ids else {},
-        context={"layers.*.attn": "latent" if mla else "ring"} if ids else {},
-        moe={f"layers.{i}.mlp": MOE_LAYOUT for i in moe_ids},
-        fsdp=tuple(f"layers.{i}.mlp.experts" for i in moe_ids) + blocks,
-        tp_summed=tuple(tp_summed), recompute=blocks,
-        keep_dtype={f"layers.{i}.mlp.router.weight": None for i in moe_ids},  # its router_dtype
+        tp={f"{b}.attn": SequenceParallel(positions=True) for b in prefixes}
+        | {f"{p}.mlp": SequenceParallel() for p in dense_paths},
+        context={f"{b}.attn": "latent" if mla else "ring" for b in prefixes},
+        moe={f"{p}.mlp": MOE_LAYOUT for p in moe_paths},
+        fsdp=tuple(f"{p}.mlp.experts" for p in moe_paths) + tuple(prefixes[:1] if ids else ())
+        + (("mtp.*",) if depths else ()),
+        tp_summed=tuple(tp_summed), recompute=tuple(prefixes),
+        keep_dtype={f"{p}.mlp.router.weight": None for p in moe_paths},  # its router_dtype
         blocks="layers", before=("embed",) if first else (),
         after=(("norm",) if cfg.tie_embeddings else ("norm", "head")) if last else (),
         check=functools.partial(check_fold, cfg), whole=layers is None and first and last)
@@ -92,7 +102,10 @@ def check_fold(cfg, spec) -> None:
     for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
         if n % spec.tp:
             raise ValueError(f"{what} = {n} is not divisible by tp = {spec.tp}")
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.layers)) and cfg.ffn % spec.tp:
+    if getattr(cfg, "mtp_depth", 0) and spec.pp > 1:
+        raise ValueError(f"model.mtp_depth = {cfg.mtp_depth} with fold.pp = {spec.pp}: the multi-token-prediction "
+                         f"depths read the embedding held by the first stage; use pp = 1 or mtp_depth = 0")
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.layers + getattr(cfg, "mtp_depth", 0))) and cfg.ffn % spec.tp:
         raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
     if cfg.moe is not None:
         check_moe_fold(cfg.moe, spec.ep, spec.etp, spec.tp)

@@ -293,9 +293,10 @@ def _data_parallel(c: _Tally, model, layout, st, n_moe, params, sizes, a, master
 def loop_collectives(layout, global_batch: int) -> dict[tuple[str, str], float]:
     """What ``meshfold train``'s step adds on every rank around :func:`collective_bytes`'s (the
     dry run records it): without pp and with m > 1 micro-batches, one fp64 all-reduce of the m
-    micro-batches' token counts over all ranks (``parallel.pipeline.microbatch_counts``), and the
-    gradient norm's fp64 scalar summed over each attention dim of size > 1 (``grad_norm``).
-    Megatron rows: none (not meshfold's loop)."""
+    micro-batches' token counts over all ranks (``parallel.pipeline.microbatch_counts``; m x (1 + D)
+    with multi-token prediction's D depths, which the plan does not model), and the gradient
+    norm's fp64 scalar summed over each attention dim of size > 1 (``grad_norm``). Megatron rows:
+    none (not meshfold's loop)."""
     return _bytes_only(loop_traffic(layout, global_batch))
 
 

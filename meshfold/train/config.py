@@ -380,13 +380,13 @@ class TrainConfig:
         import json
         from pathlib import Path
 
-        from meshfold.interop.hf import config_from_hf
+        from meshfold.interop.hf import checkpoint_config, config_from_hf
 
         path = Path(self.train.init_from) / "config.json"
         if not path.is_file():
             raise ValueError(f"train.init_from = {self.train.init_from!r} is not a Hugging Face checkpoint "
                              f"folder (no config.json)")
-        fixed = sorted(k for k in model_overrides if k != "max_seq")
+        fixed = sorted(k for k in model_overrides if k not in ("max_seq", "mtp_loss_weight"))
         fixed += sorted(f"moe.{k}" for k in self.moe if k in SHAPE_FIELDS)
         if fixed:
             first = fixed[0] if fixed[0].startswith("moe.") else f"model.{fixed[0]}"
@@ -398,7 +398,8 @@ class TrainConfig:
             raise ValueError(f"train.init_from {self.train.init_from}: {path} is not valid JSON ({err}); "
                              f"a Hugging Face checkpoint's config.json is a JSON object") from None
         try:
-            return config_from_hf(hf)
+            config_from_hf(hf)  # before any tensor is looked at
+            return checkpoint_config(self.train.init_from)
         except ValueError as err:
             raise ValueError(f"train.init_from {self.train.init_from}: {path}: {err}") from None
 
@@ -458,6 +459,11 @@ class TrainConfig:
             if self.sparsity:
                 raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
                                  "all layers, which pipeline stages hold apart; use pp = 1")
+        mtp_moe = [i for i in range(cfg.layers, cfg.layers + cfg.mtp_depth) if cfg.is_moe_layer(i)]
+        if mtp_moe and (t.expert_placement == "balanced" or self.sparsity):
+            what = "train.expert_placement = 'balanced'" if t.expert_placement == "balanced" else "[sparsity]"
+            raise ValueError(f"{what} with model.mtp_depth = {cfg.mtp_depth}: the multi-token-prediction blocks' "
+                             f"MoE layers are not re-placed or pruned; use mtp_depth = 0 or drop {what}")
         if t.redundant_experts:
             self._check_replicas(t.redundant_experts, t.expert_placement, spec, cfg, bool(self.sparsity))
         if t.expert_placement == "balanced":

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from meshfold.runtime.malloc import retain_freed_memory
 from meshfold.mesh import backend_device_type, fold
+from meshfold.models.mtp import mtp_targets
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.parallel.batch import batch_rows, shard_batch
 from meshfold.parallel.data_parallel import grad_norm
@@ -61,10 +62,26 @@ def _global_loss(model: Pipeline, tokens, targets, spec, rank, backward: bool) -
     """The global mean loss of one global batch (the same on every rank), this rank's rows of it
     run through ``model``'s schedule (micro-batches, gradient accumulation with pp = 1); with
     ``backward`` its gradients accumulate."""
+    return _global_loss_parts(model, tokens, targets, spec, rank, backward)[0]
+
+
+def _global_loss_parts(model: Pipeline, tokens, targets, spec, rank, backward: bool, mtp_depth: int = 0
+                       ) -> tuple[float, dict]:
+    """:func:`_global_loss` and the loss's parts for the metrics: with ``mtp_depth`` > 0,
+    ``loss`` (the main head's cross-entropy), ``mtp_loss`` (the mean over the depths) and
+    ``mtp_losses`` (each depth's); the first value is then the objective ``loss +
+    model.mtp_loss_weight * mtp_loss``."""
     device = next(model.parameters()).device
+    if mtp_depth:  # every depth's targets side by side, before the sequence is cut over cp x tp
+        targets = mtp_targets(targets, mtp_depth)
     lt, pos = (x.to(device) for x in shard_batch(tokens, spec, rank))
     ltg = shard_batch(targets, spec, rank)[0].to(device)
-    return model.step(lt, ltg, pos, backward=backward).item()
+    loss, parts = model.step_parts(lt, ltg, pos, backward=backward)
+    named = {}
+    if "mtp" in parts:
+        named = {"loss": float(parts["main"]), "mtp_loss": float(parts["mtp"]),
+                 "mtp_losses": [float(x) for x in parts["mtp_depths"]]}
+    return loss.item(), named
 
 
 def _all_sum(t: torch.Tensor) -> torch.Tensor:
@@ -188,11 +205,12 @@ def _loop(run: Resolved, rank, world_size, built: Built, corpus, log: _Log, inje
                 expert_slots = [tuple(slots) for slots in built.rebalancer.placements()]
                 expert_copies = built.rebalancer.copies()
             faults.before_step(injected, rank, n)
-            loss = _global_loss(model, tokens, targets, spec, rank, backward=True)  # the same on every rank
+            loss, parts = _global_loss_parts(model, tokens, targets, spec, rank, True, run.model.mtp_depth)  # all ranks
             if faults.loss_is_nan(injected, n):
                 loss = float("nan")  # all ranks stop or skip together
             if math.isfinite(loss):
                 record = _update(built, t, n, loss, skipped, t.batch * t.seq, log.flops, log.peaks, t0)
+                record.update(parts)  # with MTP: loss is the main head's, mtp_loss apart
                 if built.rebalancer is not None:  # outside step_s: its cost is recorded apart
                     placed = built.rebalancer.after_step(n, record["tokens_per_expert"], opt)
                     if placed is not None:
@@ -204,9 +222,10 @@ def _loop(run: Resolved, rank, world_size, built: Built, corpus, log: _Log, inje
             if run.cfg.data.weights:  # the mixture's draw, summed over a run to check it against the weights
                 record["data_rows"] = corpus.rows_by_source(step, t.batch, t.seed)
             if n % t.eval_every == 0 or n == t.steps:
-                record["val_loss"] = evaluate(model, corpus, run.cfg, spec, rank)
+                record["val_loss"] = evaluate(model, corpus, run.cfg, spec, rank, run.model.mtp_depth)
                 for name, part in getattr(corpus, "parts", {}).items():
-                    record.setdefault("val_loss_by_source", {})[name] = evaluate(model, part, run.cfg, spec, rank)
+                    record.setdefault("val_loss_by_source", {})[name] = evaluate(model, part, run.cfg, spec, rank,
+                                                                                   run.model.mtp_depth)
             log.write(record)
             history.append(record)
         elif t.skip_nonfinite:
@@ -299,8 +318,9 @@ def _update(built: Built, t, n, loss, skipped, n_global, flops, peaks, t0) -> di
 
 
 @torch.no_grad()
-def evaluate(model, corpus, cfg, spec, rank) -> float:
-    """Mean held-out loss over ``eval_batches`` fixed validation batches."""
+def evaluate(model, corpus, cfg, spec, rank, mtp_depth: int = 0) -> float:
+    """Mean held-out loss (the main head's cross-entropy) over ``eval_batches`` fixed validation
+    batches; ``mtp_depth``: the model's multi-token-prediction depths."""
     t = cfg.train
     rows = batch_rows(t.batch, spec, rank)
     total = 0.0
@@ -308,7 +328,8 @@ def evaluate(model, corpus, cfg, spec, rank) -> float:
     try:
         for i in range(t.eval_batches):
             tokens, targets = corpus.batch("val", i, t.batch, t.seq, t.seed, rows=rows)
-            total += _global_loss(model, tokens, targets, spec, rank, backward=False)
+            loss, parts = _global_loss_parts(model, tokens, targets, spec, rank, False, mtp_depth)
+            total += parts.get("loss", loss)  # the main head's cross-entropy
     finally:
         model.train()
     return total / t.eval_batches

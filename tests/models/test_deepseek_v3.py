@@ -402,17 +402,19 @@ def test_plain_q_projection_folds_over_tp_and_cp(worlds):
     assert all(worlds(4).run(_run_folded, (spec, 2, 8, 4, "allreduce", 0.0, False)))
 
 
-def test_multi_token_prediction_layers_are_skipped_but_unknown_tensors_are_not(tmp_path):
+def test_multi_token_prediction_layers_not_built_are_skipped_but_unknown_tensors_are_not(tmp_path):
+    import dataclasses
+
     from safetensors.torch import load_file, save_file
 
     from meshfold.interop.hf import config_from_hf
 
     hf_checkpoint(tmp_path)
-    cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    cfg = dataclasses.replace(config_from_hf(json.loads((tmp_path / "config.json").read_text())), mtp_depth=0)
     tensors = load_file(tmp_path / "model.safetensors")
     mtp = {f"model.layers.{cfg.layers}.eh_proj.weight": torch.zeros(cfg.hidden, 2 * cfg.hidden)}
     save_file({**tensors, **mtp}, tmp_path / "model.safetensors")
-    load_state(tmp_path, cfg)  # the MTP module (layer num_hidden_layers) is not built: skipped
+    load_state(tmp_path, cfg)  # an MTP layer (num_hidden_layers) the config does not build: skipped
     save_file({**tensors, "model.layers.0.self_attn.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"not used by the config .*self_attn\.extra\.weight"):
         load_state(tmp_path, cfg)
@@ -430,7 +432,9 @@ def test_mla_config_saved_as_another_architecture_is_refused():
 
 def test_deepseek_v3_hub_config_maps_to_the_named_config():
     """deepseek-ai/DeepSeek-V3's config.json (its legacy ``rope_scaling`` spelling, the fields
-    meshfold reads) gives exactly ``deepseek-v3-671b``."""
+    meshfold reads) gives exactly ``deepseek-v3-671b`` with its one multi-token-prediction depth."""
+    import dataclasses
+
     from meshfold.models.configs import get_config
     from meshfold.interop.hf import config_from_hf
 
@@ -445,4 +449,4 @@ def test_deepseek_v3_hub_config_maps_to_the_named_config():
            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                             "original_max_position_embeddings": 4096, "type": "yarn"},
            "tie_word_embeddings": False, "attention_bias": False}
-    assert config_from_hf(hub) == get_config("deepseek-v3-671b")
+    assert config_from_hf(hub) == dataclasses.replace(get_config("deepseek-v3-671b"), mtp_depth=1)

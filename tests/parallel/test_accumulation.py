@@ -1,19 +1,21 @@
 """Gradient accumulation without pipeline parallelism: micro-batches 1, 2 and 4 of the same batch
 give the same loss and every gradient (fp64), balancing losses included, on one device and on
-hypothesis-drawn folds, with FSDP2 and all-reduce."""
+hypothesis-drawn folds, with FSDP2 and all-reduce, and with multi-token prediction's depths."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshfold.mesh import FoldSpec
 from meshfold.models import MoEConfig
+from meshfold.models.mtp import mtp_targets
 from meshfold.models.transformer import MoETransformer, TransformerConfig
 from meshfold.parallel.transformer import parallelize, single_device_name
 from meshfold.testing.strategies import fold_specs
 from meshfold.testing.worlds import cached_fold
-from meshfold.parallel.pipeline import Pipeline, accumulate
-from meshfold.train.loop import _global_loss
+from meshfold.parallel.pipeline import Pipeline, accumulate, local_microbatch_counts
+from meshfold.train.loop import _global_loss, _global_loss_parts
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 # losses that average over the batch's tokens or sequences: their micro-batch means are the batch's
@@ -97,3 +99,77 @@ def test_microbatches_give_the_whole_batch_loss_and_gradients(worlds, world_size
         assert all(world.run(_run, (spec, seed, data_parallel, ignore)))
 
     check()
+
+
+def _mtp_step(tokens, targets_bsd, microbatches):
+    """(loss, parts, gradients) of one accumulated step of an MTP model with D = targets' columns - 1."""
+    moe = MoEConfig(hidden=16, ffn=8, num_experts=4, topk=2, router_dtype=torch.float64, **PER_TOKEN_LOSSES)
+    cfg = TransformerConfig(vocab=32, hidden=16, layers=2, heads=4, kv_heads=2, ffn=8, moe=moe, moe_every=2,
+                            mtp_depth=targets_bsd.shape[-1] - 1, mtp_loss_weight=0.3)
+    model = MoETransformer(cfg, dtype=torch.float64, seed=1)
+    counts = local_microbatch_counts(targets_bsd, microbatches).tolist()  # one device: nothing to all-reduce
+    parts: dict = {}
+    loss = accumulate(model, tokens, targets_bsd, None, counts, backward=True, parts=parts)
+    return loss, parts, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("masked", [False, True], ids=["corpus", "masked"])
+def test_microbatches_give_the_whole_batch_mtp_loss_and_gradients(depth, masked):
+    """Micro-batches 2 and 4 give the whole batch's objective, its main and per-depth MTP parts and
+    every gradient (fp64). Each micro-batch's term k is weighted by its share of the batch's
+    term-k positions: in corpus batches (no -100) every row counts S - k depth-k positions, so
+    that share is its share of main targets; with -100 targets the two differ (a depth-k position
+    needs two known targets), and a micro-batch may hold no depth-2 position at all."""
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 32, (4, 12), generator=g)
+    targets = torch.randint(0, 32, (4, 12), generator=g)
+    if masked:
+        targets[torch.rand(4, 12, generator=g) < 0.4] = -100
+        targets[3, 1::2] = -100  # the last micro-batch of 4: no two known targets in a row
+    targets_bsd = mtp_targets(targets, depth)
+    whole, whole_parts, ref = _mtp_step(tokens, targets_bsd, 1)
+    for m in (2, 4):
+        loss, parts, got = _mtp_step(tokens, targets_bsd, m)
+        assert loss == pytest.approx(whole, rel=1e-12), m
+        for name in ("main", "mtp", "mtp_depths"):
+            torch.testing.assert_close(parts[name], whole_parts[name], **TOL, msg=lambda msg: f"{m} {name}: {msg}")
+        for name, grad in got.items():
+            torch.testing.assert_close(grad, ref[name], **TOL, msg=lambda msg: f"microbatches={m} {name}: {msg}")
+
+
+def _mtp_fold_step(rank, spec, tokens, targets, microbatches, data_parallel):
+    moe = MoEConfig(hidden=16, ffn=4, num_experts=4, topk=2, router_dtype=torch.float64, **PER_TOKEN_LOSSES)
+    cfg = TransformerConfig(vocab=32, hidden=16, layers=2, heads=4, kv_heads=2, ffn=8, moe=moe, moe_every=2,
+                            mtp_depth=2, mtp_loss_weight=0.3)
+    model = MoETransformer(cfg, dtype=torch.float64, seed=1)
+    pipe = Pipeline(model, cached_fold(spec), microbatches, data_parallel=data_parallel)  # pp = 1: accumulation
+    loss, parts = _global_loss_parts(pipe, tokens, targets, spec, rank, True, mtp_depth=2)
+    pipe.reduce_gradients()
+    return loss, parts, {single_device_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def _run_mtp(rank, world_size, spec, data_parallel):
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 32, (8, 8), generator=g)
+    targets = torch.randint(0, 32, (8, 8), generator=g)
+    targets[torch.rand(8, 8, generator=g) < 0.4] = -100
+    whole, whole_parts, ref = _mtp_fold_step(rank, spec, tokens, targets, 1, data_parallel)
+    for m in (2, 4):
+        loss, parts, got = _mtp_fold_step(rank, spec, tokens, targets, m, data_parallel)
+        assert loss == pytest.approx(whole, rel=1e-12), m
+        for name, value in parts.items():  # the main loss, mtp_loss and the per-depth mtp_losses
+            assert value == pytest.approx(whole_parts[name], rel=1e-12), (m, name, value, whole_parts[name])
+        for name, grad in got.items():
+            torch.testing.assert_close(grad, ref[name], **TOL, msg=lambda msg: f"microbatches={m} {name}: {msg}")
+    return True
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("spec, data_parallel", [(FoldSpec(4, dp=2, tp=2, ep=2), "fsdp"),
+                                                 (FoldSpec(4, dp=2, cp=2, ep=4), "allreduce")],
+                         ids=["dp2tp2-ep2-fsdp", "dp2cp2-ep4-allreduce"])
+def test_microbatches_give_the_whole_batch_mtp_loss_and_gradients_on_folds(worlds, spec, data_parallel):
+    """As above on a fold, through the training loop's step with masked targets: each micro-batch's
+    per-term counts are summed over the ranks (one all-reduce) before any of its forwards."""
+    assert all(worlds(4).run(_run_mtp, spec, data_parallel))
