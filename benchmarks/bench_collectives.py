@@ -199,4 +199,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from meshfold.runtime.machine import print_machine
+
+    print_machine()  # the CPU and its bf16 instructions: a timing means nothing without them
     sys.exit(main())

@@ -120,4 +120,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from meshfold.runtime.machine import print_machine
+
+    print_machine()  # the CPU and its bf16 instructions: a timing means nothing without them
     main()

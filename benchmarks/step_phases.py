@@ -103,6 +103,9 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from meshfold.runtime.machine import print_machine
+
+    print_machine()  # the CPU and its bf16 instructions: a timing means nothing without them
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     main(sys.argv[1:])
