@@ -18,8 +18,20 @@ copies' losses are checked bit-equal at every step. With ``--redundant R1,R2`` (
 (:func:`meshfold.plan.placement.replicated`); its busiest rows count each copied expert's rows
 split evenly over its instances (the split rule's, to within a row per source rank), and its
 losses are checked against static's to a relative 1e-5 (fp32: its expert gradients sum over
-the instances in another order). Writes
-benchmarks/results/expert_placement_W.json.
+the instances in another order); its re-placement (experts moved to the chosen slots, weights and
+AdamW moments, then the copies set; median of ``--moves`` moves back and forth) is timed like
+balanced's.
+
+Per placement and ep rank, also: the CPU time per step in the expert GEMMs (forward and both
+backward GEMMs, :func:`meshfold.kernels.cpu_grouped.rows_mm` and ``dw_mm``), read with
+``time.thread_time`` around each call. Each rank runs one intra-op thread, so these GEMMs run
+on the calling thread (the autograd engine runs CPU backward there too), and thread time counts
+only the time the rank is on a core: the ranks' own GEMM work, which shared cores do not hide
+(cache contention with the other ranks may inflate it). And the bytes the copies hold: the
+expert weights the GEMMs receive in storage other than the parameters' own (with copies, the
+local experts and fetched copies concatenated, kept for backward), and of those the fetched
+copies' bytes, per forward of a step. Both are read by wrappers installed here, not by meshfold.
+Writes benchmarks/results/expert_placement_W.json.
 """
 
 from __future__ import annotations
@@ -32,6 +44,43 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _time_expert_gemms():
+    """Wrap the CPU grouped GEMMs so each call adds its thread CPU time to the returned [s]."""
+    from meshfold.kernels import cpu_grouped
+
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*args):
+            t0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                spent[0] += time.thread_time() - t0
+        return call
+
+    cpu_grouped.rows_mm, cpu_grouped.dw_mm = timed(cpu_grouped.rows_mm), timed(cpu_grouped.dw_mm)
+    return spent
+
+
+def _count_held_weights(comm, held):
+    """Wrap ``comm.local`` so each expert weight it returns in storage other than its
+    parameter's adds (bytes held, bytes fetched as copies) to ``held``."""
+    from meshfold.placements.params import local_view
+
+    local = comm.local
+
+    def counted(name, p):
+        v = local(name, p)
+        own = local_view(p)
+        if name.startswith("experts.") and v.untyped_storage().data_ptr() != own.untyped_storage().data_ptr():
+            held[0] += v.nbytes
+            held[1] += v.nbytes * (v.shape[0] - own.shape[0]) // v.shape[0]
+        return v
+
+    comm.local = counted
 
 
 def _bench(rank, world_size, args):
@@ -48,6 +97,7 @@ def _bench(rank, world_size, args):
     from meshfold.plan.placement import balanced, replica_rank_loads, replicated
 
     torch.set_num_threads(1)
+    gemm_s = _time_expert_gemms()
     spec = FoldSpec(world_size, ep=world_size)
     folded = fold(spec)
     E = args.experts
@@ -57,7 +107,7 @@ def _bench(rank, world_size, args):
                             ffn=args.hidden, moe=moe, first_k_dense=0, max_seq=args.seq)
     popularity = torch.randperm(E, generator=torch.Generator().manual_seed(7))  # expert -> Zipf rank
     bias_E = args.bias * torch.log((popularity + 1.0) ** -args.zipf)
-    runs = {}
+    runs, held = {}, {}  # held: (bytes, fetched bytes) of expert weights outside the parameters
     copied = {f"copies R={R}": R for R in args.redundant}
     for name in ("static", "balanced", *copied):
         torch.manual_seed(0)
@@ -66,6 +116,9 @@ def _bench(rank, world_size, args):
             layer.router.expert_bias.copy_(bias_E)
         parallelize(model, folded, data_parallel="allreduce")
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        held[name] = [0, 0]
+        for layer in folded_moe_layers(model):
+            _count_held_weights(layer.comm, held[name])
     g = torch.Generator().manual_seed(1)
 
     def batch():
@@ -77,6 +130,8 @@ def _bench(rank, world_size, args):
         for layer in model.moe_layers():
             layer.reset_step()
         dist.barrier()
+        held[name][:] = [0, 0]
+        gemm0 = gemm_s[0]
         t0 = time.perf_counter()
         lt, pos = shard_batch(tokens, spec, rank)
         loss = model.loss(lt, shard_batch(targets, spec, rank)[0], pos)
@@ -85,11 +140,13 @@ def _bench(rank, world_size, args):
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
+        gemm[name].append(gemm_s[0] - gemm0)
         loads = [layer.step_metrics()["tokens_per_expert"].tolist() for layer in model.moe_layers()]
         rows = [sum(r) for r in zip(*(replica_rank_loads(x, placement_of(layer), layer.comm.copies or (), world_size)
                                       for x, layer in zip(loads, folded_moe_layers(model))))]
-        return loss.item(), dt, loads, max(rows)
+        return loss.item(), dt, loads, rows
 
+    gemm = {name: [] for name in runs}  # expert GEMM CPU seconds of each step
     same, close, measured = True, True, [None] * args.layers
     for _ in range(args.warmup):
         tokens, targets = batch()
@@ -98,30 +155,39 @@ def _bench(rank, world_size, args):
         for name in copied:
             close &= abs(step(name, tokens, targets)[0] - la) <= 1e-5 * abs(la)
         measured = [x if m is None else [a + b for a, b in zip(m, x)] for m, x in zip(measured, loads)]
-    layers = folded_moe_layers(runs["balanced"][0])
+
+    def place(name, slots, copies):
+        """Re-place run ``name`` to ``slots`` (and ``copies``, one entry per layer) and back
+        ``--moves`` times, ending on them; -> (median seconds, bytes this rank sent in the first)."""
+        model, opt = runs[name]
+        layers = folded_moe_layers(model)
+        static = [tuple(range(E))] * len(layers)
+        moves, sent = [], 0
+        for i in range(args.moves):
+            there = i % 2 == 0 or i == args.moves - 1
+            dist.barrier()
+            t0 = time.perf_counter()
+            b = 0
+            for layer, s, c in zip(layers, slots if there else static, copies if there else [()] * len(layers)):
+                layer.comm.set_copies((), E, ())
+                b += replace_experts(layer, s, opt)
+                layer.comm.set_copies(c, E, expert_params(layer))
+            moves.append(time.perf_counter() - t0)
+            sent = sent or b
+        return statistics.median(moves), sent
+
     chosen = [balanced(m, world_size) for m in measured]
-    moves, sent = [], 0
-    for i in range(args.moves):  # to the balanced placement and back, ending on it
-        target = chosen if i % 2 == 0 else [tuple(range(E))] * len(layers)
-        if i == args.moves - 1 and i % 2:
-            target = chosen
-        dist.barrier()
-        t0 = time.perf_counter()
-        b = sum(replace_experts(layer, s, runs["balanced"][1]) for layer, s in zip(layers, target))
-        moves.append(time.perf_counter() - t0)
-        sent = sent or b
-    if [placement_of(layer) for layer in layers] != chosen:
-        for layer, s in zip(layers, chosen):
-            replace_experts(layer, s, runs["balanced"][1])
+    moved = {"balanced": place("balanced", chosen, [()] * len(chosen))}
     copy_sets = {}
     for name, R in copied.items():
         chosen_copies = [replicated(m, world_size, R) for m in measured]
         copy_sets[name] = [list(c) for _, c in chosen_copies]
-        for layer, (slots, copies) in zip(folded_moe_layers(runs[name][0]), chosen_copies):
-            replace_experts(layer, slots, runs[name][1])
-            layer.comm.set_copies(copies, E, expert_params(layer))
+        moved[name] = place(name, [s for s, _ in chosen_copies], [c for _, c in chosen_copies])
     times = {name: [] for name in runs}
+    for v in gemm.values():
+        v.clear()  # report the timed steps only
     busiest = {name: [] for name in runs}
+    rank_rows = {name: [] for name in runs}  # per step: each ep rank's rows
     for i in range(args.steps):
         tokens, targets = batch()
         losses = {}
@@ -129,12 +195,16 @@ def _bench(rank, world_size, args):
         for name in (names if i % 2 else names[::-1]):
             losses[name], dt, _, top = step(name, tokens, targets)
             times[name].append(dt)
-            busiest[name].append(top)
+            busiest[name].append(max(top))
+            rank_rows[name].append(top)
         same &= losses["static"] == losses["balanced"]
         close &= all(abs(losses[n] - losses["static"]) <= 1e-5 * abs(losses["static"]) for n in copied)
     return dict(step_s={k: statistics.median(v) for k, v in times.items()},
                 busiest_rows={k: statistics.mean(v) for k, v in busiest.items()},
-                move_s=statistics.median(moves), sent_bytes=sent, same=same, close=close,
+                rows_per_rank={k: [statistics.mean(r) for r in zip(*v)] for k, v in rank_rows.items()},
+                gemm_cpu_s={k: statistics.median(v) for k, v in gemm.items()},
+                held_bytes={k: v[0] for k, v in held.items()}, fetched_bytes={k: v[1] for k, v in held.items()},
+                moved=moved, same=same, close=close,
                 placements=[list(s) for s in chosen], copies=copy_sets,
                 expert_shares=[sorted((x / sum(m) for x in m), reverse=True)[:4] for m in measured])
 
@@ -168,21 +238,38 @@ def main(argv=None) -> int:
     step = {k: max(r["step_s"][k] for r in res) for k in names}
     rows = res[0]["busiest_rows"]
     tokens = W * args.batch * args.seq
-    move_s = max(r["move_s"] for r in res)
+    gemm = {k: [r["gemm_cpu_s"][k] for r in res] for k in names}  # per ep rank (rank = ep rank)
+    held = {k: [r["held_bytes"][k] for r in res] for k in names}
+    fetched = {k: [r["fetched_bytes"][k] for r in res] for k in names}
+    moved = {k: (max(r["moved"][k][0] for r in res), sum(r["moved"][k][1] for r in res)) for k in res[0]["moved"]}
+    move_s = moved["balanced"][0]
     saved = step["static"] - step["balanced"]
     summary = dict(world_size=W, experts=args.experts, topk=args.topk, hidden=args.hidden, ffn=args.ffn,
                    layers=args.layers, tokens_per_step=tokens, zipf=args.zipf, bias=args.bias,
-                   busiest_rank_rows_per_step=rows, slowest_rank_step_s=step,
+                   busiest_rank_rows_per_step=rows, rows_per_ep_rank=res[0]["rows_per_rank"],
+                   slowest_rank_step_s=step,
                    tokens_per_s={k: tokens / v for k, v in step.items()},
-                   replacement_bytes=sum(r["sent_bytes"] for r in res), replacement_s=move_s,
+                   expert_gemm_cpu_s_per_ep_rank=gemm, copies_held_bytes_per_ep_rank=held,
+                   copies_fetched_bytes_per_ep_rank=fetched,
+                   replacement_bytes_per_placement={k: v[1] for k, v in moved.items()},
+                   replacement_s_per_placement={k: v[0] for k, v in moved.items()},
+                   replacement_bytes=moved["balanced"][1], replacement_s=move_s,
                    steps_to_repay=(move_s / saved) if saved > 0 else None,
                    losses_bit_equal=all(r["same"] for r in res), placements=res[0]["placements"],
                    copies_losses_close=all(r["close"] for r in res), copies=res[0]["copies"],
                    hottest_expert_shares_per_layer=res[0]["expert_shares"],
                    load_average=os.getloadavg())
-    print(f"{'placement':>13} {'busiest rows':>12} {'step ms':>8} {'tokens/s':>9}")
+    print(f"{'placement':>13} {'busiest rows':>12} {'step ms':>8} {'tokens/s':>9} {'rows per ep rank':>28} "
+          f"{'expert GEMM CPU ms per ep rank':>32} {'max':>6} {'held MiB per rank':>22} "
+          f"{'re-placement MiB, ms':>20}")
     for k in names:
-        print(f"{k:>13} {rows[k]:>12,.0f} {1e3 * step[k]:>8.1f} {tokens / step[k]:>9,.0f}")
+        per_rank = "/".join(f"{1e3 * t:.0f}" for t in gemm[k])
+        rank_rows = "/".join(f"{r:,.0f}" for r in res[0]["rows_per_rank"][k])
+        mib = "/".join(f"{b / 2**20:.1f}" for b in held[k])
+        move = f"{moved[k][1] / 2**20:.1f}, {1e3 * moved[k][0]:.0f}" if k in moved else "-"
+        print(f"{k:>13} {rows[k]:>12,.0f} {1e3 * step[k]:>8.1f} {tokens / step[k]:>9,.0f} {rank_rows:>28} "
+              f"{per_rank:>32} "
+              f"{1e3 * max(gemm[k]):>6.0f} {mib:>22} {move:>20}")
     print(f"one re-placement: {summary['replacement_bytes'] / 2**20:.2f} MiB moved over all ranks, "
           f"{1e3 * move_s:.1f} ms; repaid after {summary['steps_to_repay'] or float('inf'):.1f} steps; "
           f"losses bit-equal: {summary['losses_bit_equal']}; copies' losses within 1e-5: "
