@@ -22,6 +22,16 @@ the instances in another order); its re-placement (experts moved to the chosen s
 AdamW moments, then the copies set; median of ``--moves`` moves back and forth) is timed like
 balanced's.
 
+With ``--rebalance-every N`` the balanced and copies runs also re-choose during the timed steps as
+training does with ``train.rebalance_every = N`` (:class:`meshfold.train.rebalance.Rebalancer`,
+the same object and rule: every N timed steps, re-place and re-fill the copies from the loads
+summed over the steps since the last choice, keeping the current placement unless the new one
+lowers the busiest rank); the first choice is still the one after the warm-up. Reported then:
+each timed step's busiest ep rank's rows over the mean rank's, its median over the timed steps,
+and per run the number of re-choices (and of those, the ones that moved expert weights), their
+bytes moved over all ranks and their seconds (slowest rank, summed). Without the flag the
+choice is made once.
+
 Per placement and ep rank, also: the CPU time per step in the expert GEMMs (forward and both
 backward GEMMs, :func:`meshfold.kernels.cpu_grouped.rows_mm` and ``dw_mm``), read with
 ``time.thread_time`` around each call. Each rank runs one intra-op thread, so these GEMMs run
@@ -94,7 +104,8 @@ def _bench(rank, world_size, args):
     from meshfold.parallel.data_parallel import reduce_gradients
     from meshfold.parallel.expert_placement import expert_params, folded_moe_layers, placement_of, replace_experts
     from meshfold.parallel.transformer import parallelize
-    from meshfold.plan.placement import balanced, replica_rank_loads, replicated
+    from meshfold.plan.placement import balanced, max_over_mean, replica_rank_loads, replicated
+    from meshfold.train.rebalance import Rebalancer
 
     torch.set_num_threads(1)
     gemm_s = _time_expert_gemms()
@@ -187,20 +198,32 @@ def _bench(rank, world_size, args):
     for v in gemm.values():
         v.clear()  # report the timed steps only
     busiest = {name: [] for name in runs}
+    over_mean = {name: [] for name in runs}  # per step: busiest rank's rows / mean rank's
+    rebalancers = {name: Rebalancer(runs[name][0], args.rebalance_every, world_size, copied.get(name, 0))
+                   for name in ("balanced", *copied)} if args.rebalance_every else {}
+    replaced = {name: [] for name in rebalancers}  # per re-choice: (bytes over all ranks, seconds)
     rank_rows = {name: [] for name in runs}  # per step: each ep rank's rows
+    last = {}  # per run: the last timed step's loads, per layer and expert
     for i in range(args.steps):
         tokens, targets = batch()
         losses = {}
         names = list(runs)
         for name in (names if i % 2 else names[::-1]):
-            losses[name], dt, _, top = step(name, tokens, targets)
+            losses[name], dt, loads, top = step(name, tokens, targets)
             times[name].append(dt)
             busiest[name].append(max(top))
+            over_mean[name].append(max_over_mean(top))
+            last[name] = loads
+            if name in rebalancers:  # as the training loop: after the step, from its loads
+                placed = rebalancers[name].after_step(i + 1, loads, runs[name][1])
+                if placed is not None:
+                    replaced[name].append((placed["moved_bytes"], placed["seconds"]))
             rank_rows[name].append(top)
         same &= losses["static"] == losses["balanced"]
         close &= all(abs(losses[n] - losses["static"]) <= 1e-5 * abs(losses["static"]) for n in copied)
     return dict(step_s={k: statistics.median(v) for k, v in times.items()},
                 busiest_rows={k: statistics.mean(v) for k, v in busiest.items()},
+                over_mean=over_mean, replaced=replaced, last_loads=last,
                 rows_per_rank={k: [statistics.mean(r) for r in zip(*v)] for k, v in rank_rows.items()},
                 gemm_cpu_s={k: statistics.median(v) for k, v in gemm.items()},
                 held_bytes={k: v[0] for k, v in held.items()}, fetched_bytes={k: v[1] for k, v in held.items()},
@@ -226,6 +249,9 @@ def main(argv=None) -> int:
     parser.add_argument("--moves", type=int, default=5, help="re-placements timed (back and forth)")
     parser.add_argument("--redundant", default=None,
                         help="copy slots of each copies run, comma-separated (default: ep,2ep; 0: none)")
+    parser.add_argument("--rebalance-every", type=int, default=0,
+                        help="re-choose placement and copies every N timed steps, as train.rebalance_every "
+                             "(default 0: chosen once after the warm-up)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     W = args.world_size
@@ -258,6 +284,13 @@ def main(argv=None) -> int:
                    losses_bit_equal=all(r["same"] for r in res), placements=res[0]["placements"],
                    copies_losses_close=all(r["close"] for r in res), copies=res[0]["copies"],
                    hottest_expert_shares_per_layer=res[0]["expert_shares"],
+                   rebalance_every=args.rebalance_every,
+                   busiest_over_mean_per_step=res[0]["over_mean"], loads_last_step=res[0]["last_loads"],
+                   busiest_over_mean_median={k: statistics.median(v) for k, v in res[0]["over_mean"].items()},
+                   rebalances={k: dict(count=len(v), moved=sum(1 for b, _ in v if b),
+                                       bytes=sum(b for b, _ in v),
+                                       seconds=max(sum(s for _, s in r["replaced"][k]) for r in res))
+                               for k, v in res[0]["replaced"].items()},
                    load_average=os.getloadavg())
     print(f"{'placement':>13} {'busiest rows':>12} {'step ms':>8} {'tokens/s':>9} {'rows per ep rank':>28} "
           f"{'expert GEMM CPU ms per ep rank':>32} {'max':>6} {'held MiB per rank':>22} "
@@ -274,6 +307,14 @@ def main(argv=None) -> int:
           f"{1e3 * move_s:.1f} ms; repaid after {summary['steps_to_repay'] or float('inf'):.1f} steps; "
           f"losses bit-equal: {summary['losses_bit_equal']}; copies' losses within 1e-5: "
           f"{summary['copies_losses_close']}; load average {summary['load_average']}")
+    every = f"every {args.rebalance_every} steps" if args.rebalance_every else "once, after the warm-up"
+    print(f"busiest ep rank's rows / mean rank's, per timed step (placement and copies chosen {every}):")
+    for k in names:
+        per_step = " ".join(f"{x:.2f}" for x in summary["busiest_over_mean_per_step"][k])
+        rb = summary["rebalances"].get(k)
+        again = (f"; {rb['count']} re-choices ({rb['moved']} moving weights), {rb['bytes'] / 2**20:.1f} MiB, "
+                 f"{1e3 * rb['seconds']:.0f} ms in all") if rb else ""
+        print(f"{k:>13} median {summary['busiest_over_mean_median'][k]:.2f}: {per_step}{again}")
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"expert_placement_{W}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
