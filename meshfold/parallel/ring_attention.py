@@ -52,7 +52,6 @@ buffers itself (in place, inside the context), while meshfold's data layer
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -383,26 +382,18 @@ def load_balanced(pos: torch.Tensor, rank: int, cp: int) -> bool:
     """Whether ``pos`` [2n] or [B, 2n] are cp rank ``rank``'s two chunks (each sequence up to one
     offset), i.e. whether the ring could apply on this rank. A rank's answer alone must not pick
     its attention's collectives (the other cp ranks may answer otherwise): a context hook asks
-    :func:`ring_applies`, which decides for every cp rank together.
+    :func:`ring_applies`, which decides for every cp rank together (and remembers its answer per
+    positions tensor).
 
     Checked on every device, from the steps between neighbours (1 inside a chunk, the gap to the
-    second chunk between them), so no index tensor is built. Off the CPU the answer is a host
-    read: it is remembered for the last positions tensor seen (until it changes in place), so the
-    layers of one forward, which share their positions, read once. Under ``torch.compile`` the
-    layout is trusted (a read would break the graph)."""
+    second chunk between them), so no index tensor is built; off the CPU the answer is a host
+    read. Under ``torch.compile`` the layout is trusted (a read would break the graph)."""
     length = pos.shape[-1]
     if length % 2 or length == 0:
         return False
     if torch.compiler.is_compiling():
         return True
-    global _last_checked
-    key = (pos._version, rank, cp)
-    if pos.device.type != "cpu" and _last_checked[0]() is pos and _last_checked[1] == key:
-        return _last_checked[2]
-    ok = bool(_balanced(pos, rank, cp))
-    if pos.device.type != "cpu":
-        _last_checked = (weakref.ref(pos), key, ok)
-    return ok
+    return bool(_balanced(pos, rank, cp))
 
 
 def _balanced(pos: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
@@ -415,9 +406,6 @@ def _balanced(pos: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     steps = pos[..., 1:] - pos[..., :-1]  # [..., 2n - 1]
     gap = (second - first - 1) * n + 1  # from the last position of chunk `first` to the first of `second`
     return (steps[..., :n - 1] == 1).all() & (steps[..., n:] == 1).all() & (steps[..., n - 1] == gap).all()
-
-
-_last_checked = (lambda: None, None, False)  # (positions, (version, rank, cp), answer)
 
 
 def ring_applies(pos: torch.Tensor, mesh, dim: str = "cp") -> bool:

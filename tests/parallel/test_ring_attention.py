@@ -100,7 +100,7 @@ def test_block_plan_skips_future_and_marks_the_diagonal():
 def test_load_balanced_accepts_exactly_the_ring_layout_on_every_device(off_cpu):
     """The ring runs only on this rank's two chunks (each sequence up to an offset), on the CPU
     and off it alike (off it the check used to trust any even length): other layouts take the
-    generic path. Off the CPU the answer is remembered per positions tensor until it changes."""
+    generic path; a tensor changed in place is checked anew."""
     from meshfold.testing.references import OffCPU
 
     cp, n = 4, 3
