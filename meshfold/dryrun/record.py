@@ -34,10 +34,11 @@ from itertools import combinations
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from meshfold.mesh import VIEWS
+from meshfold.runtime.live_bytes import holders
 
 __all__ = ["KINDS", "CollectiveLog", "HostReads", "LivePeak", "StepRecorder", "dim_names", "summary"]
 
@@ -205,17 +206,6 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {})) if answer is _PASS else answer
 
 
-def _holders(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors whose storages hold ``t``'s data: ``t`` itself, or for a wrapper subclass
-    its inner tensors (a DTensor's local shard, an ``AsyncCollectiveTensor``'s collective output).
-    A wrapper's own storage is a placeholder of its full size with no data behind it."""
-    if not is_traceable_wrapper_subclass(t):
-        return [t]
-    names, _ = t.__tensor_flatten__()  # DTensor lists its device mesh too: not a tensor
-    inner = (getattr(t, name) for name in names)
-    return [h for x in inner if isinstance(x, torch.Tensor) for h in _holders(x)]
-
-
 class LivePeak(TorchDispatchMode):
     """Peak bytes of the storages created by ops while active and still alive (``peak``;
     ``live`` now). Storages alive before (parameters, the tokens) are not counted, nor views of
@@ -231,17 +221,17 @@ class LivePeak(TorchDispatchMode):
       a new fake tensor under FakeTensorMode: there the wait's output counts as the collective's
       output (its bytes stay while either is alive), not as a second buffer.
 
-    A wrapper subclass counts as the tensors it wraps (:func:`_holders`): in eager execution a
-    functional collective returns its output wrapped in an ``AsyncCollectiveTensor``
-    (``_c10d_functional._wrap_tensor_autograd``; under FakeTensorMode it waits instead), and the
-    wrapper's placeholder storage holds no bytes of its own.
+    A wrapper subclass counts as the tensors it wraps (:func:`~meshfold.runtime.live_bytes.holders`):
+    in eager execution a functional collective returns its output wrapped in an
+    ``AsyncCollectiveTensor`` (``_c10d_functional._wrap_tensor_autograd``; under FakeTensorMode
+    it waits instead), and the wrapper's placeholder storage holds no bytes of its own.
     """
 
     def __init__(self, exclude=()):
         super().__init__()
         # storage id -> (weakref, bytes, what it keeps alive)
         self._seen: dict[int, tuple] = {id(h.untyped_storage()): (None, 0, None)
-                                        for t in exclude for h in _holders(t)}
+                                        for t in exclude for h in holders(t)}
         self._shrunk: set[int] = set()  # storages FSDP2 has resized to 0 bytes
         self.live = self.peak = 0
 
@@ -308,11 +298,11 @@ class LivePeak(TorchDispatchMode):
         if func.is_view:  # allocates nothing: its storage is its input's, counted or not
             return
         if func is torch.ops._c10d_functional.wait_tensor.default:
-            waited, done = (_holders(t)[0].untyped_storage() for t in (args[0], out))
+            waited, done = (holders(t)[0].untyped_storage() for t in (args[0], out))
             if done is not waited and id(done) not in self._seen:  # fake: keep the input's bytes alive
                 self._seen[id(done)] = (weakref.ref(done, lambda _, key=id(done): self._forget(key)), 0, waited)
             return
-        for t in (h for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor) for h in _holders(leaf)):
+        for t in (h for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor) for h in holders(leaf)):
             s = t.untyped_storage()
             key = id(s)
             if key in self._seen:

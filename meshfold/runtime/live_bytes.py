@@ -38,9 +38,19 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-__all__ = ["LiveBytes"]
+__all__ = ["LiveBytes", "holders"]
 
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def holders(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages hold ``t``'s data: ``t`` itself, or for a wrapper subclass the
+    tensors it wraps, unwrapped in turn (a DTensor's local shard, an ``AsyncCollectiveTensor``'s
+    collective output). A wrapper's own storage is a placeholder with no data behind it."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])  # DTensor lists its mesh too
+    return [h for x in inner if isinstance(x, torch.Tensor) for h in holders(x)]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -94,11 +104,9 @@ class LiveBytes(TorchDispatchMode):
 
     def _see_tree(self, x) -> None:
         if isinstance(x, torch.Tensor):
-            if type(x) in _PLAIN:
-                self._see_storage(x.untyped_storage())
-            elif is_traceable_wrapper_subclass(x):
-                for name in x.__tensor_flatten__()[0]:
-                    self._see_tree(getattr(x, name))
+            for h in holders(x):
+                if type(h) in _PLAIN:  # not fake or other unwrapped subclasses: they hold no memory
+                    self._see_storage(h.untyped_storage())
         elif isinstance(x, (tuple, list)):
             for y in x:
                 self._see_tree(y)
