@@ -104,8 +104,8 @@ def train_config(args):
         for key, value in DEFAULTS.items():
             if getattr(args, key) is None:
                 setattr(args, key, value)
-    if args.model is not None:
-        cfg.model = {"name": args.model}
+    if args.model is not None:  # names the model; the [model] settings given with it still apply
+        cfg.model = {**cfg.model, "name": args.model}
     if args.fold is not None:
         cfg.fold = parse_fold(args.fold, args.gpus if args.gpus is not None else cfg.fold.get("world_size", 1))
     elif args.gpus is not None:

@@ -184,3 +184,14 @@ def test_dryrun_set_refuses_what_it_cannot_stand_for_before_any_rank(capsys, mon
     monkeypatch.setattr(engine, "dry_run_rank", lambda *a: pytest.fail("a rank started"))
     line = _error_line(["dryrun", "--set", "train.compile=true"], capsys)
     assert line.startswith("train.compile = true:"), line
+
+
+def test_dryrun_model_keeps_the_model_settings_given_with_it(capsys, monkeypatch):
+    """--model names the model; a --set model.KEY given beside it still applies (it was dropped:
+    a pp = 2 dry run of model.mtp_depth = 1, which meshfold train refuses, ran without MTP)."""
+    from meshfold.dryrun import engine
+
+    monkeypatch.setattr(engine, "dry_run_rank", lambda *a: pytest.fail("a rank started"))
+    line = _error_line(["dryrun", "--model", "tiny-deepseek-v3", "--set", "model.mtp_depth=1",
+                        "--set", "fold.pp=2", "--set", "fold.ep=2"], capsys)
+    assert line.startswith("model.mtp_depth = 1 with fold.pp = 2"), line
