@@ -8,7 +8,8 @@ numbers here; :mod:`meshfold.models.configs` builds ``TransformerConfig`` object
 
 * :data:`RECOMPUTE`: activation recomputation of every block (``meshfold.parallel.recompute``).
 * :data:`SCHEDULES`: pipeline schedules (``meshfold.parallel.pipeline``, torch's
-  ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``).
+  ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``).
 * :data:`DATA_PARALLEL`: FSDP2 shards parameters, gradients and optimizer state; ``allreduce``
   keeps whole replicas and sums gradients once per step (``meshfold.parallel.data_parallel``).
 * :data:`MODEL_CONFIGS`: ``{name: fields}``, the fields of ``TransformerConfig`` with ``moe``
@@ -24,10 +25,12 @@ deepseek-ai/DeepSeek-V3, deepseek-ai/DeepSeek-V2-Lite).
 
 from __future__ import annotations
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "DATA_PARALLEL", "MODEL_CONFIGS", "check_choice"]
+__all__ = ["RECOMPUTE", "SCHEDULES", "V_SCHEDULES", "ZERO_BUBBLE", "DATA_PARALLEL", "MODEL_CONFIGS", "check_choice"]
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks a rank in a V: rank r holds chunks r and 2 pp - 1 - r
+ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")  # split each backward: input gradients, then weights
 DATA_PARALLEL = ("fsdp", "allreduce")
 
 

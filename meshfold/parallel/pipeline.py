@@ -10,7 +10,7 @@ its ``before`` modules in order (``m(x)``), its blocks (``block(x, positions)``,
 targets)`` if it defines one (its ``loss`` never runs: a model with a ``loss`` and no
 ``loss_terms`` is refused, since terms of its own would be lost), else the cross-entropy. Pipeline rank ``r`` holds chunks ``r, r + pp,
 r + 2 pp, ...`` (one chunk without virtual stages; ``virtual`` chunks for the interleaved
-schedule). Inside a chunk everything is the single-device code, laid out on the rank's stage of
+schedules), or chunks ``r`` and ``2 pp - 1 - r`` for the V schedules (:func:`stage_ids`). Inside a chunk everything is the single-device code, laid out on the rank's stage of
 the folded mesh by :func:`~meshfold.parallel.transformer.parallelize` (TP, CP, DP or
 FSDP2, EP): both views share the ``pp`` groups, so every attention rank and every MoE rank of a
 chunk lives on the same pipeline stage.
@@ -18,13 +18,23 @@ chunk lives on the same pipeline stage.
 Activations move between stages with ``torch.distributed.pipelining`` (``PipelineStage`` over
 the ``pp`` process group) and one of its schedules:
 
-===================  =====================================  ==================================
-``schedule``         torch class                            needs
-===================  =====================================  ==================================
-``gpipe``            ``ScheduleGPipe``                      all forwards, then all backwards
-``1f1b``             ``Schedule1F1B``                       microbatches >= pp
-``interleaved-1f1b`` ``ScheduleInterleaved1F1B``            virtual >= 2, microbatches % pp == 0
-===================  =====================================  ==================================
+===================  ==================================  =============================================
+``schedule``         torch class                         needs
+===================  ==================================  =============================================
+``gpipe``            ``ScheduleGPipe``                   all forwards, then all backwards
+``1f1b``             ``Schedule1F1B``                    microbatches >= pp
+``interleaved-1f1b`` ``ScheduleInterleaved1F1B``         virtual >= 2, microbatches % pp == 0
+``interleaved-zb``   ``ScheduleInterleavedZeroBubble``   virtual >= 2, microbatches % pp == 0
+``zbv``              ``ScheduleZBVZeroBubble``           virtual = 2 (a V), microbatches >= pp
+``dualpipev``        ``ScheduleDualPipeV``               virtual = 2 (a V), microbatches >= 2 pp
+===================  ==================================  =============================================
+
+The three zero-bubble schedules (arXiv 2401.10241; DualPipeV from DeepSeek-V3, arXiv 2412.19437)
+split each backward in two: the gradient of the stage's input first (what the previous stage waits
+for), the weights' gradients later, to fill what would be a bubble. ``zbv`` and ``dualpipev`` lay
+the chunks out in a V: rank ``r`` holds chunks ``r`` and ``2 pp - 1 - r``, so the first and the
+last chunk (the embedding and the head) share rank 0. torch runs the split backward only on
+stages that are not ``torch.compile``d (``train.compile`` is refused with them).
 
 Each rank's local batch (``B / dp`` sequences) is split into ``microbatches`` along the batch
 dim. The loss of a microbatch is its summed cross-entropy over the *global* token count, so the
@@ -58,16 +68,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfold.catalog import SCHEDULES, check_choice
+from meshfold.catalog import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE, check_choice
 from meshfold.models.moe import MoELayer, add_step_entries
 from meshfold.models.mtp import counted
 from meshfold.models.transformer import cross_entropy_sum
 from meshfold.parallel.data_parallel import reduce_gradients
 from meshfold.parallel.plan import Plan, check_plan, restrict
+from meshfold.parallel.recompute import read_twice
 from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
 
-__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
+__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "stage_ids", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
            "local_microbatch_counts", "model_loss"]
 
 
@@ -78,6 +89,14 @@ def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
                          f"every chunk needs at least one layer")
     return [list(range(s * num_layers // num_chunks, (s + 1) * num_layers // num_chunks))
             for s in range(num_chunks)]
+
+
+def stage_ids(pp: int, virtual: int, rank: int, schedule: str) -> list[int]:
+    """The chunks pipeline rank ``rank`` holds: ``rank, rank + pp, ...`` (``virtual`` of them, a
+    loop), or ``rank`` and ``2 pp - 1 - rank`` for the V schedules (:data:`V_SCHEDULES`)."""
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(virtual)]
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -214,21 +233,69 @@ def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int,
     check_choice("schedule", schedule, SCHEDULES)
     if not (isinstance(virtual, int) and virtual >= 1):
         raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
-    if (schedule == "interleaved-1f1b") != (virtual > 1):
-        raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the interleaved schedule "
-                         f"needs virtual >= 2 chunks per rank, the others virtual = 1")
+    interleaved = schedule.startswith("interleaved")
+    if schedule in V_SCHEDULES and virtual != 2:
+        raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the V schedules hold exactly "
+                         f"2 chunks per rank (set virtual = 2)")
+    if schedule not in V_SCHEDULES and interleaved != (virtual > 1):
+        raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the interleaved schedules "
+                         f"need virtual >= 2 chunks per rank, gpipe and 1f1b virtual = 1")
     if not (isinstance(microbatches, int) and microbatches >= 1):
         raise ValueError(f"microbatches = {microbatches!r}; valid: an integer >= 1")
     if schedule != "gpipe" and microbatches < pp:
         raise ValueError(f"microbatches = {microbatches} < pp = {pp}: {schedule} needs at least "
                          f"one microbatch per stage")
-    if schedule == "interleaved-1f1b" and microbatches % pp:
+    if interleaved and microbatches % pp:
         raise ValueError(f"microbatches = {microbatches} is not a multiple of pp = {pp} "
-                         f"(the interleaved schedule runs them in rounds of pp)")
+                         f"(the interleaved schedules run them in rounds of pp)")
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        raise ValueError(f"microbatches = {microbatches} < 2 pp = {2 * pp}: dualpipev needs at least one "
+                         f"microbatch per chunk")
     if (tied or (cfg is not None and cfg.tie_embeddings)) and pp > 1:
         raise ValueError("tie_embeddings with pp > 1: the embedding (first stage) and the head "
                          "(last stage) would have to be one tensor; untie them or use pp = 1")
     chunk_layers(cfg.layers if cfg is not None else num_blocks, pp * virtual)
+
+
+def _split_backward(chunk: nn.Module) -> None:
+    """Ready a chunk for the zero-bubble schedules' backward in two passes: input gradients, then
+    weight gradients (torch's ``stage_backward_input`` / ``stage_backward_weight``). The weight pass
+    finds the weights the forward used among the chunk's ``parameters()``, so FSDP2 keeps them
+    gathered from the forward until the step's end (no reshard after forward, as torchtitan does
+    under pp; the schedule reshards each chunk after its last backward), and each pass recomputes a
+    checkpointed block (:func:`~meshfold.parallel.recompute.read_twice`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in chunk.modules():
+        if isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(False, recurse=False)
+    read_twice(chunk)
+
+
+def _forward_only(stages: list, microbatches: int, loss_fn):
+    """An evaluation schedule of a V layout's ``stages``: each rank runs every micro-batch through
+    its first chunk, then through its second (the V's way back). torch 2.13's V schedules evaluate
+    by running their training order without its backwards, which fails where the V turns on one
+    rank (the hand-off between its two chunks is a backward's); this order has only forwards."""
+    from torch.distributed.pipelining.schedules import (FORWARD, _Action, _add_send_recv, _add_unshard_reshard,
+                                                        _PipelineScheduleRuntime)
+
+    pp = stages[0].group_size
+    ranks = {s: r for r in range(pp) for s in stage_ids(pp, 2, r, "zbv")}
+    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule.stage_index_to_group_rank = ranks  # its constructor set a loop's on the stages
+    for stage in stages:
+        stage.stage_index_to_group_rank = ranks
+    # lowered as _prepare_schedule_with_comms does, whose check wants every backward
+    order = {r: _add_unshard_reshard([_Action(s, FORWARD, i) for s in stage_ids(pp, 2, r, "zbv")
+                                      for i in range(microbatches)]) for r in range(pp)}
+    schedule.pipeline_order_with_comms = _add_send_recv(order, stage_to_rank=ranks.__getitem__, num_stages=2 * pp)
+    return schedule
+
+
+_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                     "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                     "dualpipev": "ScheduleDualPipeV"}
 
 
 class Pipeline:
@@ -250,8 +317,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, folded, microbatches: int, schedule: str = "1f1b",
                  virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
                  recompute: str = "none", plan: Plan | None = None):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed import pipelining
 
         spec = folded.spec
         pp = spec.pp
@@ -270,23 +336,25 @@ class Pipeline:
         n = pp * virtual
         layers = chunk_layers(num_blocks, n)
         r = folded.attn.get_local_rank("pp")
-        self.stage_ids = [r + k * pp for k in range(virtual)]
+        self.stage_ids = stage_ids(pp, virtual, r, schedule)
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1, plan=plan) for s in self.stage_ids]
         self._block_lists = [c.block_list() for c in self.chunks]
         for chunk in self.chunks:
             parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype, recompute=recompute)
+            if schedule in ZERO_BUBBLE:
+                _split_backward(chunk)
         group = folded.attn["pp"].get_group()
-        stages = [PipelineStage(c, s, n, folded.device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
+        stages = [pipelining.PipelineStage(c, s, n, folded.device, group=group)
+                  for c, s in zip(self.chunks, self.stage_ids)]
         self.has_last = any(s == n - 1 for s in self.stage_ids)
         for layer in self.moe_layers():
             layer.balancing_scale = 1 / microbatches
         self._calls = [_CountedCalls(c) for c in self.chunks]
         self._n_global = None
-        if schedule == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=self._loss, scale_grads=False)
-        else:
-            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            self.schedule = cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
+        cls = getattr(pipelining, _SCHEDULE_CLASSES[schedule])
+        self.schedule = cls(stages if len(stages) > 1 else stages[0], microbatches, loss_fn=self._loss,
+                            scale_grads=False)
+        self._evaluation = _forward_only(stages, microbatches, self._loss) if schedule in V_SCHEDULES else self.schedule
 
     @classmethod
     def laid_out(cls, model: nn.Module, folded, microbatches: int = 1, plan: Plan | None = None) -> "Pipeline":
@@ -400,7 +468,7 @@ class Pipeline:
             self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
         else:
             with torch.no_grad():
-                self.schedule.eval(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
+                self._evaluation.eval(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
         for calls in self._calls:
             calls.forget_extra(self.microbatches)
         share = torch.zeros((), dtype=torch.float64, device=count.device)
