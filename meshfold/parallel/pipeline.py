@@ -10,7 +10,8 @@ its ``before`` modules in order (``m(x)``), its blocks (``block(x, positions)``,
 targets)`` if it defines one (its ``loss`` never runs: a model with a ``loss`` and no
 ``loss_terms`` is refused, since terms of its own would be lost), else the cross-entropy. Pipeline rank ``r`` holds chunks ``r, r + pp,
 r + 2 pp, ...`` (one chunk without virtual stages; ``virtual`` chunks for the interleaved
-schedules), or chunks ``r`` and ``2 pp - 1 - r`` for the V schedules (:func:`stage_ids`). Inside a chunk everything is the single-device code, laid out on the rank's stage of
+schedules), or chunks ``r`` and ``2 pp - 1 - r`` for the V schedules
+(:func:`~meshfold.catalog.rank_chunks`). Inside a chunk everything is the single-device code, laid out on the rank's stage of
 the folded mesh by :func:`~meshfold.parallel.transformer.parallelize` (TP, CP, DP or
 FSDP2, EP): both views share the ``pp`` groups, so every attention rank and every MoE rank of a
 chunk lives on the same pipeline stage.
@@ -68,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfold.catalog import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE, check_choice
+from meshfold.catalog import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE, check_choice, rank_chunks
 from meshfold.models.moe import MoELayer, add_step_entries
 from meshfold.models.mtp import counted
 from meshfold.models.transformer import cross_entropy_sum
@@ -78,7 +79,7 @@ from meshfold.parallel.recompute import read_twice
 from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
 
-__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "stage_ids", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
+__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "schedule_order", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
            "local_microbatch_counts", "model_loss"]
 
 
@@ -89,14 +90,6 @@ def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
                          f"every chunk needs at least one layer")
     return [list(range(s * num_layers // num_chunks, (s + 1) * num_layers // num_chunks))
             for s in range(num_chunks)]
-
-
-def stage_ids(pp: int, virtual: int, rank: int, schedule: str) -> list[int]:
-    """The chunks pipeline rank ``rank`` holds: ``rank, rank + pp, ...`` (``virtual`` of them, a
-    loop), or ``rank`` and ``2 pp - 1 - rank`` for the V schedules (:data:`V_SCHEDULES`)."""
-    if schedule in V_SCHEDULES:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(virtual)]
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -281,16 +274,46 @@ def _forward_only(stages: list, microbatches: int, loss_fn):
                                                         _PipelineScheduleRuntime)
 
     pp = stages[0].group_size
-    ranks = {s: r for r in range(pp) for s in stage_ids(pp, 2, r, "zbv")}
+    ranks = {s: r for r in range(pp) for s in rank_chunks(pp, 2, r, "zbv")}
     schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     schedule.stage_index_to_group_rank = ranks  # its constructor set a loop's on the stages
     for stage in stages:
         stage.stage_index_to_group_rank = ranks
     # lowered as _prepare_schedule_with_comms does, whose check wants every backward
-    order = {r: _add_unshard_reshard([_Action(s, FORWARD, i) for s in stage_ids(pp, 2, r, "zbv")
+    order = {r: _add_unshard_reshard([_Action(s, FORWARD, i) for s in rank_chunks(pp, 2, r, "zbv")
                                       for i in range(microbatches)]) for r in range(pp)}
     schedule.pipeline_order_with_comms = _add_send_recv(order, stage_to_rank=ranks.__getitem__, num_stages=2 * pp)
     return schedule
+
+
+def schedule_order(schedule: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Every pipeline rank's compute actions, in the order torch's class for ``schedule`` runs
+    them: ``(kind, stage, micro-batch)``, kind ``F`` (forward), ``B`` (whole backward), ``I``
+    (input gradients) or ``W`` (weight gradients); an overlapped pair (DualPipeV's) as its two
+    actions in order. Built on stand-ins for the stages (the classes read only their places),
+    so no process group is needed. The multi-stage schedules only: torch runs ``gpipe`` and
+    ``1f1b`` without an order of actions."""
+    import types
+
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    if schedule in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule {schedule!r} runs without an order of actions; valid: "
+                         f"{[s for s in SCHEDULES if s not in ('gpipe', '1f1b')]}")
+    check_pipeline(pp, None, microbatches, schedule, virtual, num_blocks=pp * virtual)
+    n = pp * virtual
+    stages = [types.SimpleNamespace(stage_index=s, num_stages=n, group_size=pp, group_rank=0, is_first=s == 0,
+                                    is_last=s == n - 1, submod=nn.Identity(), has_backward=True)
+              for s in rank_chunks(pp, virtual, 0, schedule)]
+    order = getattr(pipelining, _SCHEDULE_CLASSES[schedule])(stages, microbatches).pipeline_order
+    out = {}
+    for rank, actions in order.items():
+        flat = [sub for a in actions if a is not None
+                for sub in (a.sub_actions if a.computation_type == OVERLAP_F_B else (a,))]
+        out[rank] = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in flat
+                     if a.computation_type.value in ("F", "B", "I", "W")]
+    return out
 
 
 _SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
@@ -336,7 +359,7 @@ class Pipeline:
         n = pp * virtual
         layers = chunk_layers(num_blocks, n)
         r = folded.attn.get_local_rank("pp")
-        self.stage_ids = stage_ids(pp, virtual, r, schedule)
+        self.stage_ids = rank_chunks(pp, virtual, r, schedule)
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1, plan=plan) for s in self.stage_ids]
         self._block_lists = [c.block_list() for c in self.chunks]
         for chunk in self.chunks:

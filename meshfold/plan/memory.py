@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshfold.catalog import remote_neighbours
 from meshfold.plan.interleaved import interleaved_activations
 from meshfold.plan.models import ModelShape
 from meshfold.plan.stages import (BF16, FP32, StageParams, expert_shard, regathered, stage_layers,  # noqa: F401
@@ -235,9 +236,7 @@ def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: Stage
     s, a = layout.spec, BF16
     G = FP32 * st.total
     Tr_h = layout.mbs * seq / (s.cp * s.tp) * model.hidden
-    n = s.pp * layout.vpp
-    chunks = range(st.rank, n, s.pp)
-    neighbours = sum(c != 0 for c in chunks) + sum(c != n - 1 for c in chunks)
+    neighbours = remote_neighbours(s.pp, layout.vpp, st.rank, layout.schedule)
     recv = m * neighbours * a * Tr_h
     kept_out = 0.0 if st.last and layout.vpp == 1 else flight * a * Tr_h
     group, largest = regathered(model, layout, st.layers)
