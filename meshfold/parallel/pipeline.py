@@ -71,7 +71,7 @@ from torch import nn
 
 from meshfold.catalog import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE, check_choice, rank_chunks
 from meshfold.models.moe import MoELayer, add_step_entries
-from meshfold.models.mtp import counted
+from meshfold.models.mtp import counted, depth_inputs
 from meshfold.models.transformer import cross_entropy_sum
 from meshfold.parallel.data_parallel import reduce_gradients
 from meshfold.parallel.plan import Plan, check_plan, restrict
@@ -81,6 +81,9 @@ from meshfold.placements import sum_in_place
 
 __all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "schedule_order", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
            "local_microbatch_counts", "model_loss"]
+
+
+MTP_TARGETS = "_mtp_targets"  # the keyword that hands the first chunk the targets its depths read
 
 
 def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
@@ -150,6 +153,12 @@ class ModelChunk(nn.Module):
         _attach(self, whole.blocks, nn.ModuleDict({keys[i]: blocks[keys[i]] for i in layer_ids}))
         self.blocks_path = whole.blocks
         self.whole_plan = whole
+        # multi-token prediction: the first chunk embeds each depth's read tokens (the embedding
+        # is there), every chunk hands those embeddings on with the hidden state, and the last
+        # runs the depths, whose blocks it holds, with the shared head (its last `after` module)
+        self.mtp_depth = getattr(self.cfg, "mtp_depth", 0) if self.cfg is not None else 0
+        if self.mtp_depth and last:
+            _attach(self, "mtp", model.mtp)
         self.positions: torch.Tensor | None = None
         self.inits, self.init_seed = getattr(model, "inits", None), getattr(model, "init_seed", None)
 
@@ -157,16 +166,35 @@ class ModelChunk(nn.Module):
         """This chunk's blocks, keyed as in the whole model's block list."""
         return self.get_submodule(self.blocks_path)
 
-    def forward(self, x: torch.Tensor, **per_token) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, **per_token):
         """``per_token``: keyword inputs [b, s] of the microbatch's tokens, passed to every block
-        (``block(x, positions, **per_token)``)."""
+        (``block(x, positions, **per_token)``). With multi-token prediction (``mtp_depth`` D) a
+        chunk also takes and hands on ``carried``, the D embeddings [b, s, H] of the tokens each
+        depth reads, which the first chunk makes from the ``MTP_TARGETS`` keyword (the
+        :func:`~meshfold.models.mtp.mtp_targets` [b, s, 1 + D]); the last chunk returns the main
+        head's and every depth's logits, [b, s, 1 + D, V]."""
+        targets = per_token.pop(MTP_TARGETS, None)
         for path in self.before_paths:
             x = self.get_submodule(path)(x)
+        if self.mtp_depth and self.before_paths:
+            embed = self.get_submodule(self.before_paths[0])
+            carried = tuple(embed(depth_inputs(targets, k)[0]) for k in range(1, self.mtp_depth + 1))
         for block in self.block_list().values():
             x = block(x, self.positions, **per_token)
-        for path in self.after_paths:
+        if not self.after_paths:  # on to the next chunk (copies: a stage's outputs are its own tensors)
+            return (x, *(e.clone() for e in carried)) if self.mtp_depth else x
+        if not self.mtp_depth:
+            for path in self.after_paths:
+                x = self.get_submodule(path)(x)
+            return x
+        for path in self.after_paths[:-1]:  # what the head and depth 1 read
             x = self.get_submodule(path)(x)
-        return x
+        head = self.get_submodule(self.after_paths[-1])
+        logits = [head(x)]
+        for depth, e in zip(self.mtp, carried):
+            x = depth(x, e, self.positions)
+            logits.append(head(x))
+        return torch.stack(logits, dim=2)  # [b, s, 1 + D, V]
 
     def plan(self) -> Plan:
         """The whole model's plan restricted to this chunk (:func:`~meshfold.parallel.plan.restrict`)."""
@@ -374,6 +402,10 @@ class Pipeline:
             layer.balancing_scale = 1 / microbatches
         self._calls = [_CountedCalls(c) for c in self.chunks]
         self._n_global = None
+        cfg = getattr(model, "cfg", None)
+        self._mtp = getattr(cfg, "mtp_depth", 0) if cfg is not None else 0
+        self._mtp_weight = getattr(cfg, "mtp_loss_weight", 0.0)
+        self._parts: list[torch.Tensor] = []  # per micro-batch on the last stage: each term's mean [1 + D]
         cls = getattr(pipelining, _SCHEDULE_CLASSES[schedule])
         self.schedule = cls(stages if len(stages) > 1 else stages[0], microbatches, loss_fn=self._loss,
                             scale_grads=False)
@@ -399,7 +431,19 @@ class Pipeline:
         self._calls, self._n_global, self.schedule = [], None, None
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._loss_terms(logits, targets)[0] / self._n_global
+        """A micro-batch's share of the step's objective. With multi-token prediction (D depths)
+        ``logits`` [b, s, 1 + D, V] and ``targets`` [b, s, 1 + D]: each term's sum over its counted
+        positions by the whole batch's count of them (``_n_global`` [1 + D]), the main head's by
+        the model's ``loss_terms``, then ``main + mtp_loss_weight / D * sum_k`` (the model's
+        objective, :func:`~meshfold.models.mtp.mtp_objective`)."""
+        if not self._mtp:
+            return self._loss_terms(logits, targets)[0] / self._n_global
+        sums = [self._loss_terms(logits.select(2, 0), targets[..., 0])[0]]
+        sums += [cross_entropy_sum(logits.select(2, k), depth_inputs(targets, k)[1])[0]
+                 for k in range(1, self._mtp + 1)]
+        means = torch.stack(sums) / self._n_global  # [1 + D]
+        self._parts.append(means.detach())
+        return means[0] + self._mtp_weight / self._mtp * means[1:].sum()
 
     # ---- what a training loop needs of a model: this rank's part of it -----------------------
     def parameters(self):
@@ -470,9 +514,16 @@ class Pipeline:
         if tokens.shape[0] % self.microbatches:
             raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
                              f"microbatches = {self.microbatches}")
-        count = (targets != -100).sum().double()
+        if self._mtp and (targets.dim() != 3 or targets.shape[-1] != 1 + self._mtp):
+            raise ValueError(f"targets have shape {tuple(targets.shape)}; valid with mtp_depth = {self._mtp}: "
+                             f"[b, s, {1 + self._mtp}] (mtp_targets of the global batch, sharded like the tokens)")
+        # counted positions of each term of the loss: the main head's (and each MTP depth's)
+        count = (targets != -100).sum().double() if not self._mtp else counted(targets).sum((0, 1)).double()
         sum_in_place(count, self.folded.attn)  # every pp stage holds the same data: pp x the global count
         self._n_global = count / self.folded.spec.pp
+        self._parts.clear()
+        if self._mtp:  # the first stage embeds the tokens each depth reads
+            per_token = {**per_token, MTP_TARGETS: targets}
         for chunk in self.chunks:
             chunk.positions = positions
         losses: list[torch.Tensor] = []
@@ -504,9 +555,17 @@ class Pipeline:
                    backward: bool = True, **per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """:meth:`step`, and the parts of the loss the model reports apart (``loss_parts`` beyond
         ``"loss"``, e.g. the main and multi-token-prediction losses), weighted over the
-        micro-batches as the loss is; with pp > 1 no parts (``{}``)."""
+        micro-batches as the loss is; with pp > 1 the multi-token-prediction parts, from each
+        micro-batch's terms on the last stage (other models: no parts, ``{}``)."""
         if self.schedule is not None:
-            return self.step(tokens, targets, positions, backward, **per_token), {}
+            loss = self.step(tokens, targets, positions, backward, **per_token)
+            if not self._mtp:
+                return loss, {}
+            means = torch.zeros(1 + self._mtp, dtype=torch.float64, device=loss.device)
+            if self.has_last:  # the last m: torch's shape inference may have run the loss first
+                means += torch.stack(self._parts[-self.microbatches:]).sum(0).double()
+            sum_in_place(means, self.folded.attn)  # only the last stage's ranks hold them
+            return loss, {"main": means[0], "mtp": means[1:].mean(), "mtp_depths": means[1:]}
         _check_per_token(per_token, self._per_token, tokens)
         return self._accumulate_step(tokens, targets, positions, backward, per_token)
 
