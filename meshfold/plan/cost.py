@@ -250,6 +250,9 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
              f"{layout.schedule} needs micro-batches={m} a multiple of pp={s.pp}"),
             (not pipelined or layout.schedule != "dualpipev" or m >= 2 * s.pp,
              f"dualpipev needs micro-batches={m} >= 2 pp={2 * s.pp}"),
+            (not (pipelined and layout.schedule in ZERO_BUBBLE and layout.recompute != "none"),
+             f"recompute={layout.recompute!r} with {layout.schedule}: torch's weight pass recomputes a block "
+             f"once per parameter group, which the planner does not model; valid: recompute='none'"),
             (not (pipelined and layout.sharding == "fsdp" and layout.recompute != "none"),
              f"recompute={layout.recompute!r} with pp={s.pp} under FSDP2 is not modelled by the planner "
              f"(meshfold runs it); valid: recompute='none', or sharding='allreduce'"),
@@ -345,16 +348,14 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # of it but the weight GEMMs (the attention core and the memory-bound kernels).
     # The backward's halves (the zero-bubble schedules run them apart): the weight gradients are
     # one more pass of the forward's weight GEMMs; the input gradients the rest (the other GEMM
-    # pass, the attention core's backward, the memory-bound kernels) and the recomputation, which
-    # the zero-bubble schedules run once more before the weight pass.
+    # pass, the attention core's backward, the memory-bound kernels) and the recomputation.
     layer_fbw = {}
-    twice = layout.schedule in ZERO_BUBBLE
     for moe in (True, False):
         hbm = hw.hbm_time(attn_bytes + mlp_bytes[moe])
         c_fwd = c_attn + c_mlp[moe] + hbm
         c_re = {"none": 0.0, "selective": c_core + hbm, "full": c_fwd}[layout.recompute]
         c_w = c_fwd - c_core - hbm
-        layer_fbw[moe] = (c_fwd, 2 * c_fwd + (c_core_bwd - 2 * c_core) + c_re - c_w, c_w + (c_re if twice else 0.0))
+        layer_fbw[moe] = (c_fwd, 2 * c_fwd + (c_core_bwd - 2 * c_core) + c_re - c_w, c_w)
     layer_compute = {moe: sum(fbw) for moe, fbw in layer_fbw.items()}
     head = 3 * hw.gemm_time(2 * T * h * V / tp, 1)
 

@@ -54,3 +54,16 @@ def test_planner_bubbles_of_the_check_are_within_its_tolerance(case):
 def test_a_single_stage_schedule_has_no_order_to_play():
     with pytest.raises(ValueError, match="runs without an order of actions"):
         schedule_order("1f1b", 2, 1, 4)
+
+
+def test_the_planner_refuses_recompute_under_a_zero_bubble_schedule_naming_it():
+    import dataclasses
+
+    from meshfold.mesh import FoldSpec
+    from meshfold.plan.cost import Layout, check_layout
+    from meshfold.plan.models import MODELS
+
+    model = dataclasses.replace(MODELS["mixtral-8x22b"], layers=8)
+    lay = Layout(FoldSpec(32, tp=2, ep=8, pp=2), vpp=2, recompute="selective", sharding="allreduce", schedule="zbv")
+    assert "recompute='selective' with zbv" in check_layout(model, lay, 4096, 64)
+    assert check_layout(model, dataclasses.replace(lay, recompute="none"), 4096, 64) == ""

@@ -40,3 +40,14 @@ def test_schedule_settings_it_cannot_run_with_fail_before_spawning(tmp_path, mon
     sets = [a for o in ["fold.pp=2", "fold.tp=1", "fold.ep=2", "model.layers=4", *overrides] for a in ("--set", o)]
     rc, _, err = meshfold_before_spawning(monkeypatch, capsys, "train", *sets, "--out-dir", str(tmp_path))
     assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+def test_recompute_under_a_zero_bubble_schedule_is_warned_of_with_its_cost():
+    from types import SimpleNamespace
+
+    from meshfold.train.preflight import check_schedule
+
+    (line,) = check_schedule(SimpleNamespace(schedule="zbv", recompute="selective"), pp=2)
+    assert line.startswith("warning: train.recompute = 'selective' with train.schedule = 'zbv'") and "3.7x" in line
+    assert check_schedule(SimpleNamespace(schedule="1f1b", recompute="selective"), pp=2) == []
+    assert check_schedule(SimpleNamespace(schedule="zbv", recompute="none"), pp=2) == []
