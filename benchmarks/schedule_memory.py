@@ -6,8 +6,8 @@ Mixtral-8x22B cut to 4 layers a pipeline rank (2 chunks of 2 for the interleaved
 schedules), Table 1's 16-rank fold per stage (tp2 | ep8), bf16 over fp32 masters, FSDP2, seq
 4096, one sequence a micro-batch. Per stage: the step's peak of gradients, gathered weights and
 activations (``activation_peak_bytes``), the peak of everything (``peak_bytes``), and the
-planner's step peak beside it (meshfold.plan; its model of the zero-bubble schedules is
-interleaved 1F1B's moments, docs/plan.md).
+planner's step peak beside it (meshfold.plan: for the zero-bubble schedules, their
+micro-batches in flight costed with 1F1B's moments).
 
     python benchmarks/schedule_memory.py                 # pp 2, 4 and 8 micro-batches (about 3 min)
     python benchmarks/schedule_memory.py --pp 4 --microbatches 8

@@ -67,3 +67,25 @@ def test_the_planner_refuses_recompute_under_a_zero_bubble_schedule_naming_it():
     lay = Layout(FoldSpec(32, tp=2, ep=8, pp=2), vpp=2, recompute="selective", sharding="allreduce", schedule="zbv")
     assert "recompute='selective' with zbv" in check_layout(model, lay, 4096, 64)
     assert check_layout(model, dataclasses.replace(lay, recompute="none"), 4096, 64) == ""
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"])
+@pytest.mark.parametrize("pp, rounds", [(2, 2), (4, 2), (8, 4)])
+def test_micro_batches_in_flight_are_those_of_torchs_order(schedule, pp, rounds):
+    """The planner's activations in flight (meshfold.plan.memory.in_flight, in units of a rank's
+    layers) are the chunk-micro-batches torch's order holds at a rank's fullest backward: run
+    forward, their (weight) backward not yet."""
+    import types
+
+    from meshfold.mesh import FoldSpec
+    from meshfold.plan.memory import in_flight
+
+    m = pp * rounds
+    layout = types.SimpleNamespace(spec=FoldSpec(pp, pp=pp), vpp=2, schedule=schedule)
+    for rank, actions in schedule_order(schedule, pp, 2, m).items():
+        held, fullest = 0, 0
+        for kind, _, _ in actions:
+            held += kind == "F"
+            fullest = max(fullest, held) if kind in ("B", "I") else fullest
+            held -= kind in ("B", "W")
+        assert in_flight(layout, m, rank) * 2 == fullest, rank
