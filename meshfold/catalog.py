@@ -8,7 +8,8 @@ numbers here; :mod:`meshfold.models.configs` builds ``TransformerConfig`` object
 
 * :data:`RECOMPUTE`: activation recomputation of every block (``meshfold.parallel.recompute``).
 * :data:`SCHEDULES`: pipeline schedules (``meshfold.parallel.pipeline``, torch's
-  ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``).
+  ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``).
 * :data:`DATA_PARALLEL`: FSDP2 shards parameters, gradients and optimizer state; ``allreduce``
   keeps whole replicas and sums gradients once per step (``meshfold.parallel.data_parallel``).
 * :data:`MODEL_CONFIGS`: ``{name: fields}``, the fields of ``TransformerConfig`` with ``moe``
@@ -24,11 +25,31 @@ deepseek-ai/DeepSeek-V3, deepseek-ai/DeepSeek-V2-Lite).
 
 from __future__ import annotations
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "DATA_PARALLEL", "MODEL_CONFIGS", "check_choice"]
+__all__ = ["RECOMPUTE", "SCHEDULES", "V_SCHEDULES", "ZERO_BUBBLE", "rank_chunks", "remote_neighbours", "DATA_PARALLEL", "MODEL_CONFIGS", "check_choice"]
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks a rank in a V: rank r holds chunks r and 2 pp - 1 - r
+ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")  # split each backward: input gradients, then weights
 DATA_PARALLEL = ("fsdp", "allreduce")
+
+
+def rank_chunks(pp: int, virtual: int, rank: int, schedule: str) -> list[int]:
+    """The model chunks (pipeline stages, of ``pp * virtual``) pipeline rank ``rank`` holds:
+    ``rank, rank + pp, ...`` (a loop), or ``rank`` and ``2 pp - 1 - rank`` under the V
+    schedules (:data:`V_SCHEDULES`), where the first and the last chunk share rank 0."""
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(virtual)]
+
+
+def remote_neighbours(pp: int, virtual: int, rank: int, schedule: str) -> int:
+    """How many of its chunks' neighbouring chunks (the one before, the one after) pipeline rank
+    ``rank`` hands over to another rank: each such pair sends and receives once per micro-batch
+    each way (activations forward, their gradients back). In a V the turn is on one rank."""
+    mine = rank_chunks(pp, virtual, rank, schedule)
+    n = pp * virtual
+    return sum(c + 1 < n and c + 1 not in mine for c in mine) + sum(c > 0 and c - 1 not in mine for c in mine)
 
 
 def check_choice(what: str, value, valid: tuple) -> str:

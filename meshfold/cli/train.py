@@ -89,7 +89,7 @@ def _main(args: argparse.Namespace, local: bool) -> int:
     if cfg.data.tokenizer and not local:
         raise ValueError("data.tokenizer under torchrun: tokenize once beforehand with meshfold tokenize "
                          "--tokenizer T --out DIR FILES, then train with --data DIR")
-    warnings = preflight.check_launch(spec.world_size)
+    warnings = preflight.check_launch(spec.world_size) + preflight.check_schedule(cfg.train, spec.pp)
     preflight.check_data(cfg)
     if cfg.train.init_from is not None:
         preflight.check_init_from(cfg.train.init_from, mcfg)

@@ -41,7 +41,7 @@ from meshfold.plan.stages import FP32, expert_shard
 from meshfold.plan.models import MODELS
 from meshfold.plan.routing import Routing
 
-__all__ = ["Case", "Row", "compare", "cases", "pipeline_cases", "replica_cases", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
+__all__ = ["Case", "Row", "compare", "cases", "pipeline_cases", "replica_cases", "bubble_cases", "bubble_rows", "rows", "planned", "planned_collectives", "dry_run_names", "markdown",
            "TOLERANCE"]
 
 TOLERANCE = 0.10  # every term within 10%: the accuracy the planner states (docs/plan.md)
@@ -307,6 +307,30 @@ def pipeline_cases() -> list[Case]:
 
 
 
+def bubble_cases() -> list[Case]:
+    """The multi-stage schedules (torch runs gpipe and 1f1b without an order of actions) on the
+    pipeline cases' Mixtral-8x22B fold, pp 2 and 4, at pp and 4 pp micro-batches."""
+    out = []
+    for pp in (2, 4):
+        for schedule in ("interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"):
+            for m in sorted({pp * (2 if schedule == "dualpipev" else 1), 4 * pp}):
+                out.append(Case(f"pp {pp}, {schedule}, {m} micro-batches", "mixtral-8x22b",
+                                FoldSpec(16 * pp, tp=2, ep=8, pp=pp), 4 * pp, microbatches=m, schedule=schedule,
+                                virtual=2))
+    return out
+
+
+def bubble_rows(case: Case) -> tuple[float, float, tuple[float, float, float]]:
+    """``(planner's bubble, torch's order played, (f, b, w))`` of ``case``, seconds per step:
+    both from the planner's forward, input- and weight-gradient seconds per micro-batch of its
+    slowest pipeline rank (:mod:`meshfold.dryrun.bubble`)."""
+    from meshfold.dryrun.bubble import played_bubble
+
+    est = planned(case)
+    fbw = est.detail["forward_backward"]
+    return est.time["bubble"], played_bubble(case.schedule, case.spec.pp, case.virtual, case.microbatches, *fbw), fbw
+
+
 def _fmt(n: float) -> str:
     """MiB, or bytes (``B``) under 1 MiB: the statistics' all-reduces are a few hundred bytes."""
     return f"{n / 2**20:,.1f}" if n >= 2**20 or not n else f"{n:,.0f} B"
@@ -333,7 +357,22 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m meshfold.dryrun.check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", type=int, nargs="+", help="indices of cases() to run (default all)")
+    parser.add_argument("--bubbles", action="store_true", help="the planner's pipeline bubbles against torch's "
+                        "schedule orders played with the same times (seconds: no dry run needed)")
     args = parser.parse_args(argv)
+    if args.bubbles:
+        lines = ["| case | f, b, w ms per micro-batch | planner bubble ms | torch's order ms | planner / torch |",
+                 "|---|---|---:|---:|---:|"]
+        bad = 0
+        for case in bubble_cases():
+            planner, played, fbw = bubble_rows(case)
+            ratio = planner / played
+            bad += abs(ratio - 1) > TOLERANCE
+            lines.append(f"| {case.label} | {', '.join(f'{x * 1e3:.2f}' for x in fbw)} | {planner * 1e3:.2f} | "
+                         f"{played * 1e3:.2f} | {ratio:.3f}{'' if abs(ratio - 1) <= TOLERANCE else ' **x**'} |")
+        print("\n".join(lines))
+        print(f"{bad} bubble(s) outside {TOLERANCE:.0%}")
+        return 1 if bad else 0
     chosen = cases() if not args.case else [cases()[i] for i in args.case]
     results, bad = [], 0
     for case in chosen:

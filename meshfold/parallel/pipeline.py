@@ -10,7 +10,8 @@ its ``before`` modules in order (``m(x)``), its blocks (``block(x, positions)``,
 targets)`` if it defines one (its ``loss`` never runs: a model with a ``loss`` and no
 ``loss_terms`` is refused, since terms of its own would be lost), else the cross-entropy. Pipeline rank ``r`` holds chunks ``r, r + pp,
 r + 2 pp, ...`` (one chunk without virtual stages; ``virtual`` chunks for the interleaved
-schedule). Inside a chunk everything is the single-device code, laid out on the rank's stage of
+schedules), or chunks ``r`` and ``2 pp - 1 - r`` for the V schedules
+(:func:`~meshfold.catalog.rank_chunks`). Inside a chunk everything is the single-device code, laid out on the rank's stage of
 the folded mesh by :func:`~meshfold.parallel.transformer.parallelize` (TP, CP, DP or
 FSDP2, EP): both views share the ``pp`` groups, so every attention rank and every MoE rank of a
 chunk lives on the same pipeline stage.
@@ -18,13 +19,23 @@ chunk lives on the same pipeline stage.
 Activations move between stages with ``torch.distributed.pipelining`` (``PipelineStage`` over
 the ``pp`` process group) and one of its schedules:
 
-===================  =====================================  ==================================
-``schedule``         torch class                            needs
-===================  =====================================  ==================================
-``gpipe``            ``ScheduleGPipe``                      all forwards, then all backwards
-``1f1b``             ``Schedule1F1B``                       microbatches >= pp
-``interleaved-1f1b`` ``ScheduleInterleaved1F1B``            virtual >= 2, microbatches % pp == 0
-===================  =====================================  ==================================
+===================  ==================================  =============================================
+``schedule``         torch class                         needs
+===================  ==================================  =============================================
+``gpipe``            ``ScheduleGPipe``                   all forwards, then all backwards
+``1f1b``             ``Schedule1F1B``                    microbatches >= pp
+``interleaved-1f1b`` ``ScheduleInterleaved1F1B``         virtual >= 2, microbatches % pp == 0
+``interleaved-zb``   ``ScheduleInterleavedZeroBubble``   virtual >= 2, microbatches % pp == 0
+``zbv``              ``ScheduleZBVZeroBubble``           virtual = 2 (a V), microbatches >= pp
+``dualpipev``        ``ScheduleDualPipeV``               virtual = 2 (a V), microbatches >= 2 pp
+===================  ==================================  =============================================
+
+The three zero-bubble schedules (arXiv 2401.10241; DualPipeV from DeepSeek-V3, arXiv 2412.19437)
+split each backward in two: the gradient of the stage's input first (what the previous stage waits
+for), the weights' gradients later, to fill what would be a bubble. ``zbv`` and ``dualpipev`` lay
+the chunks out in a V: rank ``r`` holds chunks ``r`` and ``2 pp - 1 - r``, so the first and the
+last chunk (the embedding and the head) share rank 0. torch runs the split backward only on
+stages that are not ``torch.compile``d (``train.compile`` is refused with them).
 
 Each rank's local batch (``B / dp`` sequences) is split into ``microbatches`` along the batch
 dim. The loss of a microbatch is its summed cross-entropy over the *global* token count, so the
@@ -58,17 +69,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshfold.catalog import SCHEDULES, check_choice
+from meshfold.catalog import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE, check_choice, rank_chunks
 from meshfold.models.moe import MoELayer, add_step_entries
-from meshfold.models.mtp import counted
+from meshfold.models.mtp import counted, depth_inputs
 from meshfold.models.transformer import cross_entropy_sum
 from meshfold.parallel.data_parallel import reduce_gradients
 from meshfold.parallel.plan import Plan, check_plan, restrict
+from meshfold.parallel.recompute import read_twice
 from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
 
-__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
+__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "schedule_order", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
            "local_microbatch_counts", "model_loss"]
+
+
+MTP_TARGETS = "_mtp_targets"  # the keyword that hands the first chunk the targets its depths read
 
 
 def chunk_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
@@ -138,6 +153,12 @@ class ModelChunk(nn.Module):
         _attach(self, whole.blocks, nn.ModuleDict({keys[i]: blocks[keys[i]] for i in layer_ids}))
         self.blocks_path = whole.blocks
         self.whole_plan = whole
+        # multi-token prediction: the first chunk embeds each depth's read tokens (the embedding
+        # is there), every chunk hands those embeddings on with the hidden state, and the last
+        # runs the depths, whose blocks it holds, with the shared head (its last `after` module)
+        self.mtp_depth = getattr(self.cfg, "mtp_depth", 0) if self.cfg is not None else 0
+        if self.mtp_depth and last:
+            _attach(self, "mtp", model.mtp)
         self.positions: torch.Tensor | None = None
         self.inits, self.init_seed = getattr(model, "inits", None), getattr(model, "init_seed", None)
 
@@ -145,16 +166,35 @@ class ModelChunk(nn.Module):
         """This chunk's blocks, keyed as in the whole model's block list."""
         return self.get_submodule(self.blocks_path)
 
-    def forward(self, x: torch.Tensor, **per_token) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, **per_token):
         """``per_token``: keyword inputs [b, s] of the microbatch's tokens, passed to every block
-        (``block(x, positions, **per_token)``)."""
+        (``block(x, positions, **per_token)``). With multi-token prediction (``mtp_depth`` D) a
+        chunk also takes and hands on ``carried``, the D embeddings [b, s, H] of the tokens each
+        depth reads, which the first chunk makes from the ``MTP_TARGETS`` keyword (the
+        :func:`~meshfold.models.mtp.mtp_targets` [b, s, 1 + D]); the last chunk returns the main
+        head's and every depth's logits, [b, s, 1 + D, V]."""
+        targets = per_token.pop(MTP_TARGETS, None)
         for path in self.before_paths:
             x = self.get_submodule(path)(x)
+        if self.mtp_depth and self.before_paths:
+            embed = self.get_submodule(self.before_paths[0])
+            carried = tuple(embed(depth_inputs(targets, k)[0]) for k in range(1, self.mtp_depth + 1))
         for block in self.block_list().values():
             x = block(x, self.positions, **per_token)
-        for path in self.after_paths:
+        if not self.after_paths:  # on to the next chunk (copies: a stage's outputs are its own tensors)
+            return (x, *(e.clone() for e in carried)) if self.mtp_depth else x
+        if not self.mtp_depth:
+            for path in self.after_paths:
+                x = self.get_submodule(path)(x)
+            return x
+        for path in self.after_paths[:-1]:  # what the head and depth 1 read
             x = self.get_submodule(path)(x)
-        return x
+        head = self.get_submodule(self.after_paths[-1])
+        logits = [head(x)]
+        for depth, e in zip(self.mtp, carried):
+            x = depth(x, e, self.positions)
+            logits.append(head(x))
+        return torch.stack(logits, dim=2)  # [b, s, 1 + D, V]
 
     def plan(self) -> Plan:
         """The whole model's plan restricted to this chunk (:func:`~meshfold.parallel.plan.restrict`)."""
@@ -214,21 +254,99 @@ def check_pipeline(pp: int, cfg, microbatches: int, schedule: str, virtual: int,
     check_choice("schedule", schedule, SCHEDULES)
     if not (isinstance(virtual, int) and virtual >= 1):
         raise ValueError(f"virtual = {virtual!r}; valid: an integer >= 1")
-    if (schedule == "interleaved-1f1b") != (virtual > 1):
-        raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the interleaved schedule "
-                         f"needs virtual >= 2 chunks per rank, the others virtual = 1")
+    interleaved = schedule.startswith("interleaved")
+    if schedule in V_SCHEDULES and virtual != 2:
+        raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the V schedules hold exactly "
+                         f"2 chunks per rank (set virtual = 2)")
+    if schedule not in V_SCHEDULES and interleaved != (virtual > 1):
+        raise ValueError(f"schedule {schedule!r} with virtual = {virtual}: the interleaved schedules "
+                         f"need virtual >= 2 chunks per rank, gpipe and 1f1b virtual = 1")
     if not (isinstance(microbatches, int) and microbatches >= 1):
         raise ValueError(f"microbatches = {microbatches!r}; valid: an integer >= 1")
     if schedule != "gpipe" and microbatches < pp:
         raise ValueError(f"microbatches = {microbatches} < pp = {pp}: {schedule} needs at least "
                          f"one microbatch per stage")
-    if schedule == "interleaved-1f1b" and microbatches % pp:
+    if interleaved and microbatches % pp:
         raise ValueError(f"microbatches = {microbatches} is not a multiple of pp = {pp} "
-                         f"(the interleaved schedule runs them in rounds of pp)")
+                         f"(the interleaved schedules run them in rounds of pp)")
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        raise ValueError(f"microbatches = {microbatches} < 2 pp = {2 * pp}: dualpipev needs at least one "
+                         f"microbatch per chunk")
     if (tied or (cfg is not None and cfg.tie_embeddings)) and pp > 1:
         raise ValueError("tie_embeddings with pp > 1: the embedding (first stage) and the head "
                          "(last stage) would have to be one tensor; untie them or use pp = 1")
     chunk_layers(cfg.layers if cfg is not None else num_blocks, pp * virtual)
+
+
+def _split_backward(chunk: nn.Module) -> None:
+    """Ready a chunk for the zero-bubble schedules' backward in two passes: input gradients, then
+    weight gradients (torch's ``stage_backward_input`` / ``stage_backward_weight``). The weight pass
+    finds the weights the forward used among the chunk's ``parameters()``, so FSDP2 keeps them
+    gathered from the forward until the step's end (no reshard after forward, as torchtitan does
+    under pp; the schedule reshards each chunk after its last backward), and each pass recomputes a
+    checkpointed block (:func:`~meshfold.parallel.recompute.read_twice`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in chunk.modules():
+        if isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(False, recurse=False)
+    read_twice(chunk)
+
+
+def _forward_only(stages: list, microbatches: int, loss_fn):
+    """An evaluation schedule of a V layout's ``stages``: each rank runs every micro-batch through
+    its first chunk, then through its second (the V's way back). torch 2.13's V schedules evaluate
+    by running their training order without its backwards, which fails where the V turns on one
+    rank (the hand-off between its two chunks is a backward's); this order has only forwards."""
+    from torch.distributed.pipelining.schedules import (FORWARD, _Action, _add_send_recv, _add_unshard_reshard,
+                                                        _PipelineScheduleRuntime)
+
+    pp = stages[0].group_size
+    ranks = {s: r for r in range(pp) for s in rank_chunks(pp, 2, r, "zbv")}
+    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule.stage_index_to_group_rank = ranks  # its constructor set a loop's on the stages
+    for stage in stages:
+        stage.stage_index_to_group_rank = ranks
+    # lowered as _prepare_schedule_with_comms does, whose check wants every backward
+    order = {r: _add_unshard_reshard([_Action(s, FORWARD, i) for s in rank_chunks(pp, 2, r, "zbv")
+                                      for i in range(microbatches)]) for r in range(pp)}
+    schedule.pipeline_order_with_comms = _add_send_recv(order, stage_to_rank=ranks.__getitem__, num_stages=2 * pp)
+    return schedule
+
+
+def schedule_order(schedule: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Every pipeline rank's compute actions, in the order torch's class for ``schedule`` runs
+    them: ``(kind, stage, micro-batch)``, kind ``F`` (forward), ``B`` (whole backward), ``I``
+    (input gradients) or ``W`` (weight gradients); an overlapped pair (DualPipeV's) as its two
+    actions in order. Built on stand-ins for the stages (the classes read only their places),
+    so no process group is needed. The multi-stage schedules only: torch runs ``gpipe`` and
+    ``1f1b`` without an order of actions."""
+    import types
+
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    if schedule in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule {schedule!r} runs without an order of actions; valid: "
+                         f"{[s for s in SCHEDULES if s not in ('gpipe', '1f1b')]}")
+    check_pipeline(pp, None, microbatches, schedule, virtual, num_blocks=pp * virtual)
+    n = pp * virtual
+    stages = [types.SimpleNamespace(stage_index=s, num_stages=n, group_size=pp, group_rank=0, is_first=s == 0,
+                                    is_last=s == n - 1, submod=nn.Identity(), has_backward=True)
+              for s in rank_chunks(pp, virtual, 0, schedule)]
+    order = getattr(pipelining, _SCHEDULE_CLASSES[schedule])(stages, microbatches).pipeline_order
+    out = {}
+    for rank, actions in order.items():
+        flat = [sub for a in actions if a is not None
+                for sub in (a.sub_actions if a.computation_type == OVERLAP_F_B else (a,))]
+        out[rank] = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in flat
+                     if a.computation_type.value in ("F", "B", "I", "W")]
+    return out
+
+
+_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                     "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                     "dualpipev": "ScheduleDualPipeV"}
 
 
 class Pipeline:
@@ -250,8 +368,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, folded, microbatches: int, schedule: str = "1f1b",
                  virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
                  recompute: str = "none", plan: Plan | None = None):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed import pipelining
 
         spec = folded.spec
         pp = spec.pp
@@ -270,23 +387,29 @@ class Pipeline:
         n = pp * virtual
         layers = chunk_layers(num_blocks, n)
         r = folded.attn.get_local_rank("pp")
-        self.stage_ids = [r + k * pp for k in range(virtual)]
+        self.stage_ids = rank_chunks(pp, virtual, r, schedule)
         self.chunks = [ModelChunk(model, layers[s], first=s == 0, last=s == n - 1, plan=plan) for s in self.stage_ids]
         self._block_lists = [c.block_list() for c in self.chunks]
         for chunk in self.chunks:
             parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype, recompute=recompute)
+            if schedule in ZERO_BUBBLE:
+                _split_backward(chunk)
         group = folded.attn["pp"].get_group()
-        stages = [PipelineStage(c, s, n, folded.device, group=group) for c, s in zip(self.chunks, self.stage_ids)]
+        stages = [pipelining.PipelineStage(c, s, n, folded.device, group=group)
+                  for c, s in zip(self.chunks, self.stage_ids)]
         self.has_last = any(s == n - 1 for s in self.stage_ids)
         for layer in self.moe_layers():
             layer.balancing_scale = 1 / microbatches
         self._calls = [_CountedCalls(c) for c in self.chunks]
         self._n_global = None
-        if schedule == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=self._loss, scale_grads=False)
-        else:
-            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            self.schedule = cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
+        cfg = getattr(model, "cfg", None)
+        self._mtp = getattr(cfg, "mtp_depth", 0) if cfg is not None else 0
+        self._mtp_weight = getattr(cfg, "mtp_loss_weight", 0.0)
+        self._parts: list[torch.Tensor] = []  # per micro-batch on the last stage: each term's mean [1 + D]
+        cls = getattr(pipelining, _SCHEDULE_CLASSES[schedule])
+        self.schedule = cls(stages if len(stages) > 1 else stages[0], microbatches, loss_fn=self._loss,
+                            scale_grads=False)
+        self._evaluation = _forward_only(stages, microbatches, self._loss) if schedule in V_SCHEDULES else self.schedule
 
     @classmethod
     def laid_out(cls, model: nn.Module, folded, microbatches: int = 1, plan: Plan | None = None) -> "Pipeline":
@@ -308,7 +431,19 @@ class Pipeline:
         self._calls, self._n_global, self.schedule = [], None, None
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._loss_terms(logits, targets)[0] / self._n_global
+        """A micro-batch's share of the step's objective. With multi-token prediction (D depths)
+        ``logits`` [b, s, 1 + D, V] and ``targets`` [b, s, 1 + D]: each term's sum over its counted
+        positions by the whole batch's count of them (``_n_global`` [1 + D]), the main head's by
+        the model's ``loss_terms``, then ``main + mtp_loss_weight / D * sum_k`` (the model's
+        objective, :func:`~meshfold.models.mtp.mtp_objective`)."""
+        if not self._mtp:
+            return self._loss_terms(logits, targets)[0] / self._n_global
+        sums = [self._loss_terms(logits.select(2, 0), targets[..., 0])[0]]
+        sums += [cross_entropy_sum(logits.select(2, k), depth_inputs(targets, k)[1])[0]
+                 for k in range(1, self._mtp + 1)]
+        means = torch.stack(sums) / self._n_global  # [1 + D]
+        self._parts.append(means.detach())
+        return means[0] + self._mtp_weight / self._mtp * means[1:].sum()
 
     # ---- what a training loop needs of a model: this rank's part of it -----------------------
     def parameters(self):
@@ -379,9 +514,16 @@ class Pipeline:
         if tokens.shape[0] % self.microbatches:
             raise ValueError(f"local batch of {tokens.shape[0]} sequences is not divisible by "
                              f"microbatches = {self.microbatches}")
-        count = (targets != -100).sum().double()
+        if self._mtp and (targets.dim() != 3 or targets.shape[-1] != 1 + self._mtp):
+            raise ValueError(f"targets have shape {tuple(targets.shape)}; valid with mtp_depth = {self._mtp}: "
+                             f"[b, s, {1 + self._mtp}] (mtp_targets of the global batch, sharded like the tokens)")
+        # counted positions of each term of the loss: the main head's (and each MTP depth's)
+        count = (targets != -100).sum().double() if not self._mtp else counted(targets).sum((0, 1)).double()
         sum_in_place(count, self.folded.attn)  # every pp stage holds the same data: pp x the global count
         self._n_global = count / self.folded.spec.pp
+        self._parts.clear()
+        if self._mtp:  # the first stage embeds the tokens each depth reads
+            per_token = {**per_token, MTP_TARGETS: targets}
         for chunk in self.chunks:
             chunk.positions = positions
         losses: list[torch.Tensor] = []
@@ -400,7 +542,7 @@ class Pipeline:
             self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
         else:
             with torch.no_grad():
-                self.schedule.eval(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
+                self._evaluation.eval(*inputs, target=targets, losses=losses, return_outputs=False, **per_token)
         for calls in self._calls:
             calls.forget_extra(self.microbatches)
         share = torch.zeros((), dtype=torch.float64, device=count.device)
@@ -413,9 +555,17 @@ class Pipeline:
                    backward: bool = True, **per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """:meth:`step`, and the parts of the loss the model reports apart (``loss_parts`` beyond
         ``"loss"``, e.g. the main and multi-token-prediction losses), weighted over the
-        micro-batches as the loss is; with pp > 1 no parts (``{}``)."""
+        micro-batches as the loss is; with pp > 1 the multi-token-prediction parts, from each
+        micro-batch's terms on the last stage (other models: no parts, ``{}``)."""
         if self.schedule is not None:
-            return self.step(tokens, targets, positions, backward, **per_token), {}
+            loss = self.step(tokens, targets, positions, backward, **per_token)
+            if not self._mtp:
+                return loss, {}
+            means = torch.zeros(1 + self._mtp, dtype=torch.float64, device=loss.device)
+            if self.has_last:  # the last m: torch's shape inference may have run the loss first
+                means += torch.stack(self._parts[-self.microbatches:]).sum(0).double()
+            sum_in_place(means, self.folded.attn)  # only the last stage's ranks hold them
+            return loss, {"main": means[0], "mtp": means[1:].mean(), "mtp_depths": means[1:]}
         _check_per_token(per_token, self._per_token, tokens)
         return self._accumulate_step(tokens, targets, positions, backward, per_token)
 

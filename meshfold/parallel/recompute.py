@@ -60,7 +60,7 @@ from meshfold.catalog import RECOMPUTE, check_choice
 from meshfold.models.moe import MoELayer
 
 __all__ = ["RECOMPUTE", "ROUTING_OPS", "SAVED_PRODUCTS", "check_recompute", "BlockRecompute",
-           "Checkpointed", "apply_recompute"]
+           "Checkpointed", "apply_recompute", "read_twice"]
 
 aten = torch.ops.aten
 
@@ -186,22 +186,55 @@ def _stacked(*contexts):
         yield
 
 
+class _EachTime:
+    """A context built afresh by ``make()`` each time it is entered. torch's checkpoint enters a
+    block's recompute context once per backward pass that reads the block: once, except under the
+    zero-bubble schedules, whose input- and weight-gradient passes each recompute it."""
+
+    def __init__(self, make):
+        self.make, self.open = make, []
+
+    def __enter__(self):
+        context = self.make()
+        self.open.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc):
+        return self.open.pop().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _read_again(recompute):
+    """``recompute`` (selective checkpointing's replay of the saved op outputs) leaving those
+    outputs readable by a later recompute of the same block: torch marks each one consumed when
+    read, which is right when one backward reads a block; the zero-bubble schedules' weight pass
+    reads it a second time. The outputs stay alive until the block's graph is freed."""
+    kept = {key: dict(outputs) for key, outputs in recompute.storage.items()}
+    with recompute:
+        yield
+    for key, outputs in kept.items():
+        recompute.storage[key].update(outputs)
+
+
 class BlockRecompute:
     """``hook(fn, *args, **kwargs)`` runs ``fn(*args, **kwargs)`` under non-reentrant activation
     checkpointing with the policy of ``mode`` ("selective" or "full"); ``layers`` are the block's
-    MoE layers, whose state the recompute must not change."""
+    MoE layers, whose state the recompute must not change. ``read_twice``: the backward reads the
+    block in two passes (the zero-bubble schedules: :func:`read_twice`), each recomputing it from
+    the same kept outputs."""
 
-    def __init__(self, mode: str, layers=()):
+    def __init__(self, mode: str, layers=(), read_twice: bool = False):
         if check_recompute(mode) == "none":
             raise ValueError("BlockRecompute needs recompute = 'selective' or 'full'; 'none' sets no hook")
-        self.mode, self.layers = mode, list(layers)
+        self.mode, self.layers, self.read_twice = mode, list(layers), read_twice
         self.policy = _policy(ROUTING_OPS + (SAVED_PRODUCTS if mode == "selective" else ()))
 
     def _contexts(self):
         forward, recompute = create_selective_checkpoint_contexts(self.policy)
         seen: list = []
+        replay = _EachTime(lambda: _read_again(recompute)) if self.read_twice else recompute
         return (_stacked(_hook_ops_ignored(), _record_state(self.layers, seen), forward),
-                _stacked(_hook_ops_ignored(), _replay_state(self.layers, seen), recompute))
+                _EachTime(lambda: _stacked(_hook_ops_ignored(), _replay_state(self.layers, seen), replay)))
 
     def __call__(self, fn, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -238,3 +271,13 @@ def apply_recompute(blocks, mode: str) -> None:
         if mode != "none":
             layers = [m for m in block.modules() if isinstance(m, MoELayer)]
             block.forward = Checkpointed(block.forward, BlockRecompute(mode, layers))
+
+
+def read_twice(module) -> None:
+    """Let the backward of every checkpointed block under ``module`` recompute it twice (the
+    zero-bubble schedules' input-gradient and weight-gradient passes each do), from the same
+    kept outputs (:class:`BlockRecompute`'s ``read_twice``)."""
+    for m in module.modules():
+        forward = m.__dict__.get("forward")
+        if isinstance(forward, Checkpointed):
+            forward.hook.read_twice = True

@@ -35,8 +35,9 @@ def transformer_plan(cfg, layers: list[int] | None = None, first: bool = True, l
     whole model's plan (``layers`` None) is ``whole``: with pp > 1 the model runs as a
     :class:`~meshfold.parallel.pipeline.Pipeline`."""
     ids = list(range(cfg.layers)) if layers is None else list(layers)
-    # multi-token prediction (whole model only: check_fold refuses it with pp > 1): depth k's block
-    # is laid out as layer cfg.layers + k - 1 would be, its norms and 2H -> H projection replicated
+    # multi-token prediction (in the whole model's plan; a pipeline's last chunk holds the depths
+    # and keeps their entries): depth k's block is laid out as layer cfg.layers + k - 1 would be,
+    # its norms and 2H -> H projection replicated
     depths = list(range(cfg.mtp_depth)) if layers is None and last else []
     blocks = {f"layers.{i}": i for i in ids} | {f"mtp.{k}.block": cfg.layers + k for k in depths}
     prefixes = (["layers.*"] if ids else []) + (["mtp.*.block"] if depths else [])
@@ -102,9 +103,6 @@ def check_fold(cfg, spec) -> None:
     for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
         if n % spec.tp:
             raise ValueError(f"{what} = {n} is not divisible by tp = {spec.tp}")
-    if getattr(cfg, "mtp_depth", 0) and spec.pp > 1:
-        raise ValueError(f"model.mtp_depth = {cfg.mtp_depth} with fold.pp = {spec.pp}: the multi-token-prediction "
-                         f"depths read the embedding held by the first stage; use pp = 1 or mtp_depth = 0")
     if any(not cfg.is_moe_layer(i) for i in range(cfg.layers + getattr(cfg, "mtp_depth", 0))) and cfg.ffn % spec.tp:
         raise ValueError(f"ffn = {cfg.ffn} is not divisible by tp = {spec.tp}")
     if cfg.moe is not None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from meshfold.catalog import remote_neighbours
 from meshfold.plan.memory import REDUCE_BUCKET_BYTES
 from meshfold.plan.stages import expert_shard, stage_params
 from meshfold.plan.models import ModelShape
@@ -211,11 +212,8 @@ def collective_traffic(model: ModelShape, layout, seq: int, global_batch: int, c
             for d in ("pp", "dp", "cp", "tp"):                        # Pipeline.step: token count and loss share
                 if sizes[d] > 1:
                     c.add("all_reduce", d, 2 * F64, 1, STEP)
-            n = s.pp * layout.vpp
-            chunks = range(st.rank, n, s.pp)
             act = Tr * h * a
-            not_last, not_first = sum(ch != n - 1 for ch in chunks), sum(ch != 0 for ch in chunks)
-            hops = not_last + not_first                               # activations forward, gradients back
+            hops = remote_neighbours(s.pp, layout.vpp, st.rank, layout.schedule)  # activations forward, gradients back
             c.add("send", "pp", m * act * hops, m * hops)
             c.add("recv", "pp", m * act * hops, m * hops)
         if megatron:

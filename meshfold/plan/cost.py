@@ -21,7 +21,9 @@ measured rate for their shape (sequence length, rows per expert, message size, n
 
     t_mb(r) = compute of pipeline rank r's layers (+ the head on the last) + its per-micro-batch
               collectives / m
-    step    = (m + (pp - 1) / vpp) * max_r t_mb(r) + max_r (its once-per-step collectives)
+    step    = m * max_r t_mb(r) + bubble + max_r (its once-per-step collectives)
+    bubble  = (pp - 1) / vpp * t_mb for 1F1B and its interleaving; less for the zero-bubble
+              schedules (:mod:`meshfold.plan.schedules`, from t_mb's forward and backward halves)
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from meshfold.catalog import DATA_PARALLEL, RECOMPUTE, SCHEDULES
+from meshfold.catalog import DATA_PARALLEL, RECOMPUTE, SCHEDULES, V_SCHEDULES, ZERO_BUBBLE
 from meshfold.mesh import FoldSpec
 from meshfold.plan.collectives import MICROBATCH, STEP, collective_traffic, loop_traffic
 from meshfold.plan.hardware import GIB, Hardware
 from meshfold.plan.memory import memory_terms
+from meshfold.plan.schedules import bubble
 from meshfold.plan.models import ModelShape
 from meshfold.plan.placement import check_replicas
 from meshfold.plan.routing import Routing, busiest_rank_fetches, busiest_rank_shares, copy_slots, parse_placement
@@ -89,7 +92,7 @@ class Layout:
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Layout.recompute = {self.recompute!r}; valid: {list(RECOMPUTE)}")
-        if self.vpp > 1 and self.schedule != "interleaved-1f1b":
+        if self.vpp > 1 and self.schedule in ("1f1b", "gpipe"):
             object.__setattr__(self, "schedule", "interleaved-1f1b")
 
     @property
@@ -237,12 +240,19 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
             (seq % split == 0, f"seq={seq} must be divisible by {split} (cp={s.cp} gives 2*cp load-balanced "
                                f"chunks, each split over tp={s.tp})"),
             (chunks <= model.layers, f"pp*vpp={chunks} chunks but only layers={model.layers}"),
-            ((layout.schedule == "interleaved-1f1b") == (layout.vpp > 1),
-             f"schedule {layout.schedule!r} with vpp={layout.vpp}: interleaved-1f1b needs vpp >= 2, the others 1"),
+            (layout.vpp == 2 if layout.schedule in V_SCHEDULES else
+             layout.schedule.startswith("interleaved") == (layout.vpp > 1),
+             f"schedule {layout.schedule!r} with vpp={layout.vpp}: the interleaved schedules need vpp >= 2, "
+             f"zbv and dualpipev 2, gpipe and 1f1b 1"),
             (not pipelined or layout.schedule == "gpipe" or m >= s.pp,
              f"{layout.schedule} needs micro-batches={m} >= pp={s.pp} (gpipe does not)"),
-            (not pipelined or layout.schedule != "interleaved-1f1b" or m % s.pp == 0,
-             f"interleaved-1f1b needs micro-batches={m} a multiple of pp={s.pp}"),
+            (not pipelined or not layout.schedule.startswith("interleaved") or m % s.pp == 0,
+             f"{layout.schedule} needs micro-batches={m} a multiple of pp={s.pp}"),
+            (not pipelined or layout.schedule != "dualpipev" or m >= 2 * s.pp,
+             f"dualpipev needs micro-batches={m} >= 2 pp={2 * s.pp}"),
+            (not (pipelined and layout.schedule in ZERO_BUBBLE and layout.recompute != "none"),
+             f"recompute={layout.recompute!r} with {layout.schedule}: torch's weight pass recomputes a block "
+             f"once per parameter group, which the planner does not model; valid: recompute='none'"),
             (not (pipelined and layout.sharding == "fsdp" and layout.recompute != "none"),
              f"recompute={layout.recompute!r} with pp={s.pp} under FSDP2 is not modelled by the planner "
              f"(meshfold runs it); valid: recompute='none', or sharding='allreduce'"),
@@ -336,12 +346,17 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     # Per layer kind (MoE or dense, ModelShape.is_moe_layer), forward + backward (2 forward, the
     # attention core at its own rate) + recomputation: full runs the forward again, selective all
     # of it but the weight GEMMs (the attention core and the memory-bound kernels).
-    layer_compute = {}
+    # The backward's halves (the zero-bubble schedules run them apart): the weight gradients are
+    # one more pass of the forward's weight GEMMs; the input gradients the rest (the other GEMM
+    # pass, the attention core's backward, the memory-bound kernels) and the recomputation.
+    layer_fbw = {}
     for moe in (True, False):
         hbm = hw.hbm_time(attn_bytes + mlp_bytes[moe])
         c_fwd = c_attn + c_mlp[moe] + hbm
         c_re = {"none": 0.0, "selective": c_core + hbm, "full": c_fwd}[layout.recompute]
-        layer_compute[moe] = 3 * c_fwd + (c_core_bwd - 2 * c_core) + c_re
+        c_w = c_fwd - c_core - hbm
+        layer_fbw[moe] = (c_fwd, 2 * c_fwd + (c_core_bwd - 2 * c_core) + c_re - c_w, c_w)
+    layer_compute = {moe: sum(fbw) for moe, fbw in layer_fbw.items()}
     head = 3 * hw.gemm_time(2 * T * h * V / tp, 1)
 
     # ---- memory per GPU (meshfold.plan.memory) ---------------------------------------------------
@@ -370,12 +385,20 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
             t[term] = t.get(term, 0.0) + sec / m
         return t
 
+    def forward_backward(st) -> tuple[float, float, float]:
+        """Pipeline rank's seconds per micro-batch: forward, input gradients, weight gradients
+        (its collectives half in the forward, half in the input gradients)."""
+        parts = [sum(layer_fbw[model.is_moe_layer(i)][j] for i in st.layers) + (head / 3 if st.last else 0.0)
+                 for j in range(3)]
+        comm_mb = sum(comm[st.rank][MICROBATCH].values()) / m
+        return parts[0] + comm_mb / 2, parts[1] + comm_mb / 2, parts[2]
+
     mb = [per_microbatch(st) for st in stages]
     slow = max(range(pp), key=lambda r: sum(mb[r].values()))
     reduce = max(range(pp), key=lambda r: sum(comm[r][STEP].values()))
-    t_mb = sum(mb[slow].values())
     time = {t: m * mb[slow].get(t, 0.0) + comm[reduce][STEP].get(t, 0.0) for t in TIME_TERMS}
-    time["bubble"] = (pp - 1) / vpp * t_mb
+    fbw = forward_backward(stages[slow])
+    time["bubble"] = bubble(layout.schedule, pp, vpp, m, *fbw) if pp > 1 else 0.0
     step = sum(time.values())
     flops = model.step_flops(global_batch, seq)
     mfu = flops / (step * sp.world_size * hw.peak_tflops * 1e12)
@@ -390,7 +413,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     rc = 0 if layout.recompute == "none" else 1
     core_flops = 3.5 * sum(f for f, _, _ in core_calls)   # forward + 2.5x backward, executed
     peak = hw.peak_tflops * 1e12
-    detail.update(flops=flops, rows_per_expert=M_e, peak_flops=peak, slowest_rank=slow,
+    detail.update(flops=flops, rows_per_expert=M_e, peak_flops=peak, slowest_rank=slow, forward_backward=fbw,
                   stage_seconds=[sum(t.values()) for t in mb],   # per micro-batch, each pipeline rank
                   attn_core_s=m * len(stages[slow].layers) * ((1 + rc) * c_core + c_core_bwd),
                   attn_core_fraction=core_flops / ((c_core + c_core_bwd) * peak),

@@ -31,18 +31,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshfold.catalog import rank_chunks, remote_neighbours
 from meshfold.plan.models import ModelShape
 from meshfold.plan.stages import BF16, FP32, StageParams, expert_shard, regathered, wide_shared
 
 __all__ = ["interleaved_order", "ChunkBytes", "interleaved_peak", "interleaved_activations"]
 
 
-def interleaved_order(pp: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+def interleaved_order(pp: int, v: int, m: int, rank: int, chunks: list[int] | None = None) -> list[tuple[str, int, int]]:
     """Rank ``rank``'s ops as ``(F | B, chunk, micro-batch)`` in the order
     ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` runs them (its idle slots left out; a
     test compares the two): rounds of ``m // rounds`` micro-batches (``rounds = max(1, m // pp)``)
     sweep the rank's chunks, ``(v - 1) rounds' + 2 (pp - 1 - rank)`` warm-up forwards, then one
-    forward and one backward at a time, backwards sweeping the chunks last to first."""
+    forward and one backward at a time, backwards sweeping the chunks last to first. ``chunks``:
+    the rank's chunks in the order it sweeps them (default ``rank, rank + pp, ...``)."""
+    chunks = chunks or [k * pp + rank for k in range(v)]
     rounds = max(1, m // pp)
     per_round = m // rounds
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
@@ -51,7 +54,7 @@ def interleaved_order(pp: int, v: int, m: int, rank: int) -> list[tuple[str, int
     out = []
 
     def emit(kind: str, local: int) -> None:
-        out.append((kind, local * pp + rank, done[kind][local]))
+        out.append((kind, chunks[local], done[kind][local]))
         done[kind][local] += 1
 
     for op in range(total + warmup):  # warm-up forwards, 1F1B pairs, cool-down backwards
@@ -142,7 +145,8 @@ def interleaved_activations(model: ModelShape, layout, seq: int, m: int, st: Sta
     cut = [list(range(i * model.layers // n, (i + 1) * model.layers // n)) for i in range(n)]
     emb, wide = model.embedding_params, FP32 if s.tp > 1 else a
     chunks = {}
-    for c in range(st.rank, n, s.pp):
+    mine = rank_chunks(s.pp, layout.vpp, st.rank, layout.schedule)
+    for c in mine:
         ids, dense, experts = cut[c], 0.0, 0.0
         for i in ids:
             lp = model.layer_params(model.is_moe_layer(i))
@@ -157,7 +161,7 @@ def interleaved_activations(model: ModelShape, layout, seq: int, m: int, st: Sta
             gathered=a * (dense + experts) + (FP32 - a) * wide_shared(model, layout, ids), root=wide * ends,
             regather=a * group, new_grad=a * largest, stored=sum(acts[model.is_moe_layer(i)][0] for i in ids),
             output=a * (Tr_h if not last else layout.mbs * seq / (s.cp * s.tp) * model.vocab), reduce=reduce)
-    neighbours = sum(c != 0 for c in chunks) + sum(c != n - 1 for c in chunks)
-    peak = interleaved_peak(chunks, interleaved_order(s.pp, layout.vpp, m, st.rank), last_chunk=n - 1,
+    neighbours = remote_neighbours(s.pp, layout.vpp, st.rank, layout.schedule)
+    peak = interleaved_peak(chunks, interleaved_order(s.pp, layout.vpp, m, st.rank, mine), last_chunk=n - 1,
                             loss=logits + head_copy, m=m)
     return m * neighbours * a * Tr_h + peak - FP32 * st.total - gathered

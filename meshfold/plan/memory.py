@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshfold.catalog import ZERO_BUBBLE, remote_neighbours
 from meshfold.plan.interleaved import interleaved_activations
 from meshfold.plan.models import ModelShape
 from meshfold.plan.stages import (BF16, FP32, StageParams, expert_shard, regathered, stage_layers,  # noqa: F401
@@ -63,7 +64,10 @@ def in_flight(layout, microbatches: int, rank: int) -> float:
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of all
     of its layers: 1 without pp (accumulation runs them one after another); GPipe all m; 1F1B
     ``min(pp - r, m)``; interleaved 1F1B ``((v - 1) pp + 2 (pp - 1 - r) + 1) / v`` chunks' worth
-    (torch's warm-up, = Korthikanti et al. 2022's ``pp (1 + (pp - 1) / (pp v))`` on rank 0)."""
+    (torch's warm-up, = Korthikanti et al. 2022's ``pp (1 + (pp - 1) / (pp v))`` on rank 0);
+    interleaved-zb and zbv ``2 pp / v``, dualpipev ``(2 pp + 1) / v`` on every rank (torch's
+    orders hold them from a forward to its weight pass; a test counts them). The zero-bubble
+    schedules' peak is then costed with 1F1B's moments (:func:`_pipeline_activations`)."""
     pp, m, v = layout.spec.pp, microbatches, layout.vpp
     if pp == 1:
         return 1.0
@@ -71,6 +75,10 @@ def in_flight(layout, microbatches: int, rank: int) -> float:
         return float(m)
     if layout.schedule == "1f1b":
         return float(min(pp - rank, m))
+    if layout.schedule in ("interleaved-zb", "zbv"):  # 2 pp chunk-micro-batches on every rank
+        return min(2 * pp / v, float(m))
+    if layout.schedule == "dualpipev":
+        return min((2 * pp + 1) / v, float(m))
     return min(((v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v, float(m))
 
 
@@ -235,9 +243,7 @@ def _pipeline_activations(model: ModelShape, layout, seq: int, m: int, st: Stage
     s, a = layout.spec, BF16
     G = FP32 * st.total
     Tr_h = layout.mbs * seq / (s.cp * s.tp) * model.hidden
-    n = s.pp * layout.vpp
-    chunks = range(st.rank, n, s.pp)
-    neighbours = sum(c != 0 for c in chunks) + sum(c != n - 1 for c in chunks)
+    neighbours = remote_neighbours(s.pp, layout.vpp, st.rank, layout.schedule)
     recv = m * neighbours * a * Tr_h
     kept_out = 0.0 if st.last and layout.vpp == 1 else flight * a * Tr_h
     group, largest = regathered(model, layout, st.layers)
@@ -301,7 +307,7 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int,
             root = st.ends * (FP32 if s.tp > 1 else a)          # stays gathered forward to backward
             # every group stays unsharded after its first backward
             gathered = a * (st.total - st.ends) + root + (FP32 - a) * wide_shared(model, layout, st.layers)
-            if layout.vpp > 1:
+            if layout.vpp > 1 and layout.schedule not in ZERO_BUBBLE:
                 mem["activations"] = interleaved_activations(model, layout, seq, m, st, acts, logits, head_copy,
                                                              gathered)
             else:

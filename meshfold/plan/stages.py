@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshfold.catalog import rank_chunks
 from meshfold.plan.models import ModelShape
 
 __all__ = ["BF16", "FP32", "StageParams", "stage_layers", "stage_params", "expert_shard", "wide_shared",
@@ -19,12 +20,13 @@ __all__ = ["BF16", "FP32", "StageParams", "stage_layers", "stage_params", "exper
 BF16, FP32 = 2, 4  # bytes
 
 
-def stage_layers(layers: int, pp: int, vpp: int) -> list[list[int]]:
+def stage_layers(layers: int, pp: int, vpp: int, schedule: str = "1f1b") -> list[list[int]]:
     """Layer ids each pipeline rank holds, as ``meshfold.parallel.pipeline.chunk_layers`` cuts them
-    (rank r: chunks r, r + pp, ...; a test compares the two)."""
+    (rank r: chunks r, r + pp, ..., or r and 2 pp - 1 - r under the V schedules:
+    :func:`~meshfold.catalog.rank_chunks`; a test compares the two)."""
     n = pp * vpp
     chunks = [list(range(i * layers // n, (i + 1) * layers // n)) for i in range(n)]
-    return [[i for c in chunks[r::pp] for i in c] for r in range(pp)]
+    return [[i for c in sorted(rank_chunks(pp, vpp, r, schedule)) for i in chunks[c]] for r in range(pp)]
 
 
 def expert_shard(model: ModelShape, spec) -> float:
@@ -68,10 +70,10 @@ def stage_params(model: ModelShape, layout) -> list[StageParams]:
     moe, dense = model.layer_params(True), model.layer_params(False)
     n = s.pp * layout.vpp
     out = []
-    for r, ids in enumerate(stage_layers(model.layers, s.pp, layout.vpp)):
+    for r, ids in enumerate(stage_layers(model.layers, s.pp, layout.vpp, layout.schedule)):
         kinds = [moe if model.is_moe_layer(i) else dense for i in ids]
         emb = model.embedding_params / (s.tp if vocab_parallel else 1)
-        first, last = r == 0, (n - 1) % s.pp == r
+        first, last = r == 0, n - 1 in rank_chunks(s.pp, layout.vpp, r, layout.schedule)
         head = emb if last and not model.tie_embeddings else 0.0
         ends = (emb if first else 0.0) + head + (model.hidden if last else 0.0)
         layer_dense = sum(p.replicated + p.tp_split / s.tp for p in kinds)

@@ -36,7 +36,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshfold.catalog import DATA_PARALLEL, RECOMPUTE, SCHEDULES
+from meshfold.catalog import DATA_PARALLEL, RECOMPUTE, SCHEDULES, ZERO_BUBBLE
 from meshfold.mesh import FoldSpec
 from meshfold.plan.hardware import HARDWARE
 from meshfold.train.optim import NO_DECAY_KINDS
@@ -215,9 +215,12 @@ class TrainSettings:
     data_parallel: str = setting("fsdp", str, "data parallelism: fsdp (FSDP2: parameters, gradients and AdamW "
                                  "state sharded over dp x cp, experts over edp) or allreduce (whole replicas, "
                                  "gradients all-reduced once per step)", choices=DATA_PARALLEL)
-    schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1",
-                            choices=SCHEDULES)
-    virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b: >= 2)", low=1)
+    schedule: str = setting("1f1b", str, "pipeline schedule with fold.pp > 1 (torch.distributed.pipelining's "
+                            "classes; interleaved-zb, zbv and dualpipev are the zero-bubble ones, which split each "
+                            "backward into input and weight gradients; zbv and dualpipev lay 2 chunks a rank out "
+                            "in a V)", choices=SCHEDULES)
+    virtual: int = setting(1, int, "model chunks per rank (interleaved-1f1b, interleaved-zb: >= 2; zbv, "
+                           "dualpipev: 2)", low=1)
     tensorboard: bool = setting(False, bool, "also write the metrics as TensorBoard event files into "
                                 "<out_dir>/tensorboard/ (needs the tensorboard package: pip install "
                                 "\"meshfold[tensorboard]\")")
@@ -453,6 +456,10 @@ class TrainConfig:
             except ValueError as err:
                 raise ValueError(f"fold.pp = {spec.pp}: {err} (train.microbatches, train.schedule, "
                                  f"train.virtual)") from None
+            if t.schedule in ZERO_BUBBLE and t.compile:
+                raise ValueError(f"train.schedule = {t.schedule!r} with train.compile: torch splits the zero-bubble "
+                                 f"schedules' backward into input and weight passes only outside torch.compile "
+                                 f"regions; set compile = false, or use schedule 1f1b or interleaved-1f1b")
             if (t.batch // spec.dp) % mb:
                 raise ValueError(f"train.batch / dp = {t.batch // spec.dp} sequences per rank is not "
                                  f"divisible by train.microbatches = {mb}")

@@ -36,6 +36,21 @@ def check_launch(world_size: int) -> list[str]:
     return []
 
 
+def check_schedule(train, pp: int) -> list[str]:
+    """Warnings for pipeline settings that run correctly but slowly: recomputation under a
+    zero-bubble schedule, whose weight pass (torch's ``stage_backward_weight``) takes each
+    parameter group's gradients in a backward call of its own, and a checkpointed block is
+    recomputed in each (14-26 recomputations of a block per micro-batch against 1F1B's one, and a
+    step 3.7x 1F1B's with selective recompute, measured on pp 2, benchmarks/RESULTS.md)."""
+    from meshfold.catalog import ZERO_BUBBLE
+
+    if pp > 1 and train.schedule in ZERO_BUBBLE and train.recompute != "none":
+        return [f"warning: train.recompute = {train.recompute!r} with train.schedule = {train.schedule!r}: torch's "
+                f"weight pass recomputes each checkpointed block once per parameter group (14-26x 1F1B's "
+                f"recomputation measured, a step 3.7x slower); the gradients are right, the time is not"]
+    return []
+
+
 def check_data(cfg) -> None:
     """The training text exists and gives one batch of ``train.seq + 1`` bytes in each split."""
     from meshfold.data.corpus import split_point, split_sizes, text_only

@@ -187,11 +187,11 @@ def test_dryrun_set_refuses_what_it_cannot_stand_for_before_any_rank(capsys, mon
 
 
 def test_dryrun_model_keeps_the_model_settings_given_with_it(capsys, monkeypatch):
-    """--model names the model; a --set model.KEY given beside it still applies (it was dropped:
-    a pp = 2 dry run of model.mtp_depth = 1, which meshfold train refuses, ran without MTP)."""
+    """--model names the model; a --set model.KEY given beside it still applies (it was dropped,
+    and the dry run ran without it): a value meshfold train refuses is refused here too."""
     from meshfold.dryrun import engine
 
     monkeypatch.setattr(engine, "dry_run_rank", lambda *a: pytest.fail("a rank started"))
-    line = _error_line(["dryrun", "--model", "tiny-deepseek-v3", "--set", "model.mtp_depth=1",
-                        "--set", "fold.pp=2", "--set", "fold.ep=2"], capsys)
-    assert line.startswith("model.mtp_depth = 1 with fold.pp = 2"), line
+    line = _error_line(["dryrun", "--model", "tiny-deepseek-v3", "--set", "model.mtp_depth=-1",
+                        "--set", "fold.ep=2"], capsys)
+    assert "mtp_depth must be an integer >= 0" in line, line

@@ -14,7 +14,6 @@ from meshfold.models import MoEConfig
 from meshfold.models.mla import MLAConfig
 from meshfold.models.mtp import mtp_targets
 from meshfold.models.transformer import MoETransformer, TransformerConfig
-from meshfold.parallel.transformer_plan import check_fold
 from meshfold.testing import assert_matches_one_device
 
 pytestmark = pytest.mark.multirank
@@ -55,6 +54,52 @@ def test_mtp_loss_and_gradients_equal_one_device_on_folds(worlds, spec, mla, dat
         assert diff["loss"] < 1e-10 and diff["grad"] < 1e-9
 
 
-def test_mtp_with_pipeline_stages_is_refused_naming_both_settings():
-    with pytest.raises(ValueError, match=r"model.mtp_depth = 2 with fold.pp = 2"):
-        check_fold(_config(False), FoldSpec(4, pp=2, tp=2))
+@pytest.mark.parametrize("spec, mla", [
+    (FoldSpec(4, pp=2, tp=2, ep=2), False),   # pp2 x tp2 | pp2 x ep2
+    (FoldSpec(4, pp=2, dp=2, ep=2), True),    # pp2 x dp2 | pp2 x ep2, MLA
+], ids=["gqa-pp2tp2-ep2", "mla-pp2dp2-ep2"])
+def test_mtp_on_pipeline_stages_equals_one_device(worlds, spec, mla):
+    """The depths on the last stage, the embeddings of the tokens they read made on the first and
+    handed down the pipeline with the hidden state (their gradients come back the same way)."""
+    for diff in worlds(4).run(_check, spec, mla, "fsdp", "none"):
+        assert diff["loss"] < 1e-10 and diff["grad"] < 1e-9
+
+
+def _microbatched(rank, world_size, spec, schedule, virtual, microbatches):
+    """Pipeline.step_parts over micro-batches against one device's whole batch, with a third of
+    the targets masked (-100) unevenly: each term weighted by its own share of positions."""
+    from meshfold.parallel.batch import shard_batch
+    from meshfold.parallel.pipeline import Pipeline
+    from meshfold.parallel.transformer import single_device_name
+    from meshfold.testing.worlds import cached_fold
+
+    cfg = _config(False)
+    cfg.layers = 4  # one layer a chunk with two chunks a rank
+    tokens = CHUNK[:, :-1]
+    nexts = CHUNK[:, 1:].clone()
+    nexts[torch.rand(nexts.shape, generator=torch.Generator().manual_seed(5)) < 0.33] = -100
+    targets = mtp_targets(nexts, 2)
+    ref = MoETransformer(cfg, dtype=torch.float64, seed=4)
+    want = ref.loss_parts(tokens, targets)
+    want["loss"].backward()
+    pipe = Pipeline(MoETransformer(cfg, dtype=torch.float64, device="meta", seed=4), cached_fold(spec),
+                    microbatches, schedule, virtual)
+    local_tokens, pos = shard_batch(tokens, spec, rank)
+    local_targets, _ = shard_batch(targets, spec, rank)
+    loss, parts = pipe.step_parts(local_tokens, local_targets, pos)
+    pipe.reduce_gradients()
+    tol = dict(rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(loss.item(), want["loss"].item(), **tol)
+    torch.testing.assert_close(parts["main"].item(), want["main"].item(), **tol)
+    torch.testing.assert_close(parts["mtp_depths"], want["mtp_depths"], **tol)
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for name, p in pipe.named_parameters():
+        name = single_device_name(name)
+        torch.testing.assert_close(p.grad.full_tensor(), grads[name], **tol, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("zbv", 2)])
+def test_mtp_through_a_microbatched_schedule_weights_each_term_by_its_own_positions(worlds, schedule, virtual):
+    spec = FoldSpec(4, pp=2, dp=2, ep=2)
+    assert all(worlds(4).run(_microbatched, spec, schedule, virtual, 2))

@@ -18,10 +18,10 @@ from meshfold.testing.worlds import cached_fold
 TOL = dict(rtol=1e-9, atol=1e-11)
 
 
-def _config(spec, aux):
+def _config(spec, aux, layers=4):
     moe = MoEConfig(hidden=16, ffn=2 * spec.etp, num_experts=8, topk=2, router_dtype=torch.float64,
                     shared_ffn=2 * spec.tp, seq_aux_loss_coeff=aux, global_aux_loss_coeff=aux)
-    return TransformerConfig(vocab=32, hidden=16, layers=4, heads=8, kv_heads=4, ffn=2 * spec.tp,
+    return TransformerConfig(vocab=32, hidden=16, layers=layers, heads=8, kv_heads=4, ffn=2 * spec.tp,
                              moe=moe, first_k_dense=1, qkv_bias=True)
 
 
@@ -46,9 +46,9 @@ def _reference(cfg, seed, tokens, targets, spec, microbatches):
     return state, {n: p.grad for n, p in ref.named_parameters()}, total
 
 
-def _run(rank, world_size, case):
+def _run(rank, world_size, case, recompute="none", layers=4, evaluate=False):
     spec, B, S, seed, schedule, virtual, microbatches, data_parallel, aux = case
-    cfg = _config(spec, aux)
+    cfg = _config(spec, aux, layers)
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, cfg.vocab, (B, S), generator=g)
     targets = torch.randint(0, cfg.vocab, (B, S), generator=g)
@@ -56,7 +56,7 @@ def _run(rank, world_size, case):
 
     model = MoETransformer(cfg, dtype=torch.float64)
     model.load_state_dict(state)
-    pipe = Pipeline(model, cached_fold(spec), microbatches, schedule, virtual, data_parallel)
+    pipe = Pipeline(model, cached_fold(spec), microbatches, schedule, virtual, data_parallel, recompute=recompute)
     local_tokens, pos = shard_batch(tokens, spec, rank)
     local_targets, _ = shard_batch(targets, spec, rank)
     loss = pipe.step(local_tokens, local_targets, pos)
@@ -76,6 +76,9 @@ def _run(rank, world_size, case):
     layers = chunk_layers(cfg.layers, spec.pp * virtual)
     mine = {i for s in pipe.stage_ids for i in layers[s]}
     assert {int(n.split(".")[1]) for n in names if n.startswith("layers.")} == mine
+    if evaluate:  # the same batch forward only: the same loss
+        pipe.eval()
+        torch.testing.assert_close(pipe.step(local_tokens, local_targets, pos, backward=False).item(), ref_loss, **TOL)
     return True
 
 
@@ -116,6 +119,23 @@ def test_named_pipeline_layouts(worlds, case):
     S = 4 * spec.cp * spec.tp
     assert all(worlds(spec.world_size).run(_run, (spec, 2 * spec.dp, S, 3, schedule, virtual, 2, "fsdp", 0.01)))
 
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule, virtual", [("zbv", 2), ("dualpipev", 2), ("interleaved-zb", 2)])
+@pytest.mark.parametrize("spec, microbatches, recompute", [
+    (FoldSpec(4, pp=2, ep=2), 4, "full"),                    # pp2 x dp2 | pp2 x ep2, FSDP2
+    (FoldSpec(4, pp=4, ep=1), 8, "selective"),               # pp4
+])
+def test_zero_bubble_schedules_equal_one_device(worlds, schedule, virtual, spec, microbatches, recompute):
+    """The zero-bubble schedules (their backward split into input and weight gradients) give the
+    single-device loss and gradients, which 1F1B gives too (test_named_pipeline_layouts): with
+    MoE layers, FSDP2 and recomputation, on pp2 and pp4, in fp64; and their evaluation (a V
+    layout's runs its own forward-only order) gives the same batch's loss."""
+    S = 4 * spec.cp * spec.tp
+    case = (spec, microbatches * spec.dp, S, 7, schedule, virtual, microbatches, "fsdp", 0.01)
+    layers = 2 * spec.pp  # one block a chunk
+    assert all(worlds(spec.world_size).run(_run, case, recompute, layers, True))
 
 
 def _bias_counts_run(rank, world_size, spec, schedule, virtual):
@@ -159,6 +179,7 @@ def _bias_counts_run(rank, world_size, spec, schedule, virtual):
     (FoldSpec(4, pp=2, ep=2), "1f1b", 1),
     (FoldSpec(4, pp=2, tp=2, ep=2), "gpipe", 1),
     (FoldSpec(4, pp=2, ep=2), "interleaved-1f1b", 2),
+    (FoldSpec(4, pp=2, ep=2), "zbv", 2),
 ])
 def test_expert_bias_counts_each_training_forward_once(worlds, case):
     spec, schedule, virtual = case
@@ -176,7 +197,11 @@ def test_chunks_are_contiguous_and_balanced():
     (dict(microbatches=2, schedule="zero-bubble"), "schedule = 'zero-bubble'; valid"),
     (dict(microbatches=1, schedule="1f1b"), "microbatches = 1 < pp = 2"),
     (dict(microbatches=3, schedule="interleaved-1f1b", virtual=2), "not a multiple of pp = 2"),
-    (dict(microbatches=2, schedule="1f1b", virtual=2), "interleaved schedule needs virtual >= 2"),
+    (dict(microbatches=2, schedule="1f1b", virtual=2), "interleaved schedules need virtual >= 2"),
+    (dict(microbatches=2, schedule="interleaved-zb"), "interleaved schedules need virtual >= 2"),
+    (dict(microbatches=2, schedule="zbv"), "V schedules hold exactly 2 chunks per rank"),
+    (dict(microbatches=2, schedule="dualpipev", virtual=3), "V schedules hold exactly 2 chunks per rank"),
+    (dict(microbatches=3, schedule="dualpipev", virtual=2), "microbatches = 3 < 2 pp = 4"),
     (dict(microbatches=2, tie=True), "tie_embeddings with pp > 1"),
 ])
 def test_bad_pipeline_settings_raise_naming_the_value(kwargs, match):

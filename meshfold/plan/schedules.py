@@ -1,0 +1,51 @@
+"""The pipeline bubble of each schedule, from the times of a micro-batch's forward and backward.
+
+A pipeline rank's step is its ``m`` micro-batches' work plus the time it waits (the bubble). With
+``f``, ``b`` and ``w`` the seconds pipeline rank's layers take per micro-batch for the forward, the
+backward's input gradients and its weight gradients (``b + w`` is the whole backward), and chunk
+times ``F = f / v``, ``B = b / v``, ``W = w / v`` for ``v`` chunks a rank:
+
+=====================  ==========================================  ===========================
+``schedule``           bubble                                      against torch's order
+=====================  ==========================================  ===========================
+``gpipe``, ``1f1b``    ``(pp - 1) (f + b + w)``                    exact
+``interleaved-1f1b``   ``(pp - 1) (F + B + W)``                    exact
+``interleaved-zb``     ``(pp - 1) max(F + B - W, F, B)``           exact
+``zbv``                ``(pp - 1) max(B, 2 (B - W), F + W - B)``   see below
+                       ``+ max(0, 2 pp - 1 - m) w``
+``dualpipev``          ``(pp - 1) max(F + B - W, B)``              see below
+=====================  ==========================================  ===========================
+
+1F1B's is Narayanan et al. 2021's; interleaving divides it by v (the same paper). The zero-bubble
+schedules (Qi et al. 2024, arXiv 2401.10241; DualPipeV from DeepSeek-V3, arXiv 2412.19437) fill
+the bubble with deferred weight gradients, so it shrinks by the ``W`` that fits: ZB-H1's
+``(pp - 1)(F + B - W)``, and no less than one forward or input backward per stage, which is what
+torch's ``ScheduleInterleavedZeroBubble`` order gives. torch's ``ScheduleZBVZeroBubble`` and
+``ScheduleDualPipeV`` orders give bubbles that are piecewise in ``F, B, W`` and depend on pp beyond
+``pp - 1``; the forms above are the closest of simple ones, off by the amounts
+``benchmarks/RESULTS.md`` (*Pipeline bubbles*) measures: ``meshfold.dryrun.bubble`` plays torch's
+own orders with the same times, and ``python -m meshfold.dryrun.check --bubbles`` puts the two side
+by side. Communication is left out (stages hand over at once), as in the papers.
+"""
+
+from __future__ import annotations
+
+from meshfold.catalog import SCHEDULES, ZERO_BUBBLE
+
+__all__ = ["bubble", "ZERO_BUBBLE"]
+
+
+def bubble(schedule: str, pp: int, vpp: int, m: int, f: float, b: float, w: float) -> float:
+    """Seconds pipeline rank's step waits under ``schedule`` (module docstring) with ``m``
+    micro-batches: ``f``, ``b``, ``w`` the rank's forward, input-gradient and weight-gradient
+    seconds per micro-batch, over its ``vpp`` chunks."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule = {schedule!r}; valid: {list(SCHEDULES)}")
+    F, B, W = f / vpp, b / vpp, w / vpp
+    per_stage = {"gpipe": F + B + W, "1f1b": F + B + W, "interleaved-1f1b": F + B + W,
+                 "interleaved-zb": max(F + B - W, F, B), "zbv": max(B, 2 * (B - W), F + W - B),
+                 "dualpipev": max(F + B - W, B)}[schedule]
+    # ZB-V reaches its steady state with 2 pp - 1 micro-batches; each one fewer leaves one more
+    # weight pass (both chunks') without a bubble to fill
+    short = max(0, 2 * pp - 1 - m) * w if schedule == "zbv" else 0.0
+    return (pp - 1) * per_stage + short

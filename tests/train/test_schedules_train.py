@@ -1,0 +1,53 @@
+"""``meshfold train`` with the zero-bubble schedules: the losses of 1F1B, and the settings they
+cannot run with refused before any rank starts."""
+
+import pytest
+
+from tests.run_here import meshfold_here
+from tests.train.test_train import SMALL, losses, meshfold_before_spawning
+
+# 4 ranks pp2 x dp2 | pp2 x ep2, 4 layers (one a chunk in a V), 4 micro-batches (dualpipev: >= 2 pp)
+PP2 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "model.layers=4", "--set", "fold.pp=2",
+       "--set", "fold.tp=1", "--set", "fold.ep=2", "--set", "train.batch=8", "--set", "train.microbatches=4",
+       "--set", "train.eval_every=2"]
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.slow
+def test_zero_bubble_schedules_train_the_losses_of_1f1b(tmp_path):
+    """Three steps (and an evaluation) of each: the same losses as 1F1B up to summation order;
+    the steps change the model, so the optimizer saw the same gradients."""
+    runs = {}
+    for schedule, virtual in (("1f1b", 1), ("zbv", 2), ("dualpipev", 2)):
+        out = tmp_path / schedule
+        proc = meshfold_here("train", "--steps", "3", "--out-dir", out, *PP2, "--set", f"train.schedule=\"{schedule}\"",
+                             "--set", f"train.virtual={virtual}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = losses(out)
+        runs[schedule] = [rows[s]["loss"] for s in (1, 2, 3)] + [rows[2]["val_loss"]]
+    for schedule in ("zbv", "dualpipev"):
+        assert runs[schedule] == pytest.approx(runs["1f1b"], rel=1e-9, abs=0), schedule
+    assert runs["1f1b"][2] != runs["1f1b"][0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.schedule=\"zbv\""], "the V schedules hold exactly 2 chunks per rank"),
+    (["train.schedule=\"dualpipev\"", "train.virtual=2", "train.microbatches=2"], "microbatches = 2 < 2 pp = 4"),
+    (["train.schedule=\"zbv\"", "train.virtual=2", "train.compile=true"], "train.schedule = 'zbv' with train.compile"),
+])
+def test_schedule_settings_it_cannot_run_with_fail_before_spawning(tmp_path, monkeypatch, capsys, overrides, message):
+    sets = [a for o in ["fold.pp=2", "fold.tp=1", "fold.ep=2", "model.layers=4", *overrides] for a in ("--set", o)]
+    rc, _, err = meshfold_before_spawning(monkeypatch, capsys, "train", *sets, "--out-dir", str(tmp_path))
+    assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+def test_recompute_under_a_zero_bubble_schedule_is_warned_of_with_its_cost():
+    from types import SimpleNamespace
+
+    from meshfold.train.preflight import check_schedule
+
+    (line,) = check_schedule(SimpleNamespace(schedule="zbv", recompute="selective"), pp=2)
+    assert line.startswith("warning: train.recompute = 'selective' with train.schedule = 'zbv'") and "3.7x" in line
+    assert check_schedule(SimpleNamespace(schedule="1f1b", recompute="selective"), pp=2) == []
+    assert check_schedule(SimpleNamespace(schedule="zbv", recompute="none"), pp=2) == []
