@@ -16,7 +16,7 @@ of ``--moves`` moves back and forth) against the step time it saves. Before timi
 copies' losses are checked bit-equal at every step. With ``--redundant R1,R2`` (default ep and
 2 ep) a copy per R also trains beside them with ``R`` copy slots filled once after the warm-up
 (:func:`meshfold.plan.placement.replicated`); its busiest rows count each copied expert's rows
-split evenly over its instances (the split rule's, to within a row per source rank), and its
+split over its instances by the split rule's cuts (to within a row per source rank), and its
 losses are checked against static's to a relative 1e-5 (fp32: its expert gradients sum over
 the instances in another order); its re-placement (experts moved to the chosen slots, weights and
 AdamW moments, then the copies set; median of ``--moves`` moves back and forth) is timed like
@@ -41,12 +41,26 @@ only the time the rank is on a core: the ranks' own GEMM work, which shared core
 expert weights the GEMMs receive in storage other than the parameters' own (with copies, the
 local experts and fetched copies concatenated, kept for backward), and of those the fetched
 copies' bytes, per forward of a step. Both are read by wrappers installed here, not by meshfold.
+
+The copies' rows are split by the cuts training sets (:func:`meshfold.plan.placement.split_cuts`
+of the loads the copies were chosen from), and each step's busiest rows count them by those cuts.
+Per copies run and ep rank, also: the copies' fetch per step (both MoE layers, median over the
+timed steps), wall seconds of the forward all-to-all over ep that fetches the copies' weights and
+of the backward one that returns their gradients (from the gradient reaching the fetched weights
+to it reaching the local ones: the all-to-all and the scatter into the local weights' gradient;
+wall time, so a rank also waits there for the others), and the bytes each rank sends to other ep
+ranks in each; and after the timed steps, one more untimed step of every run under
+:class:`meshfold.runtime.live_bytes.LiveBytes`: each rank's peak of live tensor bytes (weights,
+AdamW state, gradients, activations, the copies' weights held for backward), the memory check of
+``--data-parallel allreduce`` (the default: every rank holds its parameters whole) against
+``--data-parallel fsdp`` (FSDP2).
 Writes benchmarks/results/expert_placement_W.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -93,6 +107,49 @@ def _count_held_weights(comm, held):
     comm.local = counted
 
 
+def _time_copy_fetches(comm, spent):
+    """Wrap ``comm._fetch_copies`` (the copies' weights fetched over ep, their gradients sent back
+    in backward) so each call adds to ``spent``: [forward wall s, backward wall s, weight bytes
+    this rank sends to other ep ranks, gradient bytes it sends back]. Backward is timed from the
+    gradient reaching the fetched weights to it reaching the local weights they came from."""
+    import torch
+
+    fetch = comm._fetch_copies
+
+    class Clock(torch.autograd.Function):
+        """Identity; in backward, calls ``at`` when the gradient arrives."""
+
+        @staticmethod
+        def forward(ctx, x, at):
+            ctx.at = at
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            ctx.at()
+            return g, None
+
+    def timed(v_nX):
+        routes, me = comm._routing(v_nX.device), comm.ep_rank
+        row = v_nX[0].nbytes  # one expert's weight
+        spent[2] += row * (sum(routes.send_sizes) - routes.send_sizes[me])
+        spent[3] += row * (sum(routes.recv_sizes) - routes.recv_sizes[me])
+        began = [0.0]
+
+        def start():
+            began[0] = time.perf_counter()
+
+        def stop():
+            spent[1] += time.perf_counter() - began[0]
+
+        t0 = time.perf_counter()
+        y = fetch(Clock.apply(v_nX, stop))
+        spent[0] += time.perf_counter() - t0
+        return Clock.apply(y, start)
+
+    comm._fetch_copies = timed
+
+
 def _bench(rank, world_size, args):
     import torch
     import torch.distributed as dist
@@ -104,7 +161,8 @@ def _bench(rank, world_size, args):
     from meshfold.parallel.data_parallel import reduce_gradients
     from meshfold.parallel.expert_placement import expert_params, folded_moe_layers, placement_of, replace_experts
     from meshfold.parallel.transformer import parallelize
-    from meshfold.plan.placement import balanced, max_over_mean, replica_rank_loads, replicated
+    from meshfold.plan.placement import balanced, max_over_mean, replica_rank_loads, replicated, split_cuts
+    from meshfold.runtime.live_bytes import LiveBytes
     from meshfold.train.rebalance import Rebalancer
 
     torch.set_num_threads(1)
@@ -118,46 +176,52 @@ def _bench(rank, world_size, args):
                             ffn=args.hidden, moe=moe, first_k_dense=0, max_seq=args.seq)
     popularity = torch.randperm(E, generator=torch.Generator().manual_seed(7))  # expert -> Zipf rank
     bias_E = args.bias * torch.log((popularity + 1.0) ** -args.zipf)
-    runs, held = {}, {}  # held: (bytes, fetched bytes) of expert weights outside the parameters
+    runs, held, fetches = {}, {}, {}  # held: (bytes, fetched bytes) of expert weights outside the parameters
     copied = {f"copies R={R}": R for R in args.redundant}
     for name in ("static", "balanced", *copied):
         torch.manual_seed(0)
         model = MoETransformer(cfg)
         for layer in model.moe_layers():
             layer.router.expert_bias.copy_(bias_E)
-        parallelize(model, folded, data_parallel="allreduce")
+        parallelize(model, folded, data_parallel=args.data_parallel)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-        held[name] = [0, 0]
+        held[name], fetches[name] = [0, 0], [0.0, 0.0, 0, 0]
         for layer in folded_moe_layers(model):
             _count_held_weights(layer.comm, held[name])
+            _time_copy_fetches(layer.comm, fetches[name])
     g = torch.Generator().manual_seed(1)
 
     def batch():
         tokens = torch.randint(0, cfg.vocab, (args.batch * world_size, args.seq + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
 
-    def step(name, tokens, targets):
+    def step(name, tokens, targets, live=None):
         model, opt = runs[name]
         for layer in model.moe_layers():
             layer.reset_step()
         dist.barrier()
-        held[name][:] = [0, 0]
+        held[name][:], fetches[name][:] = [0, 0], [0.0, 0.0, 0, 0]
         gemm0 = gemm_s[0]
         t0 = time.perf_counter()
-        lt, pos = shard_batch(tokens, spec, rank)
-        loss = model.loss(lt, shard_batch(targets, spec, rank)[0], pos)
-        loss.backward()
-        reduce_gradients(model)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with live or contextlib.nullcontext():
+            lt, pos = shard_batch(tokens, spec, rank)
+            loss = model.loss(lt, shard_batch(targets, spec, rank)[0], pos)
+            loss.backward()
+            reduce_gradients(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         gemm[name].append(gemm_s[0] - gemm0)
+        fetched[name].append(list(fetches[name]))
         loads = [layer.step_metrics()["tokens_per_expert"].tolist() for layer in model.moe_layers()]
-        rows = [sum(r) for r in zip(*(replica_rank_loads(x, placement_of(layer), layer.comm.copies or (), world_size)
+        # each rank's rows as the split rule cut them: by the cuts the layer runs with
+        rows = [sum(r) for r in zip(*(replica_rank_loads(x, placement_of(layer), layer.comm.copies or (), world_size,
+                                                         layer.comm.cuts if layer.comm.copies else None)
                                       for x, layer in zip(loads, folded_moe_layers(model))))]
         return loss.item(), dt, loads, rows
 
     gemm = {name: [] for name in runs}  # expert GEMM CPU seconds of each step
+    fetched = {name: [] for name in runs}  # each step's copies' fetch: [fwd s, bwd s, bytes sent, bytes sent back]
     same, close, measured = True, True, [None] * args.layers
     for _ in range(args.warmup):
         tokens, targets = batch()
@@ -179,10 +243,11 @@ def _bench(rank, world_size, args):
             dist.barrier()
             t0 = time.perf_counter()
             b = 0
-            for layer, s, c in zip(layers, slots if there else static, copies if there else [()] * len(layers)):
+            for layer, s, c, m in zip(layers, slots if there else static, copies if there else [()] * len(layers),
+                                      measured):
                 layer.comm.set_copies((), E, ())
                 b += replace_experts(layer, s, opt)
-                layer.comm.set_copies(c, E, expert_params(layer))
+                layer.comm.set_copies(c, E, expert_params(layer), split_cuts(m, s, c, world_size) if c else None)
             moves.append(time.perf_counter() - t0)
             sent = sent or b
         return statistics.median(moves), sent
@@ -195,7 +260,7 @@ def _bench(rank, world_size, args):
         copy_sets[name] = [list(c) for _, c in chosen_copies]
         moved[name] = place(name, [s for s, _ in chosen_copies], [c for _, c in chosen_copies])
     times = {name: [] for name in runs}
-    for v in gemm.values():
+    for v in (*gemm.values(), *fetched.values()):
         v.clear()  # report the timed steps only
     busiest = {name: [] for name in runs}
     over_mean = {name: [] for name in runs}  # per step: busiest rank's rows / mean rank's
@@ -221,11 +286,20 @@ def _bench(rank, world_size, args):
             rank_rows[name].append(top)
         same &= losses["static"] == losses["balanced"]
         close &= all(abs(losses[n] - losses["static"]) <= 1e-5 * abs(losses["static"]) for n in copied)
+    peak = {}  # one more step of each run, untimed, under LiveBytes: the bytes alive at its peak
+    tokens, targets = batch()
+    for name in runs:
+        live = LiveBytes()
+        live.adopt([p for p in runs[name][0].parameters()])
+        live.adopt([t for st in runs[name][1].state.values() for t in st.values() if isinstance(t, torch.Tensor)])
+        step(name, tokens, targets, live)
+        peak[name] = live.peak
+    fetch = {k: [statistics.median(x) for x in zip(*v)] if v else [0.0, 0.0, 0, 0] for k, v in fetched.items()}
     return dict(step_s={k: statistics.median(v) for k, v in times.items()},
                 busiest_rows={k: statistics.mean(v) for k, v in busiest.items()},
                 over_mean=over_mean, replaced=replaced, last_loads=last,
                 rows_per_rank={k: [statistics.mean(r) for r in zip(*v)] for k, v in rank_rows.items()},
-                gemm_cpu_s={k: statistics.median(v) for k, v in gemm.items()},
+                gemm_cpu_s={k: statistics.median(v) for k, v in gemm.items()}, fetch=fetch, peak_bytes=peak,
                 held_bytes={k: v[0] for k, v in held.items()}, fetched_bytes={k: v[1] for k, v in held.items()},
                 moved=moved, same=same, close=close,
                 placements=[list(s) for s in chosen], copies=copy_sets,
@@ -252,6 +326,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rebalance-every", type=int, default=0,
                         help="re-choose placement and copies every N timed steps, as train.rebalance_every "
                              "(default 0: chosen once after the warm-up)")
+    parser.add_argument("--data-parallel", default="allreduce", choices=["allreduce", "fsdp"],
+                        help="train.data_parallel of every run (default allreduce)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     W = args.world_size
@@ -291,6 +367,10 @@ def main(argv=None) -> int:
                                        bytes=sum(b for b, _ in v),
                                        seconds=max(sum(s for _, s in r["replaced"][k]) for r in res))
                                for k, v in res[0]["replaced"].items()},
+                   data_parallel=args.data_parallel,
+                   copies_fetch_s_per_ep_rank={k: [r["fetch"][k][:2] for r in res] for k in names},
+                   copies_fetch_bytes_per_ep_rank={k: [r["fetch"][k][2:] for r in res] for k in names},
+                   step_peak_bytes_per_ep_rank={k: [r["peak_bytes"][k] for r in res] for k in names},
                    load_average=os.getloadavg())
     print(f"{'placement':>13} {'busiest rows':>12} {'step ms':>8} {'tokens/s':>9} {'rows per ep rank':>28} "
           f"{'expert GEMM CPU ms per ep rank':>32} {'max':>6} {'held MiB per rank':>22} "
@@ -315,6 +395,17 @@ def main(argv=None) -> int:
         again = (f"; {rb['count']} re-choices ({rb['moved']} moving weights), {rb['bytes'] / 2**20:.1f} MiB, "
                  f"{1e3 * rb['seconds']:.0f} ms in all") if rb else ""
         print(f"{k:>13} median {summary['busiest_over_mean_median'][k]:.2f}: {per_step}{again}")
+    print(f"copies' fetch per step (both MoE layers; median of the timed steps; slowest rank's wall ms, "
+          f"forward weights / backward gradients; MiB each rank sends, weights / gradients), and each rank's "
+          f"step peak of live bytes (one untimed step, LiveBytes) under data_parallel = {args.data_parallel}:")
+    for k in names:
+        f = summary["copies_fetch_s_per_ep_rank"][k]
+        b = summary["copies_fetch_bytes_per_ep_rank"][k]
+        peaks = summary["step_peak_bytes_per_ep_rank"][k]
+        sent = " / ".join("/".join(f"{x[i] / 2**20:.1f}" for x in b) for i in (0, 1))
+        print(f"{k:>13} fetch ms {1e3 * max(x[0] for x in f):.1f} / {1e3 * max(x[1] for x in f):.1f}, "
+              f"MiB sent {sent}; step peak MiB {'/'.join(f'{p / 2**20:.1f}' for p in peaks)} "
+              f"(max {max(peaks) / 2**20:.1f})")
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"expert_placement_{W}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -142,7 +142,7 @@ def _placed(routing, placement: str, cfg, spec, hw):
     rank's share, and its expert GEMM time (forward + backward) at the GPU's GEMM rate; with
     copies, which experts are copied where."""
     from meshfold.dryrun.routing import Placed, expert_rows
-    from meshfold.plan.placement import max_over_mean, replica_rank_loads, static
+    from meshfold.plan.placement import max_over_mean, replica_rank_loads, split_cuts, static
     from meshfold.plan.routing import placed
 
     mcfg = cfg.model_config()
@@ -170,7 +170,8 @@ def _placed(routing, placement: str, cfg, spec, hw):
         busiest = top
         if placement == "static":
             break
-    return Placed(routing, slots, copies), lines, busiest
+    cuts = split_cuts(loads, slots, copies, spec.ep) if copies else None  # the split training sets
+    return Placed(routing, slots, copies, cuts), lines, busiest
 
 
 def _check_json_target(path: str) -> None:

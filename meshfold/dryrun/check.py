@@ -142,7 +142,7 @@ def placed_routing(case: Case, routing, placement: str):
     (:func:`meshfold.plan.routing.placed`) of the routing's shares, so both sides place the same
     experts and copies. With its busiest ep rank (the one to dry-run)."""
     from meshfold.dryrun.routing import Placed
-    from meshfold.plan.placement import replica_rank_loads
+    from meshfold.plan.placement import replica_rank_loads, split_cuts
     from meshfold.plan.routing import placed
 
     if placement == "static":
@@ -150,7 +150,8 @@ def placed_routing(case: Case, routing, placement: str):
     shares = _plan_routing(routing).shares_LE(MODELS[case.model].experts)[0]
     slots, copies = placed(shares, placement, case.spec.ep)
     per_rank = replica_rank_loads(shares, slots, copies, case.spec.ep)
-    return Placed(routing, slots, copies), max(range(case.spec.ep), key=lambda i: (per_rank[i], -i))
+    cuts = split_cuts(shares, slots, copies, case.spec.ep) if copies else None
+    return Placed(routing, slots, copies, cuts), max(range(case.spec.ep), key=lambda i: (per_rank[i], -i))
 
 
 def planned_collectives(est, stage: int) -> dict[tuple[str, str], float]:

@@ -121,7 +121,7 @@ def step_report(run, rank: int, folded, fake=None, on_counts=None, copies=None) 
     pipeline chunks), and run one training step on random tokens, recorded. ``fake``: the
     FakeTensorMode of a dry run (None: a real step). ``on_counts``: called with each host read
     of block counts ``C`` (real runs record them for :class:`~meshfold.dryrun.routing.Replay`).
-    ``copies``: ``(slots, copies)`` every MoE layer routes by, fetching the copies each forward
+    ``copies``: ``(slots, copies, cuts)`` every MoE layer routes by, fetching the copies each forward
     as after a re-placement with ``train.redundant_experts`` (the weights are not moved: the
     step is costed, not its values)."""
     from meshfold.parallel.data_parallel import grad_norm
@@ -147,7 +147,7 @@ def step_report(run, rank: int, folded, fake=None, on_counts=None, copies=None) 
         layer.comm.experts_mesh  # a sub-mesh sliced under fake tensors would read fake coordinates
         if copies is not None:
             layer.comm.set_slots(copies[0])
-            layer.comm.set_copies(copies[1], layer.cfg.num_experts, expert_params(layer))
+            layer.comm.set_copies(copies[1], layer.cfg.num_experts, expert_params(layer), copies[2])
     gen = torch.Generator().manual_seed(t.seed)
     tokens = torch.randint(0, mcfg.vocab, (t.batch, t.seq + 1), generator=gen)
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -389,7 +389,7 @@ def dry_run_rank(run, rank: int, routing=None, device: str = "cpu") -> RankRepor
                         _on_this_thread(), _without_profiler_ranges():
                     placed = getattr(routing, "copies", ())  # a Placed model with copies: the layers fetch them
                     return step_report(run, rank, folded, fake=fake,
-                                       copies=(routing.slots, routing.copies) if placed else None)
+                                       copies=(routing.slots, routing.copies, routing.cuts) if placed else None)
             finally:
                 hook.remove()
     finally:

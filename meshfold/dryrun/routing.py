@@ -97,11 +97,13 @@ class Placed:
     ``slots[s]``, slot ``s`` is on ep rank ``s // (E / ep)``) and, when given, ``copies`` (copy
     slot ``i`` of ep rank ``i // (R / ep)`` holds expert ``copies[i]``): then the counts are per
     dispatch slot (``E / ep + R / ep`` per ep rank), each expert's split over its instances as
-    source ep rank ``i`` splits them."""
+    the training dispatch splits them by ``cuts`` (:func:`~meshfold.plan.placement.split_cuts`;
+    None: evenly)."""
 
     inner: object
     slots: tuple
     copies: tuple = ()
+    cuts: tuple | None = None
 
     def block(self, call: int, pairs: int, num_slots: int, n_ep: int, n_etp: int) -> list:
         E = len(self.slots)
@@ -111,7 +113,7 @@ class Placed:
                              f"copy slots)")
         C = self.inner.block(call, pairs, E, n_ep, n_etp)
         if self.copies:
-            return [[split_counts(row, self.slots, self.copies, n_ep, i) for i, row in enumerate(q)] for q in C]
+            return [[split_counts(row, self.slots, self.copies, n_ep, self.cuts) for row in q] for q in C]
         return [[[row[e] for e in self.slots] for row in q] for q in C]
 
     def describe(self) -> str:

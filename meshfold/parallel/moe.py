@@ -96,19 +96,20 @@ class BlockCounts:
 class _Routes:
     """Where a placement with copies sends rows and fetches weights, for one ep rank:
     ``slot_EC`` [E, c] each expert's instances' dispatch slots (own first; padded with it),
-    ``count_E`` [E] its instances; ``send_rows`` the local experts to send for other ranks'
+    ``cut_EC`` [E, c] the split rule's cuts of its rows over them (padded with the last, the
+    whole); ``send_rows`` the local experts to send for other ranks'
     copies (grouped by rank), ``send_sizes`` / ``recv_sizes`` per ep rank, and ``arrived`` the
     received rows in this rank's copy order."""
 
     slot_EC: torch.Tensor
-    count_E: torch.Tensor
+    cut_EC: torch.Tensor
     send_rows: torch.Tensor
     send_sizes: list[int]
     recv_sizes: list[int]
     arrived: torch.Tensor
 
     @staticmethod
-    def of(slots, copies, ep: int, me: int) -> "_Routes":
+    def of(slots, copies, cuts, ep: int, me: int) -> "_Routes":
         E = len(slots)
         n, r = E // ep, len(copies) // ep
         slot_of = {e: s for s, e in enumerate(slots)}
@@ -119,6 +120,9 @@ class _Routes:
             instances[e].append((i // r) * (n + r) + n + i % r)
         c = max(len(x) for x in instances)
         slot_EC = torch.tensor([x + [x[0]] * (c - len(x)) for x in instances], dtype=torch.int64)
+        if cuts is None:  # even: (1, 2, .., c) of c
+            cuts = [range(1, len(x) + 1) for x in instances]
+        cut_EC = torch.tensor([[*k] + [k[-1]] * (c - len(k)) for k in cuts], dtype=torch.int64)
         home = [slot_of[e] // n for e in copies]  # ep rank holding copy i's expert
         send = [[slot_of[e] % n for i, e in enumerate(copies[d * r:(d + 1) * r]) if home[d * r + i] == me]
                 for d in range(ep)]
@@ -126,7 +130,7 @@ class _Routes:
         by_source = sorted(range(r), key=lambda i: home[mine[i]])  # the order the rows arrive in
         arrived = torch.empty(r, dtype=torch.int64)
         arrived[torch.tensor(by_source, dtype=torch.int64)] = torch.arange(r)
-        return _Routes(slot_EC, torch.tensor([len(x) for x in instances]),
+        return _Routes(slot_EC, cut_EC,
                        torch.tensor([i for rows in send for i in rows], dtype=torch.int64),
                        [len(rows) for rows in send], [sum(1 for i in mine if home[i] == j) for j in range(ep)],
                        arrived)
@@ -154,6 +158,7 @@ class FoldedComm:
         # hot-expert copies (set_copies): None, or copies[i] is the expert in copy slot i of ep
         # rank i // (R / ep); ``copied`` names the expert weights local() extends with them
         self.copies: tuple[int, ...] | None = None
+        self.cuts: tuple[tuple[int, ...], ...] | None = None  # the split rule's (None: even)
         self.copied: frozenset[str] = frozenset()
         self._num_experts = 0
         self._routes: _Routes | None = None  # built from (slots, copies) when first needed
@@ -245,10 +250,13 @@ class FoldedComm:
         return num_experts + (len(self.copies) if self.copies is not None else 0)
 
     def _split_over_copies(self, experts_TK: torch.Tensor) -> torch.Tensor:
-        """The split rule: this rank's ``j``-th pair (in token order) routed to an expert with
-        ``c`` instances goes to instance ``(j + ep rank) mod c`` (0: the expert's own slot, then
-        its copies in rank order), so each source rank's rows are split evenly to within one row.
-        Slots run ``E / ep + R / ep`` per ep rank (its own, then its copy slots). No host read."""
+        """The split rule (:func:`meshfold.plan.placement.split_counts` counts it on the host):
+        this rank's ``j``-th pair (in token order) of the ``x`` routed to an expert has the key
+        ``((2 j + 1) U) // (2 x)`` and goes to the instance whose cuts hold it (the expert's
+        cuts: ``c`` increasing integers, the last the whole ``U``; instance 0 is the expert's own
+        slot, then its copies in rank order), so each instance gets its share of the rank's rows
+        to within one row. Slots run ``E / ep + R / ep`` per ep rank (its own, then its copy
+        slots). No host read."""
         routes = self._routing(experts_TK.device)
         e_P = experts_TK.reshape(-1)  # pairs in token order
         order = torch.argsort(e_P, stable=True)
@@ -257,29 +265,41 @@ class FoldedComm:
         first_E = torch.cumsum(seen_E, 0) - seen_E
         j_P = torch.empty_like(e_P)
         j_P[order] = torch.arange(e_P.numel(), device=e_P.device) - first_E[e_P[order]]
-        pick_P = (j_P + self.ep_rank) % routes.count_E[e_P]
+        cut_PC = routes.cut_EC[e_P]
+        key_P = (2 * j_P + 1) * cut_PC[:, -1] // (2 * seen_E[e_P])
+        pick_P = (key_P[:, None] >= cut_PC[:, :-1]).sum(1)
         return routes.slot_EC[e_P, pick_P].view_as(experts_TK)
 
-    def set_copies(self, copies, num_experts: int, names) -> None:
+    def set_copies(self, copies, num_experts: int, names, cuts=None) -> None:
         """Give ep rank ``k`` copy slots holding experts ``copies[k * R / ep ..]`` (None or empty:
-        no copies), and split each copied expert's rows over its instances (:meth:`slot_ids`).
+        no copies), and split each expert's rows over its instances by ``cuts`` (per expert, one
+        increasing integer per instance, the last the whole:
+        :func:`meshfold.plan.placement.split_cuts`; None: evenly) (:meth:`slot_ids`).
         ``names``: the layer's expert weights (dim 0 over ep) whose local views :meth:`local`
         extends with the copies' rows. Only routing: the copies hold no state of their own."""
         if not copies:
-            self.copies, self.copied, self._routes = None, frozenset(), None
+            self.copies, self.cuts, self.copied, self._routes = None, None, frozenset(), None
             return
         copies = tuple(int(e) for e in copies)
         if (self.ep < 2 or len(copies) % self.ep or num_experts % self.ep
                 or any(not 0 <= e < num_experts for e in copies)):
             raise ValueError(f"copies {list(copies)} of {num_experts} experts over ep = {self.ep}; valid: a "
                              f"multiple of ep >= 2 copy slots, each an expert id in 0 .. {num_experts - 1}")
-        self.copies, self.copied, self._num_experts, self._routes = copies, frozenset(names), num_experts, None
+        if cuts is not None:
+            cuts = tuple(tuple(int(v) for v in k) for k in cuts)
+            want = [1 + copies.count(e) for e in range(num_experts)]
+            if ([len(k) for k in cuts] != want or any(k[0] < 0 or k[-1] <= 0 for k in cuts)
+                    or any(b < a for k in cuts for a, b in zip(k, k[1:]))):
+                raise ValueError(f"split cuts {[list(k) for k in cuts]}; valid: per expert one non-decreasing "
+                                 f"integer >= 0 per instance ({want}), the last > 0")
+        self.copies, self.cuts, self.copied, self._num_experts = copies, cuts, frozenset(names), num_experts
+        self._routes = None
 
     def _routing(self, device) -> "_Routes":
         """The routes of the current (slots, copies) on ``device``, built and moved there once."""
         if self._routes is None:
-            self._routes = _Routes.of(self.slots or tuple(range(self._num_experts)), self.copies, self.ep,
-                                      self.ep_rank)
+            self._routes = _Routes.of(self.slots or tuple(range(self._num_experts)), self.copies, self.cuts,
+                                      self.ep, self.ep_rank)
         if self._routes.slot_EC.device != torch.device(device):
             fields = (getattr(self._routes, f.name) for f in dataclasses.fields(_Routes))
             self._routes = _Routes(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in fields))

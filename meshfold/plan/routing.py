@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from meshfold.plan.placement import balanced, replica_rank_loads, replicated, static
+from meshfold.plan.placement import balanced, replica_rank_loads, replicated, split_shares, static
 
 __all__ = ["PLACEMENTS", "Routing", "busiest_rank_fetches", "busiest_rank_shares", "copy_slots", "largest_remainder", "parse_placement",
            "parse_routing_load", "placed", "replay_loads", "zipf_weights"]
@@ -161,15 +161,17 @@ def busiest_rank_shares(routing: Routing, placement: str, num_experts: int, ep: 
     """Per MoE layer of ``routing``, the shares (of all routed pairs) of the expert instances of
     the busiest ep rank under ``placement`` (:func:`placed` of that layer's shares): its
     ``E / ep`` experts and, under ``replicated:R``, its ``R / ep`` copies, each expert's share
-    split evenly over its instances (the split rule's, to within a row per source). Balanced
-    routing, static: each ``1 / E``."""
+    split over its instances as training splits it (:func:`~meshfold.plan.placement.split_shares`
+    of these shares; the split rule's, to within a row per source). Balanced routing, static:
+    each ``1 / E``."""
     n, r = num_experts // ep, copy_slots(placement) // ep
     out = []
     for shares in routing.shares_LE(num_experts):
         k, slots, copies = _busiest(shares, placement, ep)
-        count = [1 + copies.count(e) for e in range(num_experts)]
-        held = (*slots[k * n:(k + 1) * n], *copies[k * r:(k + 1) * r])
-        out.append(tuple(shares[e] / count[e] for e in held))
+        split = split_shares(shares, slots, copies, ep) if copies else [(1.0,)] * num_experts
+        own = [(e, 0) for e in slots[k * n:(k + 1) * n]]  # (expert, its instance): its slot is instance 0
+        copied = [(e, 1 + copies[:i].count(e)) for i, e in enumerate(copies) if i // r == k] if r else []
+        out.append(tuple(shares[e] * split[e][t] for e, t in own + copied))
     return tuple(out)
 
 

@@ -13,30 +13,34 @@ the rows of ep index ``r`` summed over them (every group's ep rank ``r`` holds t
 With edp = 1 that is exactly what ep rank ``r`` received; with edp > 1 a single rank of one group
 may carry more than the groups' mean when they route differently. With etp > 1 each of the ep
 rank's etp ranks computes all of its rows (over a slice of the expert's ffn). With hot-expert
-copies an expert's rows count split evenly over its instances (the split rule's even split, to
-within a row per source rank), rounded to whole rows.
+copies an expert's rows count split over its instances by the split rule's cuts (to within a
+row per source rank and instance), rounded to whole rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshfold.plan.placement import max_over_mean, replica_rank_loads
+from meshfold.plan.placement import even_cuts, max_over_mean, replica_rank_loads
 
 __all__ = ["copy_ranks", "describe_copies", "ep_load_metrics"]
 
 
 def ep_load_metrics(tokens_per_expert_LE: Sequence[Sequence[int]], slots_L: Sequence[Sequence[int]],
-                    ep: int, copies_L: Sequence[Sequence[int]] | None = None) -> dict[str, list]:
+                    ep: int, copies_L: Sequence[Sequence[int]] | None = None,
+                    cuts_L: Sequence | None = None) -> dict[str, list]:
     """``{"ep_rank_rows": [L][ep], "ep_max_over_mean": [L]}`` from each MoE layer's rows per
-    expert (single-device order), its placement ``slots_L[l]`` and its copies ``copies_L[l]``
-    (None: none)."""
+    expert (single-device order), its placement ``slots_L[l]``, its copies ``copies_L[l]``
+    (None: none) and their split's cuts ``cuts_L[l]`` (:func:`meshfold.plan.placement.split_cuts`;
+    None: even)."""
     copies_L = copies_L or [()] * len(slots_L)
+    cuts_L = cuts_L or [None] * len(slots_L)
     if not len(tokens_per_expert_LE) == len(slots_L) == len(copies_L):
         raise ValueError(f"{len(tokens_per_expert_LE)} MoE layers of tokens_per_expert but {len(slots_L)} "
                          f"placements and {len(copies_L)} copies; valid: one of each per MoE layer")
-    rows = [[round(x) for x in replica_rank_loads(load_E, slots, copies, ep)]
-            for load_E, slots, copies in zip(tokens_per_expert_LE, slots_L, copies_L)]
+    rows = [[round(x) for x in replica_rank_loads(load_E, slots, copies, ep,
+                                                  cuts or (even_cuts(slots, copies, ep) if copies else None))]
+            for load_E, slots, copies, cuts in zip(tokens_per_expert_LE, slots_L, copies_L, cuts_L)]
     return {"ep_rank_rows": rows, "ep_max_over_mean": [max_over_mean(r) for r in rows]}
 
 

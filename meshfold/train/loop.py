@@ -142,7 +142,7 @@ def _restore(last, built: Built, spec) -> tuple[int, int]:
     state = checkpoint.load(last, built.model, built.optimizer)
     saved = state.get("expert_placement")  # the weights are saved in expert order whatever it is
     if built.rebalancer is not None and saved and saved["ep"] == spec.ep:
-        built.rebalancer.restore(saved["slots"], built.optimizer, saved.get("copies"))
+        built.rebalancer.restore(saved["slots"], built.optimizer, saved.get("copies"), saved.get("cuts"))
     return state["step"], state.get("skipped", 0)
 
 
@@ -189,7 +189,7 @@ def _loop(run: Resolved, rank, world_size, built: Built, corpus, log: _Log, inje
     # each MoE layer's expert placement (meshfold.plan.placement) during the step: the metrics'
     # per-ep-rank rows follow it; a balanced run's placements change between steps
     expert_slots = [static(run.model.moe.num_experts, spec.ep) for _ in run.model.moe_layer_ids]
-    expert_copies = None
+    expert_copies = expert_cuts = None
     end = t.steps if t.stop_at is None else min(t.steps, t.stop_at)
     for step in range(start, end):
         n = step + 1  # steps are counted from 1 in logs, checkpoints and settings
@@ -203,7 +203,7 @@ def _loop(run: Resolved, rank, world_size, built: Built, corpus, log: _Log, inje
                 layer.reset_step()  # the step's MoE metrics cover all of its micro-batches
             if built.rebalancer is not None:
                 expert_slots = [tuple(slots) for slots in built.rebalancer.placements()]
-                expert_copies = built.rebalancer.copies()
+                expert_copies, expert_cuts = built.rebalancer.copies(), built.rebalancer.cuts()
             faults.before_step(injected, rank, n)
             loss, parts = _global_loss_parts(model, tokens, targets, spec, rank, True, run.model.mtp_depth)  # all ranks
             if faults.loss_is_nan(injected, n):
@@ -218,7 +218,8 @@ def _loop(run: Resolved, rank, world_size, built: Built, corpus, log: _Log, inje
         if math.isfinite(loss):
             record["memory"] = log.memory.gather()  # every rank's peaks of the step (a collective)
             if "tokens_per_expert" in record:
-                record.update(ep_load_metrics(record["tokens_per_expert"], expert_slots, spec.ep, expert_copies))
+                record.update(ep_load_metrics(record["tokens_per_expert"], expert_slots, spec.ep, expert_copies,
+                                               expert_cuts))
             if run.cfg.data.weights:  # the mixture's draw, summed over a run to check it against the weights
                 record["data_rows"] = corpus.rows_by_source(step, t.batch, t.seed)
             if n % t.eval_every == 0 or n == t.steps:
@@ -255,7 +256,7 @@ def _save(run: Resolved, world_size: int, built: Built, n: int, skipped: int, cr
              "world_size": world_size, "train_steps": t.steps, "init_from": t.init_from}
     if built.rebalancer is not None:
         state["expert_placement"] = {"ep": run.spec.ep, "slots": built.rebalancer.placements(),
-                                     "copies": built.rebalancer.copies()}
+                                     "copies": built.rebalancer.copies(), "cuts": built.rebalancer.cuts()}
     return str(checkpoint.save(Path(t.out_dir) / "checkpoints", n, built.model, built.optimizer, state,
                                crash_before_rename=crash))
 

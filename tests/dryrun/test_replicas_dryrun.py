@@ -11,17 +11,17 @@ from hypothesis import given, settings, strategies as st
 from meshfold.dryrun.check import TOLERANCE, compare, replica_cases
 from meshfold.dryrun.routing import Placed, Zipf
 from meshfold.parallel.moe import FoldedComm
-from meshfold.plan.placement import dispatch_instances, replicated, split_counts
+from meshfold.plan.placement import dispatch_instances, replicated, split_counts, split_cuts, split_shares
 from tests.dryrun.test_dryrun import _error_line
 
 
-def _comm(slots, copies, ep, me):
+def _comm(slots, copies, ep, me, cuts=None):
     """A FoldedComm of ep rank ``me`` carrying only its routing state: the split rule and the
     dispatch slots need no mesh."""
     comm = FoldedComm.__new__(FoldedComm)
     comm.ep, comm.ep_rank, comm._routes = ep, me, None
     comm.set_slots(slots)
-    comm.set_copies(copies, len(slots), ())
+    comm.set_copies(copies, len(slots), (), cuts)
     return comm
 
 
@@ -33,7 +33,9 @@ def placements_with_copies(draw):
     slots = tuple(draw(st.permutations(range(E))))
     copies = tuple(draw(st.lists(st.integers(0, E - 1), min_size=R, max_size=R)))
     counts = draw(st.lists(st.integers(0, 12), min_size=E, max_size=E))
-    return slots, copies, ep, draw(st.integers(0, ep - 1)), counts, draw(st.integers(0, 2**31))
+    loads = draw(st.lists(st.integers(0, 100), min_size=E, max_size=E))
+    cuts = split_cuts(loads, slots, copies, ep) if draw(st.booleans()) else None  # None: even
+    return slots, copies, ep, draw(st.integers(0, ep - 1)), counts, draw(st.integers(0, 2**31)), cuts
 
 
 @settings(max_examples=40, deadline=None)
@@ -41,35 +43,52 @@ def placements_with_copies(draw):
 def test_the_dry_runs_split_counts_are_the_training_dispatchs(case):
     """``split_counts`` (what the dry run answers the counts' read with) equals counting the
     slots the training dispatch's split rule (``FoldedComm.slot_ids``) gives pairs routed in any
-    token order, and ``dispatch_instances`` its dispatch slots of each expert's instances."""
-    slots, copies, ep, me, counts, seed = case
-    comm = _comm(slots, copies, ep, me)
+    token order, with the cuts of ``split_cuts`` or even ones, and ``dispatch_instances`` its
+    dispatch slots of each expert's instances."""
+    slots, copies, ep, me, counts, seed, cuts = case
+    comm = _comm(slots, copies, ep, me, cuts)
     routed = [e for e, c in enumerate(counts) for _ in range(c)]
     random.Random(seed).shuffle(routed)
     experts_TK = torch.tensor(routed, dtype=torch.int64).view(-1, 1)
     got = comm.slot_ids(experts_TK).flatten().tolist()
-    assert [got.count(s) for s in range(len(slots) + len(copies))] == split_counts(counts, slots, copies, ep, me)
+    assert [got.count(s) for s in range(len(slots) + len(copies))] == split_counts(counts, slots, copies, ep, cuts)
     table = comm._routing("cpu").slot_EC.tolist()
     assert [sorted(set(row)) for row in table] == [sorted(x) for x in dispatch_instances(slots, copies, ep)]
 
 
-def test_placed_with_copies_splits_each_sources_rows_and_keeps_them():
+@settings(max_examples=40, deadline=None)
+@given(placements_with_copies())
+def test_the_split_gives_each_instance_its_share_to_within_one_row(case):
+    """Each source's rows of an expert go to its instances by the shares the cuts were made from
+    (``split_shares``; even without cuts): every instance within one row of its share."""
+    slots, copies, ep, _, counts, _, cuts = case
+    got = split_counts(counts, slots, copies, ep, cuts)
+    for e, inst in enumerate(dispatch_instances(slots, copies, ep)):
+        share = ([1 / len(inst)] * len(inst) if cuts is None
+                 else [(b - a) / cuts[e][-1] for a, b in zip((0, *cuts[e]), cuts[e])])
+        assert sum(got[s] for s in inst) == counts[e]
+        assert all(abs(got[s] - f * counts[e]) <= 1 for s, f in zip(inst, share)), (e, share, counts[e])
+
+
+def test_placed_with_copies_splits_each_sources_rows_by_the_shares_and_keeps_them():
     """Zipf 1.2 over 8 experts on ep4 with 4 copies: every source's rows to the E + R slots sum to
-    its pairs, each copied expert's within one row over its instances, and the block's busiest ep
-    rank receives fewer rows than under the static placement's."""
+    its pairs, each copied expert's within one row of its shares (``split_shares``) over its
+    instances, and the block's ep ranks receive within 2% of the mean."""
     E, ep, pairs = 8, 4, 1000
     loads = Zipf(1.2).counts(pairs, E, 0)
     slots, copies = replicated(loads, ep, 4)
-    C = Placed(Zipf(1.2), slots, copies).block(0, pairs, E + 4, ep, 1)
+    shares = split_shares(loads, slots, copies, ep)
+    C = Placed(Zipf(1.2), slots, copies, split_cuts(loads, slots, copies, ep)).block(0, pairs, E + 4, ep, 1)
     inst = dispatch_instances(slots, copies, ep)
     for i, row in enumerate(C[0]):
         assert sum(row) == pairs
         for e in range(E):
             got = [row[s] for s in inst[e]]
-            assert sum(got) == loads[e] and max(got) - min(got) <= 1
+            assert sum(got) == loads[e]
+            assert all(abs(x - f * loads[e]) <= 1 for x, f in zip(got, shares[e])), (e, got, shares[e])
     per_slot = [sum(row[s] for row in C[0]) for s in range(E + 4)]  # over the sources
     per_rank = [sum(per_slot[r * 3:(r + 1) * 3]) for r in range(ep)]  # 2 experts + 1 copy a rank
-    assert max(per_rank) < ep * (loads[0] + loads[1])  # static: ep rank 0 holds experts 0 and 1
+    assert max(per_rank) <= 1.02 * pairs
 
 
 @pytest.mark.multirank
