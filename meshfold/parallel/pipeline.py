@@ -302,14 +302,15 @@ def _forward_only(stages: list, microbatches: int, loss_fn):
                                                         _PipelineScheduleRuntime)
 
     pp = stages[0].group_size
-    ranks = {s: r for r in range(pp) for s in rank_chunks(pp, 2, r, "zbv")}
+    held = {r: rank_chunks(pp, 2, r, "zbv") for r in range(pp)}
+    ranks = {s: r for r, chunks in held.items() for s in chunks}
     schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     schedule.stage_index_to_group_rank = ranks  # its constructor set a loop's on the stages
     for stage in stages:
         stage.stage_index_to_group_rank = ranks
     # lowered as _prepare_schedule_with_comms does, whose check wants every backward
-    order = {r: _add_unshard_reshard([_Action(s, FORWARD, i) for s in rank_chunks(pp, 2, r, "zbv")
-                                      for i in range(microbatches)]) for r in range(pp)}
+    order = {r: _add_unshard_reshard([_Action(s, FORWARD, i) for s in chunks for i in range(microbatches)])
+             for r, chunks in held.items()}
     schedule.pipeline_order_with_comms = _add_send_recv(order, stage_to_rank=ranks.__getitem__, num_stages=2 * pp)
     return schedule
 
@@ -402,9 +403,8 @@ class Pipeline:
             layer.balancing_scale = 1 / microbatches
         self._calls = [_CountedCalls(c) for c in self.chunks]
         self._n_global = None
-        cfg = getattr(model, "cfg", None)
-        self._mtp = getattr(cfg, "mtp_depth", 0) if cfg is not None else 0
-        self._mtp_weight = getattr(cfg, "mtp_loss_weight", 0.0)
+        self._mtp = self.chunks[0].mtp_depth  # every chunk reads the model's config
+        self._mtp_weight = getattr(self.chunks[0].cfg, "mtp_loss_weight", 0.0)
         self._parts: list[torch.Tensor] = []  # per micro-batch on the last stage: each term's mean [1 + D]
         cls = getattr(pipelining, _SCHEDULE_CLASSES[schedule])
         self.schedule = cls(stages if len(stages) > 1 else stages[0], microbatches, loss_fn=self._loss,

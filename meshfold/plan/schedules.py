@@ -30,9 +30,9 @@ by side. Communication is left out (stages hand over at once), as in the papers.
 
 from __future__ import annotations
 
-from meshfold.catalog import SCHEDULES, ZERO_BUBBLE
+from meshfold.catalog import SCHEDULES
 
-__all__ = ["bubble", "ZERO_BUBBLE"]
+__all__ = ["bubble"]
 
 
 def bubble(schedule: str, pp: int, vpp: int, m: int, f: float, b: float, w: float) -> float:
