@@ -127,7 +127,7 @@ def step_report(run, rank: int, folded, fake=None, on_counts=None, copies=None) 
     from meshfold.parallel.data_parallel import grad_norm
     from meshfold.parallel.expert_placement import expert_params
     from meshfold.train.build import build
-    from meshfold.train.loop import _global_loss
+    from meshfold.train.loop import _global_loss_parts
 
     t0 = time.perf_counter()
     spec, mcfg, t = run.spec, run.model, run.train
@@ -163,7 +163,7 @@ def step_report(run, rank: int, folded, fake=None, on_counts=None, copies=None) 
         stack.enter_context(recorder)
         buffers = [b for _, b in model.named_buffers()]
         with recorder.measuring(LivePeak(exclude=list(model.parameters()) + buffers)) as peak:
-            _global_loss(model, inputs, targets, spec, rank, backward=True)
+            _global_loss_parts(model, inputs, targets, spec, rank, True, mcfg.mtp_depth)  # as the training step
         model.reduce_gradients()  # a no-op under FSDP2, which reduce-scattered in backward
         grad_bytes = _local_bytes(p.grad for p in model.parameters())
         grad_norm(model).item()  # clipping reads the norm on the host (and scales in place)
@@ -196,7 +196,9 @@ def check_dry_run(run) -> None:
 def _static_stages(run, fake):
     """Pipeline stages built with their micro-batch's shapes (``PipelineStage``'s static mode):
     tokens [b, s] into the first, hidden [b, s, H] between stages, logits [b, s, V] out of the
-    last, b = batch / dp / microbatches, s = seq / (cp tp). Without them a stage infers its
+    last, b = batch / dp / microbatches, s = seq / (cp tp); with ``model.mtp_depth`` D also the
+    D embeddings [b, s, H] the depths read between stages, and logits [b, s, 1 + D, V] (the
+    main head's and every depth's) out of the last. Without them a stage infers its
     input shapes from the previous stage's first forward, metadata a fake process group never
     delivers."""
     import torch.distributed.pipelining as pipelining
@@ -205,16 +207,17 @@ def _static_stages(run, fake):
 
     t, spec, mcfg = run.train, run.spec, run.model
     b, s = t.batch // spec.dp // (t.microbatches or spec.pp), t.seq // (spec.cp * spec.tp)
-    dtype = DTYPES[t.dtype]
+    dtype, D = DTYPES[t.dtype], mcfg.mtp_depth
     real_stage = pipelining.PipelineStage
 
     def stage(submodule, stage_index, num_stages, device, group=None):
         with fake if fake is not None else contextlib.nullcontext():
             hidden = torch.empty(b, s, mcfg.hidden, dtype=dtype, device=device, requires_grad=True)
             first = torch.empty(b, s, dtype=torch.int64, device=device)
-            logits = torch.empty(b, s, mcfg.vocab, dtype=dtype, device=device)
-        inputs = first if stage_index == 0 else hidden
-        outputs = logits if stage_index == num_stages - 1 else hidden
+            logits = torch.empty(b, s, *((1 + D,) if D else ()), mcfg.vocab, dtype=dtype, device=device)
+        carried = (hidden,) * (1 + D)  # the hidden state, then the depths' embeddings (Pipeline's ModelChunk)
+        inputs = first if stage_index == 0 else carried
+        outputs = logits if stage_index == num_stages - 1 else carried
         return real_stage(submodule, stage_index, num_stages, device, input_args=inputs, output_args=outputs,
                           group=group)
 

@@ -23,18 +23,18 @@ from meshfold.train.config import TrainConfig
 TINY = {"batch": 8, "seq": 16}  # tiny-mixtral: 4 heads, 2 kv heads, 4 experts, ffn 128
 
 
-def _cfg(fold: dict, dtype: str, recompute: str, microbatches: int) -> TrainConfig:
-    cfg = TrainConfig(model={"name": "tiny-mixtral"}, fold=fold)
+def _cfg(fold: dict, dtype: str, recompute: str, microbatches: int, mtp_depth: int = 0) -> TrainConfig:
+    cfg = TrainConfig(model={"name": "tiny-mixtral", "mtp_depth": mtp_depth}, fold=fold)
     cfg.train.batch, cfg.train.seq = TINY["batch"], TINY["seq"]
     cfg.train.dtype, cfg.train.recompute = dtype, recompute
     cfg.train.microbatches = microbatches
     return cfg
 
 
-def _real_step(rank, world_size, fold, dtype, recompute, microbatches):
+def _real_step(rank, world_size, fold, dtype, recompute, microbatches, mtp_depth=0):
     from meshfold.testing.worlds import cached_fold
 
-    cfg = _cfg(fold, dtype, recompute, microbatches)
+    cfg = _cfg(fold, dtype, recompute, microbatches, mtp_depth)
     spec, _ = cfg.validate()
     calls, on_counts = record_block_counts()
     return step_report(cfg.resolve(), rank, cached_fold(spec), on_counts=on_counts), calls
@@ -63,10 +63,10 @@ def _check_same_step(worlds, data, world_size):
     _check_rank(worlds, fold, dtype, recompute, microbatches, rank)
 
 
-def _check_rank(worlds, fold, dtype, recompute, microbatches, rank):
+def _check_rank(worlds, fold, dtype, recompute, microbatches, rank, mtp_depth=0):
     spec = TrainConfig(fold=fold).fold_spec()
-    real, calls = worlds(fold["world_size"]).run(_real_step, fold, dtype, recompute, microbatches)[rank]
-    (fake,) = dry_run(_cfg(fold, dtype, recompute, microbatches), Replay(calls), ranks=[rank])
+    real, calls = worlds(fold["world_size"]).run(_real_step, fold, dtype, recompute, microbatches, mtp_depth)[rank]
+    (fake,) = dry_run(_cfg(fold, dtype, recompute, microbatches, mtp_depth), Replay(calls), ranks=[rank])
     assert (fake.param_bytes, fake.grad_bytes, fake.optimizer_bytes) == \
         (real.param_bytes, real.grad_bytes, real.optimizer_bytes)
     assert real.param_bytes > 0 and real.optimizer_bytes >= 2 * real.param_bytes  # AdamW: two moments
@@ -98,6 +98,13 @@ def test_dry_run_reports_the_real_pipeline_step_of_the_last_stage(worlds):
     """pp = 2 always (the draws above reach it only sometimes): the last stage receives
     activations, sends their gradients back and holds the head."""
     _check_rank(worlds, {"world_size": 4, "pp": 2, "ep": 2}, "float64", "none", 2, 3)
+
+
+def test_dry_run_reports_the_real_multi_token_prediction_step_on_pipeline_stages(worlds):
+    """model.mtp_depth runs the training step's objective in the dry run too (it ran the plain
+    loss, whose targets a fold cannot shift, and failed): pp 2, the first stage, which embeds the
+    tokens the depth reads and sends them down with the hidden state."""
+    _check_rank(worlds, {"world_size": 4, "pp": 2, "ep": 2}, "float64", "none", 2, 0, mtp_depth=1)
 
 
 @pytest.mark.slow
