@@ -22,36 +22,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from meshfold.runtime.pools import kept_pool
 
 __all__ = ["MAX_WORKERS", "run_tasks", "single_threaded", "serial", "serial_graph", "in_parts", "blocks",
            "plain_cpu"]
 
 MAX_WORKERS = 8  # beyond this the Python dispatch of the parts (under the GIL) would dominate
 
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
 
-
-def _reset_pools_in_child() -> None:  # a forked child has the pool objects but not their threads
-    global _pools_lock
-    _pools.clear()
-    _pools_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_pools_in_child)
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    with _pools_lock:
-        pool = _pools.get(workers)
-        if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="meshfold-cpu")
-        return pool
+def _pool(workers: int):
+    return kept_pool("cpu", workers)
 
 
 def run_tasks(tasks: list) -> None:

@@ -16,7 +16,8 @@ from meshfold.runtime.compat import fully_shard_over
 from meshfold.parallel.layouts import single_device_name
 from meshfold.placements import sum_in_place
 
-__all__ = ["REDUCE_BUCKET_BYTES", "reduce_dtype", "expert_shard_placement", "fully_shard_folded", "reduce_gradients", "grad_norm"]
+__all__ = ["REDUCE_BUCKET_BYTES", "reduce_dtype", "expert_shard_placement", "fully_shard_folded", "reduce_gradients", "grad_norm",
+           "hold_fsdp_gradients", "reduce_fsdp_gradients"]
 
 
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -133,6 +134,33 @@ def fully_shard_folded(model: nn.Module, folded, resolved, compute_dtype: torch.
 
 def _dtensor_params(model):
     return [p for p in model.parameters() if isinstance(p, DTensor)]
+
+
+def hold_fsdp_gradients(model: nn.Module) -> None:
+    """Keep an FSDP2 model's gradients unreduced, and its gathered parameters gathered, through
+    the backwards that follow, until :func:`reduce_fsdp_gradients`: what micro-batches in turns
+    need (``train.a2a_overlap``), where two backwards, and a forward beside a backward, run through
+    the same blocks at once, so no one of them may reshard a block or reduce its gradients. The
+    same settings torch's pipeline stages use for every backward but the reduction."""
+    model.set_is_last_backward(False)
+    model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)
+
+
+def reduce_fsdp_gradients(model: nn.Module) -> None:
+    """Reduce-scatter the gradients :func:`hold_fsdp_gradients` held and reshard every block, as
+    torch's pipelining does after its last micro-batch (``PipelineStage.perform_reduce_grad``: the
+    post-backward of each parameter group, then FSDP2's end-of-backward callback)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model.set_is_last_backward(True)
+    model.set_reshard_after_backward(True)
+    model.set_requires_gradient_sync(True)
+    state = fully_shard.state(model)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 REDUCE_BUCKET_BYTES = 16 * 2**20  # gradient bytes per all-reduce: bounds the step's extra memory

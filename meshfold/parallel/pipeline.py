@@ -73,13 +73,14 @@ from meshfold.catalog import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE, check_choice, 
 from meshfold.models.moe import MoELayer, add_step_entries
 from meshfold.models.mtp import counted, depth_inputs
 from meshfold.models.transformer import cross_entropy_sum
-from meshfold.parallel.data_parallel import reduce_gradients
+from meshfold.parallel.data_parallel import hold_fsdp_gradients, reduce_fsdp_gradients, reduce_gradients
 from meshfold.parallel.plan import Plan, check_plan, restrict
 from meshfold.parallel.recompute import read_twice
 from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
+from meshfold.runtime.overlap import TurnStats, run_in_turns
 
-__all__ = ["SCHEDULES", "ModelChunk", "chunk_layers", "schedule_order", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
+__all__ = ["SCHEDULES", "check_a2a_overlap", "ModelChunk", "chunk_layers", "schedule_order", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
            "local_microbatch_counts", "model_loss"]
 
 
@@ -287,10 +288,33 @@ def _split_backward(chunk: nn.Module) -> None:
     checkpointed block (:func:`~meshfold.parallel.recompute.read_twice`)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for m in chunk.modules():
+    _keep_gathered(chunk)
+    read_twice(chunk)
+
+
+def _keep_gathered(model: nn.Module) -> None:
+    """FSDP2 keeps each block of ``model`` gathered from its forward until the backward's end (no
+    reshard after forward; nothing for a model without FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_reshard_after_forward(False, recurse=False)
-    read_twice(chunk)
+
+
+def check_a2a_overlap(spec, microbatches: int, schedule: str) -> None:
+    """Raise ``ValueError`` naming the setting when ``train.a2a_overlap`` cannot run: it needs
+    expert all-to-alls (``ep`` > 1) and two micro-batches to take turns: without pp, two or more
+    accumulated micro-batches (in pairs); with pp, the ``dualpipev`` schedule, whose steady state
+    pairs one micro-batch's forward with another's backward (torch's ``OVERLAP_F_B`` actions)."""
+    if spec.ep == 1:
+        raise ValueError("a2a_overlap with fold.ep = 1: there is no expert all-to-all to overlap; set ep > 1")
+    if spec.pp == 1 and microbatches < 2:
+        raise ValueError(f"a2a_overlap with microbatches = {microbatches}: micro-batches overlap in pairs; "
+                         f"valid: 2 or more")
+    if spec.pp > 1 and schedule != "dualpipev":
+        raise ValueError(f"a2a_overlap with fold.pp = {spec.pp} and schedule {schedule!r}: only dualpipev pairs "
+                         f"one micro-batch's forward with another's backward; set schedule = dualpipev")
 
 
 def _forward_only(stages: list, microbatches: int, loss_fn):
@@ -313,6 +337,52 @@ def _forward_only(stages: list, microbatches: int, loss_fn):
              for r, chunks in held.items()}
     schedule.pipeline_order_with_comms = _add_send_recv(order, stage_to_rank=ranks.__getitem__, num_stages=2 * pp)
     return schedule
+
+
+def _overlapped_forward_backward(stats: list):
+    """What runs torch's ``OVERLAP_F_B`` actions (DualPipeV's steady state: one micro-batch's
+    forward on one chunk beside another's whole backward on the other) for ``train.a2a_overlap``:
+    the two in turns (:func:`meshfold.runtime.overlap.run_in_turns`), so that each one's
+    dispatch and combine all-to-alls travel while the other computes. torch runs the two one after
+    the other; around the turns this does what its runtime does for each (wait for the received
+    activations and gradients first, hand the outputs to this rank's other chunk after). Each
+    action's :class:`~meshfold.runtime.overlap.TurnStats` is appended to ``stats``."""
+    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _wait_batch_p2p
+
+    def run(action, ctx) -> None:
+        schedule = ctx.schedule_ref
+        f, b = action.sub_actions
+        if (f.computation_type, b.computation_type) != (FORWARD, FULL_BACKWARD):
+            raise ValueError(f"overlapped action {action}: a2a_overlap runs a forward beside a full backward")
+        stages = {stage.stage_index: stage for stage in schedule._stages}
+        fs, bs = stages[f.stage_index], stages[b.stage_index]
+        fi, bi = f.microbatch_index, b.microbatch_index
+        for stage in (fs, bs):
+            schedule._assert_unsharded(stage)
+        if not fs.is_first and f.stage_index - 1 not in stages:
+            _wait_batch_p2p(schedule.fwd_recv_ops.pop((f.stage_index, fi)))
+        if not bs.is_last and b.stage_index + 1 not in stages:
+            _wait_batch_p2p(schedule.bwd_recv_ops.pop((b.stage_index, bi)))
+
+        def forward():  # meshfold's steps never ask the schedule for its outputs
+            out = fs.forward_one_chunk(fi, ctx.arg_mbs[fi], ctx.kwarg_mbs[fi], save_forward_output=False)
+            schedule._maybe_compute_loss(fs, out, ctx.target_mbs, fi)
+            return out
+
+        def backward():
+            loss = schedule._maybe_get_loss(bs, bi)
+            schedule.backward_counter[b.stage_index] += 1
+            last = schedule.backward_counter[b.stage_index] == schedule._n_microbatches
+            bs.backward_one_chunk(bi, loss=loss, full_backward=True, last_backward=last)
+
+        (out, _), seen = run_in_turns(forward, backward)
+        stats.append(seen)
+        if f.stage_index + 1 in stages:  # the V turns on this rank
+            stages[f.stage_index + 1].set_local_fwd_input(out, fi)
+        if b.stage_index - 1 in stages:
+            stages[b.stage_index - 1].set_local_bwd_input(bs.get_local_bwd_output(bi), bi)
+
+    return run
 
 
 def schedule_order(schedule: str, pp: int, virtual: int, microbatches: int) -> dict[int, list[tuple[str, int, int]]]:
@@ -363,20 +433,29 @@ class Pipeline:
     model's (master) dtype (FSDP2: in its fp32 reduce dtype, while the schedule turns gradient
     sync off) and are summed in fp32. ``recompute`` (none | selective | full): activation
     checkpointing of every block of this rank's chunks, as in ``parallelize``; a block's recompute
-    runs when the schedule runs that microbatch's backward of the block.
+    runs when the schedule runs that microbatch's backward of the block. ``a2a_overlap``
+    (``train.a2a_overlap``, :func:`check_a2a_overlap`): two micro-batches take turns
+    (:mod:`meshfold.runtime.overlap`) so that one's expert all-to-alls travel while the other
+    computes: with pp = 1 accumulated micro-batches in pairs, with ``dualpipev`` the schedule's
+    overlapped forward and backward; :meth:`overlap_stats` counts what each step saw.
     """
 
     def __init__(self, model: nn.Module, folded, microbatches: int, schedule: str = "1f1b",
                  virtual: int = 1, data_parallel: str = "fsdp", compute_dtype: torch.dtype | None = None,
-                 recompute: str = "none", plan: Plan | None = None):
+                 recompute: str = "none", plan: Plan | None = None, a2a_overlap: bool = False):
         from torch.distributed import pipelining
 
         spec = folded.spec
         pp = spec.pp
         plan = model_plan(model) if plan is None else plan
+        if a2a_overlap:
+            check_a2a_overlap(spec, microbatches, schedule)
+        self.a2a_overlap, self.turn_stats = a2a_overlap, []
         if pp == 1:  # one chunk, the whole model; its schedule is gradient accumulation
             parallelize(model, folded, plan, data_parallel=data_parallel, compute_dtype=compute_dtype,
                         recompute=recompute)
+            if a2a_overlap:  # two micro-batches in one block at once: neither may reshard it
+                _keep_gathered(model)
             self._accumulating(model, folded, microbatches, plan)
             return
         self._loss_terms = _loss_terms(model)
@@ -409,16 +488,25 @@ class Pipeline:
         cls = getattr(pipelining, _SCHEDULE_CLASSES[schedule])
         self.schedule = cls(stages if len(stages) > 1 else stages[0], microbatches, loss_fn=self._loss,
                             scale_grads=False)
+        if a2a_overlap:
+            from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+            self.schedule.register_custom_function(OVERLAP_F_B, _overlapped_forward_backward(self.turn_stats))
         self._evaluation = _forward_only(stages, microbatches, self._loss) if schedule in V_SCHEDULES else self.schedule
 
     @classmethod
-    def laid_out(cls, model: nn.Module, folded, microbatches: int = 1, plan: Plan | None = None) -> "Pipeline":
+    def laid_out(cls, model: nn.Module, folded, microbatches: int = 1, plan: Plan | None = None,
+                 a2a_overlap: bool = False) -> "Pipeline":
         """The ``pp = 1`` pipeline of a ``model`` already laid out on ``folded`` (by ``parallelize``
-        or a checkpoint loader such as ``from_pretrained``)."""
+        or a checkpoint loader such as ``from_pretrained``); ``a2a_overlap`` as in the constructor."""
         if folded.spec.pp != 1:
             raise ValueError(f"pp = {folded.spec.pp}: Pipeline.laid_out takes a model laid out whole (pp = 1); "
                              f"build Pipeline(model, folded, ...) from the single-device model instead")
         self = cls.__new__(cls)
+        if a2a_overlap:
+            check_a2a_overlap(folded.spec, microbatches, "1f1b")
+            _keep_gathered(model)
+        self.a2a_overlap, self.turn_stats = a2a_overlap, []
         self._accumulating(model, folded, microbatches, model_plan(model) if plan is None else plan)
         return self
 
@@ -509,6 +597,7 @@ class Pipeline:
         other), this rank's [b, s, ...] laid out like ``tokens``; the model's ``loss`` gets them
         as keywords (pp = 1), every stage's blocks their microbatch's slices (pp > 1)."""
         _check_per_token(per_token, self._per_token, tokens)
+        self.turn_stats.clear()
         if self.schedule is None:
             return self._accumulate_step(tokens, targets, positions, backward, per_token)[0]
         if tokens.shape[0] % self.microbatches:
@@ -567,14 +656,22 @@ class Pipeline:
             sum_in_place(means, self.folded.attn)  # only the last stage's ranks hold them
             return loss, {"main": means[0], "mtp": means[1:].mean(), "mtp_depths": means[1:]}
         _check_per_token(per_token, self._per_token, tokens)
+        self.turn_stats.clear()
         return self._accumulate_step(tokens, targets, positions, backward, per_token)
+
+    def overlap_stats(self) -> TurnStats:
+        """What the last step's micro-batches in turns saw (``train.a2a_overlap``; all zeros
+        without it): this rank's all-to-alls waited for, in flight while another micro-batch
+        computed, and already arrived when waited for."""
+        return sum(self.turn_stats, TurnStats())
 
     def _accumulate_step(self, tokens, targets, positions, backward: bool, per_token: dict):
         model = self.chunks[0]
         if self.microbatches > 1 and backward:
             counts = microbatch_counts(targets, self.microbatches)
             parts: dict = {}
-            loss = accumulate(model, tokens, targets, positions, counts, backward, parts, per_token)
+            loss = accumulate(model, tokens, targets, positions, counts, backward, parts, per_token,
+                              self.a2a_overlap, self.turn_stats)
             return torch.tensor(loss, dtype=torch.float64), parts
         loss, parts = model_loss(model, tokens, targets, positions, **per_token)
         if backward:
@@ -630,7 +727,8 @@ def microbatch_counts(local_targets: torch.Tensor, microbatches: int) -> list[li
 
 
 def accumulate(model, tokens_bs, targets_bs, positions, counts: list, backward: bool,
-               parts: dict | None = None, per_token: dict | None = None) -> float:
+               parts: dict | None = None, per_token: dict | None = None, overlap: bool = False,
+               stats: list | None = None) -> float:
     """Gradient accumulation without pp: this rank's local ``tokens_bs`` / ``targets_bs`` ([b, s],
     or multi-token prediction's [b, s, 1 + D]) cut into ``len(counts)`` micro-batches along the
     batch dim, one forward + backward each of ``model`` (laid out whole by ``parallelize``);
@@ -649,6 +747,14 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list, backward: 
     their gradient is the mean over the micro-batches. Under FSDP2 only the last backward
     reduce-scatters. ``parts`` (a dict, filled in): the model's loss parts (:func:`model_loss`),
     weighted as the loss is.
+
+    ``overlap`` (``train.a2a_overlap``): micro-batches run in pairs, each pair's two in turns
+    (:func:`meshfold.runtime.overlap.run_in_turns`), so that one's dispatch and combine
+    all-to-alls travel while the other computes; the same values up to the order of the gradient
+    sums. ``stats`` (a list, appended to): each pair's
+    :class:`~meshfold.runtime.overlap.TurnStats`. Under FSDP2 the gradients are then reduced once,
+    after the last micro-batch (:func:`~meshfold.parallel.data_parallel.hold_fsdp_gradients`),
+    and the model must keep its blocks gathered after their forward (:class:`Pipeline` sets it).
     """
     rows = [list(c) if isinstance(c, (list, tuple)) else [c] for c in counts]
     totals = [sum(column) for column in zip(*rows)]
@@ -657,24 +763,44 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list, backward: 
     layers = [x for x in model.modules() if isinstance(x, MoELayer)]
     for layer in layers:
         layer.balancing_scale = 1 / m
+    cut = {name: t.chunk(m) for name, t in (per_token or {}).items()}
+    pieces = list(zip(tokens_bs.chunk(m), targets_bs.chunk(m)))
+
+    def one(i: int) -> tuple[float, dict]:
+        """Micro-batch i's forward and backward: (its weighted loss, its weighted parts)."""
+        tokens_ms, targets_ms = pieces[i]
+        inputs = {name: cut_[i] for name, cut_ in cut.items()}
+        # a term no position of the batch counts is 0 / 0 in the whole batch too (NaN)
+        w = [c / t if t else float("nan") for c, t in zip(rows[i], totals)]
+        if len(w) > 1:  # one weight per term: the model scales each mean by its own
+            named = dict(model.loss_parts(tokens_ms, targets_ms, positions, weights=w, **inputs))
+            part = named.pop("loss")
+        else:
+            part, named = model_loss(model, tokens_ms, targets_ms, positions, **inputs)
+            part, named = part * w[0], {name: value * w[0] for name, value in named.items()}
+        if backward:
+            part.backward()
+        return part.item(), named
+
     loss = 0.0
     try:
-        cut = {name: t.chunk(m) for name, t in (per_token or {}).items()}
-        for i, (tokens_ms, targets_ms) in enumerate(zip(tokens_bs.chunk(m), targets_bs.chunk(m))):
-            if sync is not None and backward:
+        done = []
+        if overlap and backward:  # pairs in turns: one's all-to-all travels while the other computes
+            if sync is not None:  # FSDP2: reduce once all are done
+                hold_fsdp_gradients(model)
+            for i in range(0, m - 1, 2):
+                pair, seen = run_in_turns(lambda i=i: one(i), lambda i=i: one(i + 1))
+                done += pair
+                if stats is not None:
+                    stats.append(seen)
+        for i in range(len(done), m):  # without overlap, or the odd one out
+            if sync is not None and backward and not overlap:
                 sync(i == m - 1)
-            inputs = {name: pieces[i] for name, pieces in cut.items()}
-            # a term no position of the batch counts is 0 / 0 in the whole batch too (NaN)
-            w = [c / t if t else float("nan") for c, t in zip(rows[i], totals)]
-            if len(w) > 1:  # one weight per term: the model scales each mean by its own
-                named = dict(model.loss_parts(tokens_ms, targets_ms, positions, weights=w, **inputs))
-                part = named.pop("loss")
-            else:
-                part, named = model_loss(model, tokens_ms, targets_ms, positions, **inputs)
-                part, named = part * w[0], {name: value * w[0] for name, value in named.items()}
-            if backward:
-                part.backward()
-            loss += part.item()
+            done.append(one(i))
+        if overlap and backward and sync is not None:
+            reduce_fsdp_gradients(model)
+        for part, named in done:
+            loss += part
             if parts is not None:
                 for name, value in named.items():
                     parts[name] = parts.get(name, 0) + value

@@ -21,7 +21,9 @@ Non-differentiable helpers for metadata and statistics: :func:`sum_statistic` /
 all-gather), :func:`all_agree` (is a flag set on every rank). The rest of meshfold.placements
 and the models reach ``torch.distributed`` collectives only through this module, so every
 collective they run names its mesh dims. :func:`all_to_all_v_start` is the asynchronous
-all-to-all (an :class:`InFlight` to wait on), forward and backward.
+all-to-all (an :class:`InFlight` to wait on), forward and backward; its waits go through
+:func:`meshfold.runtime.overlap.wait_for`, so under ``run_in_turns`` another micro-batch computes
+while it travels.
 
 Which primitive runs is decided on the host from the split list (every rank holds the same list,
 so every rank decides the same way, and the decision costs nothing):
@@ -71,7 +73,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from meshfold.runtime import compat, spmd
+from meshfold.runtime import compat, overlap, spmd
 from meshfold.mesh import backend_device_type, collective_backend
 
 __all__ = ["all_to_all_v", "all_gather_v", "all_gather_replicated", "reduce_scatter_v", "sum_partial",
@@ -290,7 +292,7 @@ class InFlight:
         out, self.out = self.out, None
         if self.graph:
             return _A2AWait.apply(out, self)
-        self.work.wait()
+        overlap.wait_for(self.work)
         self.work = self.send = None
         return out
 
@@ -319,7 +321,7 @@ class _A2AStart(torch.autograd.Function):
     def backward(ctx, grad):
         flight = ctx.flight
         work, _, grad_x = flight.grad
-        work.wait()
+        overlap.wait_for(work)
         flight.grad = None
         return grad_x, None
 
@@ -328,7 +330,7 @@ class _A2AWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, flight):
         ctx.flight = flight
-        flight.work.wait()
+        overlap.wait_for(flight.work)
         flight.work = flight.send = None
         return out.view_as(out)
 

@@ -24,7 +24,9 @@ Per dispatch: one host sync, when the per-expert counts of every rank of the blo
 device for the re-sort, so nothing goes back up); then all-to-all-v over ``ep``, all-gather-v over
 ``etp``, and a local re-sort so each local expert's rows are contiguous. The combine runs the
 reverse: re-sort back, reduce-scatter-v over ``etp`` (summing the partial outputs), all-to-all-v
-back over ``ep``. :func:`dispatch_start` returns with the ``ep`` all-to-all still in flight
+back over ``ep`` (started and waited for at once, so that under
+:func:`meshfold.runtime.overlap.run_in_turns` another micro-batch computes while it travels).
+:func:`dispatch_start` returns with the ``ep`` all-to-all still in flight
 (``async_op``), so the MoE layer computes its shared expert meanwhile; its ``wait()`` finishes the
 dispatch. In backward the gradient's all-to-all likewise overlaps the shared expert's backward.
 """
@@ -225,4 +227,6 @@ def combine(y: RaggedTensor, routed: Routed, ep: str = "ep", etp: str = "etp") -
         y_MH = torch.empty_like(y_MH).index_copy(0, routed.order_M, y_MH)  # back to received order
     if routed.gather_sizes is not None:
         y_MH = reduce_scatter_v(y_MH, routed.gather_sizes, y.mesh, etp)  # sums the etp summands
-    return all_to_all_v(y_MH, routed.recv, routed.send, y.mesh, ep)
+    # started and waited for at once: under run_in_turns (meshfold.runtime.overlap) the wait lets
+    # the other micro-batch compute while the rows travel; otherwise it is all_to_all_v
+    return all_to_all_v_start(y_MH, routed.recv, routed.send, y.mesh, ep).wait()

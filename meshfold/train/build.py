@@ -51,11 +51,11 @@ def build(run: Resolved, folded, init_from: bool = True) -> Built:
         whole = from_pretrained(t.init_from, mesh=folded, dtype=DTYPES[t.master_dtype], cfg=mcfg,
                                 compute_dtype=compute)
         apply_recompute(whole.layers, t.recompute)
-        model = Pipeline.laid_out(whole, folded, microbatches)
+        model = Pipeline.laid_out(whole, folded, microbatches, a2a_overlap=t.a2a_overlap)
     else:
         whole = MoETransformer(mcfg, dtype=DTYPES[t.master_dtype], device="meta")  # master weights
         model = Pipeline(whole, folded, microbatches, t.schedule, t.virtual, data_parallel=t.data_parallel,
-                         compute_dtype=compute, recompute=t.recompute)
+                         compute_dtype=compute, recompute=t.recompute, a2a_overlap=t.a2a_overlap)
     if t.compile:
         for chunk in model.chunks:
             compile_model(chunk)

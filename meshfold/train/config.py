@@ -254,6 +254,11 @@ class TrainSettings:
                             "the MoE layers' dropless combine and permute-backward row passes); routing, "
                             "dispatch, expert GEMMs, collectives and host reads stay eager. The first step compiles (slow on "
                             "CPU: tens of seconds per distinct shape), later steps reuse the graphs")
+    a2a_overlap: bool = setting(False, bool, "run two micro-batches in turns so that one's expert dispatch and "
+                                "combine all-to-alls travel while the other computes (meshfold.runtime.overlap): "
+                                "without pp accumulated micro-batches in pairs, with pp dualpipev's overlapped "
+                                "forward and backward; the same values; needs MoE layers and ep > 1; under FSDP2 each "
+                                "block stays gathered from its forward to the step's end")
 
 
 @dataclass
@@ -466,6 +471,8 @@ class TrainConfig:
             if self.sparsity:
                 raise ValueError("[sparsity] with fold.pp > 1: the pruner's global threshold spans "
                                  "all layers, which pipeline stages hold apart; use pp = 1")
+        if t.a2a_overlap:
+            self._check_a2a_overlap(spec, cfg, t)
         mtp_moe = [i for i in range(cfg.layers, cfg.layers + cfg.mtp_depth) if cfg.is_moe_layer(i)]
         if mtp_moe and (t.expert_placement == "balanced" or self.sparsity):
             what = "train.expert_placement = 'balanced'" if t.expert_placement == "balanced" else "[sparsity]"
@@ -485,6 +492,22 @@ class TrainConfig:
 
         check_fold(cfg, spec)  # the divisibility checks parallelize runs, before any process starts
         return spec, cfg
+
+    @staticmethod
+    def _check_a2a_overlap(spec, cfg, t) -> None:
+        """Raise naming why ``train.a2a_overlap`` cannot run with these settings."""
+        from meshfold.parallel.pipeline import check_a2a_overlap
+
+        if cfg.moe is None or not cfg.moe_layer_ids:
+            raise ValueError("train.a2a_overlap: the model has no MoE layers, so no all-to-all to overlap; "
+                             "set a2a_overlap = false")
+        if t.compile:
+            raise ValueError("train.a2a_overlap with train.compile: compiled blocks are not run in turns; "
+                             "set one of them to false")
+        try:
+            check_a2a_overlap(spec, t.microbatches or spec.pp, t.schedule)
+        except ValueError as err:
+            raise ValueError(f"train.{err} (train.microbatches, train.schedule, fold.ep)") from None
 
     @staticmethod
     def _check_replicas(R: int, placement: str, spec, cfg, sparsity: bool) -> None:

@@ -311,6 +311,10 @@ def _update(built: Built, t, n, loss, skipped, n_global, flops, peaks, t0) -> di
         record["aux_losses"] = {k: sum(m["losses"][k] for m in moe) for k in moe[0]["losses"]}
         record["tokens_per_expert"] = [m["tokens_per_expert"] for m in moe]
         record["dropped_fraction"] = sum(m["dropped_fraction"] for m in moe) / len(moe)
+    if model.a2a_overlap:  # this rank's (rank 0 writes the row)
+        turns = model.overlap_stats()
+        record["a2a_overlap"] = {"waited": turns.waited, "crossed": turns.crossed, "arrived": turns.arrived,
+                                 "wait_s": turns.wait_s}
     if pruner is not None:
         record.update(pruner.metrics())
     return record

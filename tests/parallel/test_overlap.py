@@ -121,12 +121,15 @@ def _events(rank, world_size, overlap):
 
 
 def test_shared_expert_computes_while_the_dispatch_travels(worlds):
-    """Forward: start1 < shared < wait1; backward: the gradient's all-to-all start2 comes before
-    the shared expert's backward and wait2 after it. With overlap off, nothing is asynchronous."""
+    """Forward: start1 < shared < wait1; backward: the dispatch gradient's all-to-all start4 comes
+    before the shared expert's backward and wait4 after it (2 and 3: the combine's all-to-all and
+    its gradient's, each waited for at once). With overlap off, the dispatch is synchronous."""
     for log in worlds(4).run(_events, True):
-        i = {e: log.index(e) for e in ("start1", "wait1", "shared", "start2", "wait2", "shared_backward")}
+        i = {e: log.index(e) for e in ("start1", "wait1", "shared", "start4", "wait4", "shared_backward")}
         assert i["start1"] < i["shared"] < i["wait1"], log
-        assert i["start2"] < i["shared_backward"] < i["wait2"], log
+        assert i["start4"] < i["shared_backward"] < i["wait4"], log
+        assert log.index("start2") + 1 == log.index("wait2") and log.index("start3") + 1 == log.index("wait3"), log
     for log in worlds(4).run(_events, False):  # synchronous: the dispatch has arrived first
-        assert not any(e.startswith("start") for e in log) and log.index("a2a") < log.index("shared"), log
+        assert log.index("a2a") < log.index("shared"), log
+        assert not any(e.startswith("start") for e in log[:log.index("shared")]), log
 

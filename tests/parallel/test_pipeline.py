@@ -1,6 +1,8 @@
 """Pipeline parallelism: loss and every gradient equal one device (fp64) with gradient
 accumulation over the same microbatches, for every schedule, over hypothesis-chosen folds."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -46,9 +48,10 @@ def _reference(cfg, seed, tokens, targets, spec, microbatches):
     return state, {n: p.grad for n, p in ref.named_parameters()}, total
 
 
-def _run(rank, world_size, case, recompute="none", layers=4, evaluate=False):
+def _run(rank, world_size, case, recompute="none", layers=4, evaluate=False, a2a_overlap=False, first_k_dense=1):
+    """Checks the step against one device; returns what its turns saw (Pipeline.overlap_stats)."""
     spec, B, S, seed, schedule, virtual, microbatches, data_parallel, aux = case
-    cfg = _config(spec, aux, layers)
+    cfg = dataclasses.replace(_config(spec, aux, layers), first_k_dense=first_k_dense)
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, cfg.vocab, (B, S), generator=g)
     targets = torch.randint(0, cfg.vocab, (B, S), generator=g)
@@ -56,7 +59,8 @@ def _run(rank, world_size, case, recompute="none", layers=4, evaluate=False):
 
     model = MoETransformer(cfg, dtype=torch.float64)
     model.load_state_dict(state)
-    pipe = Pipeline(model, cached_fold(spec), microbatches, schedule, virtual, data_parallel, recompute=recompute)
+    pipe = Pipeline(model, cached_fold(spec), microbatches, schedule, virtual, data_parallel, recompute=recompute,
+                    a2a_overlap=a2a_overlap)
     local_tokens, pos = shard_batch(tokens, spec, rank)
     local_targets, _ = shard_batch(targets, spec, rank)
     loss = pipe.step(local_tokens, local_targets, pos)
@@ -76,10 +80,11 @@ def _run(rank, world_size, case, recompute="none", layers=4, evaluate=False):
     layers = chunk_layers(cfg.layers, spec.pp * virtual)
     mine = {i for s in pipe.stage_ids for i in layers[s]}
     assert {int(n.split(".")[1]) for n in names if n.startswith("layers.")} == mine
+    stats = pipe.overlap_stats()
     if evaluate:  # the same batch forward only: the same loss
         pipe.eval()
         torch.testing.assert_close(pipe.step(local_tokens, local_targets, pos, backward=False).item(), ref_loss, **TOL)
-    return True
+    return stats
 
 
 @st.composite

@@ -1,5 +1,6 @@
-"""``meshfold train`` with the zero-bubble schedules: the losses of 1F1B, and the settings they
-cannot run with refused before any rank starts."""
+"""``meshfold train`` with the zero-bubble schedules and ``train.a2a_overlap``: the losses of 1F1B
+(and of the same run without overlap), and the settings they cannot run with refused before any
+rank starts."""
 
 import pytest
 
@@ -31,10 +32,34 @@ def test_zero_bubble_schedules_train_the_losses_of_1f1b(tmp_path):
     assert runs["1f1b"][2] != runs["1f1b"][0]
 
 
+@pytest.mark.slow
+def test_a2a_overlap_trains_the_losses_without_it(tmp_path):
+    """Three steps with and without ``train.a2a_overlap``: dualpipev on pp 2, and the default fold
+    (tp2 x dp2 | ep4) accumulating 2 micro-batches; each step's metrics count the all-to-alls
+    that travelled while the other micro-batch computed."""
+    pp1 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "train.microbatches=2", "--set", "train.batch=8"]
+    dualpipev = [*PP2, "--set", "train.schedule=\"dualpipev\"", "--set", "train.virtual=2"]
+    for name, args in (("pp1", pp1), ("dualpipev", dualpipev)):
+        runs = {}
+        for overlap in ("false", "true"):
+            out = tmp_path / f"{name}_{overlap}"
+            proc = meshfold_here("train", "--steps", "3", "--out-dir", out, *args, "--set", f"train.a2a_overlap={overlap}")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[overlap] = losses(out)
+        assert [runs["true"][s]["loss"] for s in (1, 2, 3)] == pytest.approx(
+            [runs["false"][s]["loss"] for s in (1, 2, 3)], rel=1e-9, abs=0), name
+        turns = runs["true"][3]["a2a_overlap"]
+        assert 0 < turns["crossed"] <= turns["waited"] and "a2a_overlap" not in runs["false"][3], (name, turns)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.schedule=\"zbv\""], "the V schedules hold exactly 2 chunks per rank"),
     (["train.schedule=\"dualpipev\"", "train.virtual=2", "train.microbatches=2"], "microbatches = 2 < 2 pp = 4"),
     (["train.schedule=\"zbv\"", "train.virtual=2", "train.compile=true"], "train.schedule = 'zbv' with train.compile"),
+    (["train.a2a_overlap=true", "train.microbatches=4"], "train.a2a_overlap with fold.pp = 2 and schedule '1f1b'"),
+    (["train.a2a_overlap=true", "fold.pp=1", "train.microbatches=2", "train.compile=true"],
+     "train.a2a_overlap with train.compile"),
+    (["train.a2a_overlap=true", "fold.pp=1", "fold.ep=1"], "train.a2a_overlap with fold.ep = 1"),
 ])
 def test_schedule_settings_it_cannot_run_with_fail_before_spawning(tmp_path, monkeypatch, capsys, overrides, message):
     sets = [a for o in ["fold.pp=2", "fold.tp=1", "fold.ep=2", "model.layers=4", *overrides] for a in ("--set", o)]
