@@ -25,7 +25,10 @@ re-raises the first error after both pieces stopped.
 
 :class:`TurnStats` counts what happened: how many all-to-alls a piece waited for, how many of them
 were in flight while the other piece computed, and how many had already arrived when waited for
-(hidden entirely). ``meshfold train`` reports them as the step's ``a2a_overlap`` metrics.
+(hidden entirely). ``meshfold train`` reports them as the step's ``a2a_overlap`` metrics; on its
+profiler trace (``train.profile_steps``) each thread shows a ``meshfold.a2a_in_flight`` range while
+its all-to-all travels, with the other thread's ops inside it, and gloo's ``all_to_all`` on the
+process group's threads.
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ import torch
 
 from meshfold.runtime.pools import kept_pool
 
-__all__ = ["run_in_turns", "wait_for", "in_turns", "TurnStats"]
+__all__ = ["run_in_turns", "wait_for", "in_turns", "TurnStats", "IN_FLIGHT"]
 
+# the range a piece's thread shows on a profiler trace (train.profile_steps) while its all-to-all
+# travels and the other piece computes
+IN_FLIGHT = "meshfold.a2a_in_flight"
 _here = threading.local()  # .turns (the _Turns this thread takes part in), .me (its index)
 
 
@@ -113,7 +119,8 @@ def wait_for(work) -> None:
     if turns is None:
         work.wait()
         return
-    crossed = turns.hand_over(_here.me)
+    with torch.profiler.record_function(IN_FLIGHT):  # on a trace: the other piece computes meanwhile
+        crossed = turns.hand_over(_here.me)
     arrived = crossed and work.is_completed()
     t0 = time.perf_counter()
     work.wait()

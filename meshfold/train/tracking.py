@@ -171,7 +171,10 @@ class Profiler:
             cuda = self.device.type == "cuda"
             kinds = torch.profiler.ProfilerActivity
             activities = [kinds.CPU, kinds.CUDA] if cuda else [kinds.CPU]
-            self._prof = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
+            # every thread's ops: train.a2a_overlap runs the micro-batches on threads of their own
+            every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            self._prof = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True,
+                                                experimental_config=every_thread)
             self._prof.__enter__()
             if cuda:
                 torch.cuda.memory._record_memory_history(max_entries=200_000)

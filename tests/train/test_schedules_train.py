@@ -2,7 +2,11 @@
 (and of the same run without overlap), and the settings they cannot run with refused before any
 rank starts."""
 
+import json
+
 import pytest
+
+from meshfold.runtime.overlap import IN_FLIGHT
 
 from tests.run_here import meshfold_here
 from tests.train.test_train import SMALL, losses, meshfold_before_spawning
@@ -50,6 +54,35 @@ def test_a2a_overlap_trains_the_losses_without_it(tmp_path):
             [runs["false"][s]["loss"] for s in (1, 2, 3)], rel=1e-9, abs=0), name
         turns = runs["true"][3]["a2a_overlap"]
         assert 0 < turns["crossed"] <= turns["waited"] and "a2a_overlap" not in runs["false"][3], (name, turns)
+
+
+def test_a2a_overlap_shows_on_the_profiler_timeline(tmp_path):
+    """The trace of a step (train.profile_steps) shows the overlap: each all-to-all that travelled
+    while the other micro-batch computed (the step's a2a_overlap.crossed) is a
+    meshfold.a2a_in_flight range on its thread holding the other thread's ops; and gloo moves
+    rows on its own threads while a micro-batch thread computes."""
+    import glob
+
+    out = tmp_path / "run"
+    proc = meshfold_here("train", "--steps", "2", "--out-dir", out, *SMALL, "--set", "fold.world_size=2",
+                         "--set", "fold.ep=2", "--set", "train.microbatches=2", "--set", "train.a2a_overlap=true",
+                         "--set", "train.profile_steps=[2, 2]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    crossed = losses(out)[2]["a2a_overlap"]["crossed"]
+    (trace,) = glob.glob(str(out / "profile" / "*.json"))
+    events = [e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X"]
+    ranges = [e for e in events if e["name"] == IN_FLIGHT]
+    turn_threads = {e["tid"] for e in ranges}
+    assert len(turn_threads) == 2, turn_threads
+    ops = [e for e in events if e["tid"] in turn_threads and e["name"].startswith("aten::")]
+
+    def inside(e, window):
+        return window["ts"] <= e["ts"] and e["ts"] + e["dur"] <= window["ts"] + window["dur"]
+
+    holding = [r for r in ranges if any(o["tid"] != r["tid"] and inside(o, r) for o in ops)]
+    assert len(holding) == crossed > 0
+    moving = [e for e in events if e["name"] == "gloo:all_to_all"]
+    assert any(o["ts"] < m["ts"] + m["dur"] and m["ts"] < o["ts"] + o["dur"] for m in moving for o in ops)
 
 
 @pytest.mark.parametrize("overrides, message", [
