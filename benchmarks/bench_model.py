@@ -3,6 +3,7 @@
     python benchmarks/bench_model.py                    # parts a, b, c: about 3-5 minutes
     python benchmarks/bench_model.py --parts a --rounds 3
     python benchmarks/bench_model.py --parts d --rounds 3  # eager vs compiled, fp32 vs bf16: ~10 minutes
+    python benchmarks/bench_model.py --parts e --rounds 5  # train.a2a_overlap off vs on: ~5 minutes
 
 Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 KV heads,
 8 experts of ffn 512, top-2 (softmax, renormalised), fp32, untied head.
@@ -39,6 +40,15 @@ Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 
     each per round; the first step of each (compilation included) is reported apart. Beside them,
     every rank's dense GEMM rate in fp32 and bf16 at the MLP's shape, measured concurrently: the
     ceiling bf16 compute can reach over fp32 on this CPU.
+
+(e) **train.a2a_overlap off vs on, 4 gloo ranks** (one thread each): the ``meshfold train`` step
+    (``build``) of a model of hidden 512 with 4 MoE layers (8 experts of ffn 1024, top-2), batch
+    16 x 512, on three folds (:data:`OVERLAP_FOLDS`: accumulation in pairs under FSDP2 and
+    all-reduce, and dualpipev on pp 2), off and on side by side, timed interleaved. Beside the
+    step time, the time each rank spends blocked in its expert all-to-alls' waits (the slowest
+    rank's): what the overlap is meant to remove; and rank 0's TurnStats (all-to-alls waited for
+    after the other micro-batch's turn, and of them those already arrived). There is no peer
+    row: transformers has no expert parallelism, and torchtitan's DualPipeV overlap runs on CUDA.
 
 Writes benchmarks/results/model.json; prints markdown tables.
 """
@@ -368,6 +378,101 @@ def part_d(rounds: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ (e) a2a_overlap off vs on
+OVERLAP_MODEL = (dict(hidden=512, layers=4, heads=8, kv_heads=4, head_dim=64, ffn=1024, max_seq=512),
+                 dict(ffn=1024, num_experts=8, topk=2), 16, 512)  # model, MoE, batch, seq
+OVERLAP_FOLDS = [  # (name, fold, train settings): 4 ranks
+    ("dp4 | ep4, fsdp, 4 micro-batches (2 pairs)", dict(ep=4), dict(microbatches=4)),
+    ("dp4 | ep4, allreduce, 4 micro-batches (2 pairs)", dict(ep=4, data_parallel="allreduce"), dict(microbatches=4)),
+    ("pp2 x dp2 | pp2 x ep2, fsdp, dualpipev, 4 micro-batches", dict(pp=2, ep=2),
+     dict(schedule="dualpipev", virtual=2, microbatches=4)),
+]
+
+
+def overlap_worker(rank, world_size, rounds: int) -> list:
+    """Per fold of OVERLAP_FOLDS: the step with ``train.a2a_overlap`` off and on, built side by
+    side by ``build`` and timed interleaved (the slowest rank's step), with each rank's time
+    blocked in expert all-to-all waits (off: every wait; on: the wait after the other
+    micro-batch's turn, TurnStats.wait_s) and rank 0's TurnStats."""
+    import torch.distributed as dist
+
+    from meshfold.runtime import overlap
+
+    torch.set_num_threads(1)
+    blocked = [0.0]
+    wait_for = overlap.wait_for
+
+    def timed(work):  # outside turns every wait blocks; inside, TurnStats times it after the hand-over
+        if overlap.in_turns():
+            return wait_for(work)
+        t0 = time.perf_counter()
+        wait_for(work)
+        blocked[0] += time.perf_counter() - t0
+
+    overlap.wait_for = timed
+    fields, moe, b, s = OVERLAP_MODEL
+    tokens, targets = batch(b, s)
+    rows = []
+    for name, fold_kwargs, settings in OVERLAP_FOLDS:
+        runs = {}
+        for on in (False, True):
+            run = job(world_size, fold_kwargs, model=fields, moe=moe, batch=b, seq=s, a2a_overlap=on, **settings)
+            torch.manual_seed(0)
+            built = build(run, fold(run.spec))
+            runs[on] = built.model, built.optimizer
+        spec = run.spec
+
+        def step(on):
+            model, opt = runs[on]
+            blocked[0] = 0.0
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = _train_step(model, opt, tokens, targets, spec, rank)
+            out = torch.tensor([time.perf_counter() - t0, blocked[0] + model.overlap_stats().wait_s],
+                               dtype=torch.float64)
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+            return out[0].item(), out[1].item(), loss, model.overlap_stats()
+
+        for on in runs:  # warm-up: allocator, AdamW state, the turn threads' caches
+            step(on)
+        seen = {on: [] for on in runs}
+        for _ in range(rounds):
+            for on in runs:
+                seen[on].append(step(on))
+        row = dict(fold=name)
+        for on, key in ((False, "off"), (True, "on")):
+            row[key] = dict(step_s=statistics.median(x[0] for x in seen[on]),
+                            blocked_s=statistics.median(x[1] for x in seen[on]),
+                            losses=[x[2] for x in seen[on]])
+        turns = seen[True][-1][3]
+        row["turns"] = dict(waited=turns.waited, crossed=turns.crossed, arrived=turns.arrived)
+        row["ratio"] = row["on"]["step_s"] / row["off"]["step_s"]
+        rows.append(row)
+        del runs
+        gc.collect()
+    overlap.wait_for = wait_for
+    return rows
+
+
+def part_e(rounds: int) -> dict:
+    fields, moe, b, s = OVERLAP_MODEL
+    return dict(model=dict(fields, **{f"moe_{k}": v for k, v in moe.items()}), batch=b, seq=s,
+                rows=spawn(overlap_worker, 4, rounds, timeout=1800)[0])
+
+
+def print_part_e(e: dict) -> None:
+    print(f"\n(e) train.a2a_overlap off vs on, 4 gloo ranks (1 thread each), batch {e['batch']} x {e['seq']}, "
+          f"hidden {e['model']['hidden']}, {e['model']['layers']} MoE layers of {e['model']['moe_num_experts']} "
+          f"experts")
+    print("| fold | step off (s) | step on (s) | on / off | blocked in a2a off (s) | on (s) | "
+          "crossed / waited | arrived / crossed |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in e["rows"]:
+        t = r["turns"]
+        print(f"| {r['fold']} | {r['off']['step_s']:.3f} | {r['on']['step_s']:.3f} | {r['ratio']:.2f} | "
+              f"{r['off']['blocked_s']:.3f} | {r['on']['blocked_s']:.3f} | {t['crossed']} / {t['waited']} | "
+              f"{t['arrived']} / {t['crossed']} |")
+
+
 # ------------------------------------------------------------------ report
 def print_tables(res: dict) -> None:
     if "a" in res:
@@ -414,7 +519,7 @@ def print_part_d(d: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="abc", help="any of a, b, c, d")
+    ap.add_argument("--parts", default="abc", help="any of a, b, c, d, e")
     ap.add_argument("--rounds", type=int, default=5, help="timed steps per implementation (a) / fold (b)")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -428,9 +533,13 @@ def main() -> None:
         res["c"] = part_c()
     if "d" in args.parts:
         res["d"] = part_d(args.rounds)
+    if "e" in args.parts:
+        res["e"] = part_e(args.rounds)
     print_tables(res)
     if "d" in res:
         print_part_d(res["d"])
+    if "e" in res:
+        print_part_e(res["e"])
     out = ROOT / "benchmarks" / "results" / "model.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     kept = json.loads(out.read_text()) if out.exists() else {}  # parts not run this time stay
