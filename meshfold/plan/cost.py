@@ -77,6 +77,10 @@ class Layout:
         schedule: the pipeline schedule (``train.schedule``) with pp > 1: ``"1f1b"``, ``"gpipe"``
             (meshfold's choice where micro-batches < pp, which 1F1B cannot run) or
             ``"interleaved-1f1b"`` (set automatically when vpp > 1).
+        a2a_overlap: two micro-batches of a rank take turns so that one's MoE dispatch and
+            combine all-to-alls travel while the other computes (``train.a2a_overlap``): without
+            pp accumulated micro-batches in pairs, with pp ``dualpipev``'s overlapped actions
+            (:func:`check_layout` says where it runs).
 
     Runs on meshfold as ``meshfold train`` with :meth:`train_overrides` (bf16 compute over fp32
     master weights; ``train.data_parallel = sharding``).
@@ -88,6 +92,7 @@ class Layout:
     recompute: str = "none"
     sharding: str = "fsdp"
     schedule: str = "1f1b"
+    a2a_overlap: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -108,7 +113,8 @@ class Layout:
                 f"fold.pp={s.pp}", f"fold.ep={s.ep}", f"fold.etp={s.etp}", f"train.batch={global_batch}",
                 f"train.seq={seq}", f"train.microbatches={m}", f"train.schedule={self.schedule}",
                 f"train.virtual={self.vpp}", f"train.recompute={self.recompute}",
-                f"train.data_parallel={self.sharding}", "train.dtype=bfloat16"]
+                f"train.data_parallel={self.sharding}", "train.dtype=bfloat16"] + (
+                    ["train.a2a_overlap=true"] if self.a2a_overlap else [])
 
     def paper_config(self) -> str:
         """The paper's notation CP/TP/EP/PP/ETP, e.g. ``1/2/8/8/1``."""
@@ -120,7 +126,8 @@ class Layout:
         s = self.spec
         rc = {"none": "", "selective": " rc-sel", "full": " rc"}[self.recompute]
         sched = f" {self.schedule}" if s.pp > 1 else ""
-        knobs = f"mbs{self.mbs} vpp{self.vpp}{rc} {self.sharding}{sched}"
+        ovl = " a2a-ovl" if self.a2a_overlap else ""
+        knobs = f"mbs{self.mbs} vpp{self.vpp}{rc} {self.sharding}{sched}{ovl}"
         return f"tp{s.tp} cp{s.cp} dp{s.dp} pp{s.pp} | ep{s.ep} etp{s.etp} edp{s.edp} | {knobs}"
 
 

@@ -21,6 +21,7 @@ then both are kept: the one without recomputation, out of memory, and the one wi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Iterator
 
 from meshfold.mesh import FoldSpec
@@ -131,7 +132,7 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
         for mode in ("selective", "full"):  # cheaper recomputation first, each only if still out of memory
             if e.feasible:
                 break
-            rc = Layout(layout.spec, layout.mbs, layout.vpp, mode, layout.sharding, layout.schedule)
+            rc = replace(layout, recompute=mode)
             if (where is not None and not where(rc)) or check_layout(shape, rc, seq, global_batch):
                 break
             e = estimate(shape, hw, rc, seq, global_batch, routing, placement)
