@@ -211,9 +211,11 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
     1F1B with at least pp micro-batches, interleaved 1F1B with a multiple of pp; and no
     recomputation under a pipeline with FSDP2, which meshfold runs but the planner does not model
     (its pipeline moments, ``memory._pipeline_activations``, hold no recomputed block's working
-    set and were compared with the dry run without recomputation). The Megatron
+    set and were compared with the dry run without recomputation). ``a2a_overlap`` where
+    ``check_a2a_overlap`` and ``TrainConfig.validate`` allow it: MoE layers and ep > 1, and two
+    micro-batches to take turns (pp = 1: m >= 2 accumulated; pp > 1: dualpipev). The Megatron
     comparison rows (``zero1``) keep Megatron-Core's rules instead: pp * vpp divides the layers,
-    cp divides the sequence.
+    cp divides the sequence, and no a2a_overlap (meshfold's, not Megatron-Core's).
     """
     s = layout.spec
     if layout.sharding not in SHARDINGS + MEGATRON_SHARDINGS:
@@ -231,13 +233,23 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
         (global_batch % (s.dp * layout.mbs) == 0,
          f"dp*mbs={s.dp * layout.mbs} must divide global batch={global_batch}"),
     )
+    overlap = () if not layout.a2a_overlap else (
+        (not layout.megatron, "a2a_overlap is meshfold's train.a2a_overlap; the zero1 rows are Megatron-Core's"),
+        (s.ep > 1, "a2a_overlap with ep=1: there is no expert all-to-all to overlap; valid: ep > 1"),
+        (model.moe_layers > 0, f"a2a_overlap: {model.name} has no MoE layers, so no all-to-all to overlap"),
+        (s.pp > 1 or m >= 2, f"a2a_overlap with pp=1 and micro-batches={m}: micro-batches overlap in pairs; "
+                             f"valid: 2 or more (global batch >= 2 dp mbs)"),
+        (s.pp == 1 or layout.schedule == "dualpipev",
+         f"a2a_overlap with pp={s.pp} and schedule {layout.schedule!r}: only dualpipev pairs one micro-batch's "
+         f"forward with another's backward; valid: schedule 'dualpipev'"),
+    )
     if layout.megatron:
         rules = common + (
             (model.layers % chunks == 0, f"pp*vpp={chunks} must divide layers={model.layers}"),
             (seq % s.cp == 0, f"cp={s.cp} must divide seq={seq}"),
             (layout.vpp == 1 or (s.pp > 1 and m % s.pp == 0),
              f"vpp={layout.vpp} needs pp>1 and micro-batches a multiple of pp={s.pp}"),
-        )
+        ) + overlap
     else:
         pipelined = s.pp > 1
         rules = common + (
@@ -263,7 +275,7 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
             (not (pipelined and layout.sharding == "fsdp" and layout.recompute != "none"),
              f"recompute={layout.recompute!r} with pp={s.pp} under FSDP2 is not modelled by the planner "
              f"(meshfold runs it); valid: recompute='none', or sharding='allreduce'"),
-        )
+        ) + overlap
     return next((why for ok, why in rules if not ok), "")
 
 
