@@ -20,7 +20,7 @@ Seconds come from Hardware: dense and grouped GEMMs, flash attention and collect
 measured rate for their shape (sequence length, rows per expert, message size, node span).
 
     t_mb(r) = compute of pipeline rank r's layers (+ the head on the last) + its per-micro-batch
-              collectives / m
+              collectives / m, less the all-to-all seconds a2a_overlap hides (meshfold.plan.overlap)
     step    = m * max_r t_mb(r) + bubble + max_r (its once-per-step collectives)
     bubble  = (pp - 1) / vpp * t_mb for 1F1B and its interleaving; less for the zero-bubble
               schedules (:mod:`meshfold.plan.schedules`, from t_mb's forward and backward halves)
@@ -37,11 +37,12 @@ from meshfold.mesh import FoldSpec
 from meshfold.plan.collectives import MICROBATCH, STEP, collective_traffic, loop_traffic
 from meshfold.plan.hardware import GIB, Hardware
 from meshfold.plan.memory import memory_terms
+from meshfold.plan.overlap import a2a_hidden
 from meshfold.plan.schedules import bubble
 from meshfold.plan.models import ModelShape
 from meshfold.plan.placement import check_replicas
 from meshfold.plan.routing import Routing, busiest_rank_fetches, busiest_rank_shares, copy_slots, parse_placement
-from meshfold.plan.traffic import traffic_seconds
+from meshfold.plan.traffic import collective_seconds, traffic_seconds
 
 __all__ = ["Layout", "Estimate", "estimate", "check_layout", "RECOMPUTE", "SHARDINGS", "MEGATRON_SHARDINGS",
            "SCHEDULES", "TIME_TERMS", "MEMORY_TERMS"]
@@ -288,6 +289,10 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     ones) set the rows the busiest ep rank's experts receive: its expert GEMMs, its all-to-all
     bytes and its activations are charged, since every ep rank waits for it. Copies add their
     weights' fetch and their gradients' return over ep and the fetched weights' memory.
+    ``layout.a2a_overlap``: each pipeline rank's ep term is less the dispatch and combine seconds
+    its paired micro-batches hide (:mod:`meshfold.plan.overlap`); the bubble is charged as without
+    it. ``detail``'s ``a2a_s``, ``a2a_hidden_s`` and ``a2a_hidden_fraction``: the slowest rank's
+    dispatch + combine seconds per step, the seconds hidden, and their ratio.
 
     Raises ``ValueError`` (see :func:`check_layout`) when the layout cannot run the model at all;
     a layout that runs but does not fit in memory gives ``feasible=False`` with the reason.
@@ -395,18 +400,34 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
             seconds[id(t)] = traffic_seconds(hw, sp, t)
     comm = [seconds[id(t)] for t in draft.traffic_per_rank]
 
+    # ---- train.a2a_overlap: what a partner micro-batch's compute hides (meshfold.plan.overlap) ------
+    # t: one MoE layer's forward dispatch + combine of one micro-batch (the rank's rows out, its
+    # experts' rows back); the phases between hand-overs: the attention side (attention, shared
+    # expert, their memory-bound kernels) and the expert side (experts, the dispatcher's kernels)
+    a2a_t = collective_seconds(hw, sp, "all_to_all", "ep", (1 + recv) * Tr * k * h * a, 2)
+    attn_side = c_attn + c_shared + hw.hbm_time(attn_bytes + mlp_bytes[True] - moe_bytes)
+    expert_side = c_experts + hw.hbm_time(moe_bytes)
+    passes = 2 if layout.recompute != "none" else 1
+    moe_of = [sum(map(model.is_moe_layer, st.layers)) for st in stages]
+    a2a = [m * (passes + 1) * n * a2a_t for n in moe_of]    # per step, each pipeline rank
+    hidden = [a2a_hidden(pp, m, st.rank, moe_of[st.rank], a2a_t, attn_side, expert_side)
+              if layout.a2a_overlap else 0.0 for st in stages]
+
     # ---- step time: the slowest pipeline rank sets the pace -----------------------------------------
     def per_microbatch(st) -> dict[str, float]:
-        n_moe = sum(model.is_moe_layer(i) for i in st.layers)
+        n_moe = moe_of[st.rank]
         t = {"compute": n_moe * layer_compute[True] + (len(st.layers) - n_moe) * layer_compute[False]
              + (head if st.last else 0.0)}
         for term, sec in comm[st.rank][MICROBATCH].items():
             t[term] = t.get(term, 0.0) + sec / m
+        if hidden[st.rank]:
+            t["ep"] = max(0.0, t["ep"] - hidden[st.rank] / m)
         return t
 
     def forward_backward(st) -> tuple[float, float, float]:
         """Pipeline rank's seconds per micro-batch: forward, input gradients, weight gradients
-        (its collectives half in the forward, half in the input gradients)."""
+        (its collectives half in the forward, half in the input gradients; all-to-alls that
+        a2a_overlap hides included: the bubble is charged as without it)."""
         parts = [sum(layer_fbw[model.is_moe_layer(i)][j] for i in st.layers) + (head / 3 if st.last else 0.0)
                  for j in range(3)]
         comm_mb = sum(comm[st.rank][MICROBATCH].values()) / m
@@ -438,7 +459,10 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
                   attn_core_fraction=core_flops / ((c_core + c_core_bwd) * peak),
                   expert_s=c_experts,   # one MoE layer's forward expert GEMMs on the busiest ep rank
                   expert_rows=recv * Tr * k * etp,   # the rows they receive
-                  expert_gemm_fraction=6 * recv * Tr * k * h * f_e / (c_experts * peak))
+                  expert_gemm_fraction=6 * recv * Tr * k * h * f_e / (c_experts * peak),
+                  # the slowest rank's dispatch + combine all-to-alls per step, and what a2a_overlap hides
+                  a2a_s=a2a[slow], a2a_hidden_s=hidden[slow],
+                  a2a_hidden_fraction=hidden[slow] / a2a[slow] if a2a[slow] else 0.0)
     out = Estimate(layout, memory, time, step, mfu, feasible, reason, detail)
     out.__dict__["traffic_per_rank"] = draft.traffic_per_rank   # computed once (cached_property's slot)
     return out

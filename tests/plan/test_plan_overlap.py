@@ -11,10 +11,23 @@ import dataclasses
 import pytest
 
 from meshfold.mesh import FoldSpec
-from meshfold.plan import MODELS, Layout, check_layout
+from meshfold.plan import HARDWARE, MODELS, TIME_TERMS, Layout, check_layout, estimate, hardware
 
-MIXTRAL = MODELS["mixtral-8x22b"]
+MIXTRAL = MODELS["mixtral-8x22b"]   # every layer MoE
 SEQ = 4096
+H100 = HARDWARE["h100"]
+# all-to-alls far shorter than any compute phase, and far longer
+FAST = hardware("h100", nvlink_gbps=1e9, internode_gbps=1e9, nvlink_latency_us=0.0, internode_latency_us=0.0)
+SLOW = hardware("h100", nvlink_gbps=1e-3, internode_gbps=1e-3)
+PAIRED = Layout(FoldSpec(16, tp=2, ep=8), a2a_overlap=True)   # dp 8: global batch 24 is m = 3 micro-batches
+DUALPIPEV = Layout(FoldSpec(32, tp=2, ep=8, pp=2), vpp=2, schedule="dualpipev", sharding="allreduce",
+                   a2a_overlap=True)
+
+
+def _both(hw, layout, gbs, **knobs):
+    """(estimate without a2a_overlap, with it) of ``layout`` with ``knobs`` replaced."""
+    layout = dataclasses.replace(layout, **knobs)
+    return tuple(estimate(MIXTRAL, hw, dataclasses.replace(layout, a2a_overlap=o), SEQ, gbs) for o in (False, True))
 
 
 @pytest.mark.parametrize("layout, gbs, reason", [
@@ -36,3 +49,51 @@ def test_a2a_overlap_runs_on_accumulated_pairs_and_on_dualpipev(layout):
     assert check_layout(MIXTRAL, layout, SEQ, 64) == ""
     assert layout.train_overrides(MIXTRAL.name, SEQ, 64)[-1] == "train.a2a_overlap=true"
     assert layout.describe().endswith(" a2a-ovl")
+
+
+@pytest.mark.parametrize("layout, gbs", [(PAIRED, 24), (PAIRED, 64), (DUALPIPEV, 64)],
+                         ids=["pp1-m3", "pp1-m8", "dualpipev"])
+def test_overlap_lowers_the_ep_term_by_the_hidden_seconds_and_nothing_else(layout, gbs):
+    plain, overlapped = _both(H100, layout, gbs)
+    hidden = overlapped.detail["a2a_hidden_s"]
+    assert 0 < hidden <= overlapped.detail["a2a_s"] == plain.detail["a2a_s"]
+    assert plain.detail["a2a_hidden_s"] == 0.0
+    assert overlapped.detail["slowest_rank"] == plain.detail["slowest_rank"]
+    assert plain.time["ep"] - overlapped.time["ep"] == pytest.approx(hidden, rel=1e-9)
+    for term in TIME_TERMS:
+        if term != "ep":
+            assert overlapped.time[term] == pytest.approx(plain.time[term], rel=1e-12), term
+
+
+@pytest.mark.parametrize("gbs, recompute, fraction", [(24, "none", 2 / 3), (64, "none", 1.0),
+                                                      (24, "selective", 2 / 3 * 2 / 3)])
+def test_short_all_to_alls_are_hidden_whole_on_every_paired_micro_batch(gbs, recompute, fraction):
+    """m = 3: two of the three micro-batches are paired, the odd one hides nothing; with
+    recomputation the re-run forward all-to-alls (a third of the layer's) are not hidden."""
+    _, overlapped = _both(FAST, PAIRED, gbs, recompute=recompute)
+    assert overlapped.detail["a2a_hidden_fraction"] == pytest.approx(fraction, rel=1e-9)
+
+
+def test_long_all_to_alls_hide_at_most_the_partners_compute():
+    """Far longer than the compute, each paired micro-batch hides per MoE layer at most its
+    partner's forward (Ca + Ce) and backward (2 Ca + 2 Ce) phases: three layer forwards, read off
+    the compute term as the forward full recomputation adds."""
+    gbs, m = 24, 3
+    plain, overlapped = _both(SLOW, PAIRED, gbs)
+    recomputed = estimate(MIXTRAL, SLOW, dataclasses.replace(PAIRED, recompute="full", a2a_overlap=False), SEQ, gbs)
+    layer_forward = (recomputed.time["compute"] - plain.time["compute"]) / (m * MIXTRAL.layers)
+    assert overlapped.detail["a2a_hidden_s"] == pytest.approx(2 * MIXTRAL.layers * 3 * layer_forward, rel=1e-9)
+    assert overlapped.detail["a2a_hidden_fraction"] < 0.01
+
+
+def test_under_dualpipev_each_rank_hides_on_its_overlapped_actions():
+    """Short all-to-alls: of the 2 m forward and backward pairs of a chunk-micro-batch per MoE
+    layer, each of torch's 2 m - 2 pp - max(1, pp - 1 - r) overlapped actions hides a forward's
+    and a backward's over half the rank's layers (one chunk each)."""
+    pp, gbs = 2, 64
+    m = gbs // DUALPIPEV.spec.dp
+    plain, overlapped = _both(FAST, DUALPIPEV, gbs)
+    r = overlapped.detail["slowest_rank"]
+    assert overlapped.detail["a2a_hidden_fraction"] == pytest.approx((2 * m - 2 * pp - max(1, pp - 1 - r)) / (2 * m))
+    for rank, (before, after) in enumerate(zip(plain.detail["stage_seconds"], overlapped.detail["stage_seconds"])):
+        assert after < before, rank
