@@ -97,3 +97,31 @@ def test_under_dualpipev_each_rank_hides_on_its_overlapped_actions():
     assert overlapped.detail["a2a_hidden_fraction"] == pytest.approx((2 * m - 2 * pp - max(1, pp - 1 - r)) / (2 * m))
     for rank, (before, after) in enumerate(zip(plain.detail["stage_seconds"], overlapped.detail["stage_seconds"])):
         assert after < before, rank
+
+
+def test_a_pair_in_turns_holds_two_micro_batches_activations_without_pp():
+    from meshfold.plan.memory import in_flight
+
+    assert in_flight(PAIRED, 3, 0) == 2.0
+    assert in_flight(dataclasses.replace(PAIRED, a2a_overlap=False), 3, 0) == 1.0
+
+
+@pytest.mark.parametrize("sharding", ["allreduce", "fsdp"])
+def test_overlap_without_pp_holds_the_second_micro_batchs_activations(sharding):
+    """Under all-reduce the activations term doubles (the logits apart); under FSDP2 each phase
+    from the loss backward on holds one more micro-batch's kept activations and every block's
+    bf16 weights (gathered from their forward to the step's end), the gather phase of the first
+    pair neither."""
+    gbs = 16   # m = 2: one pair
+    plain, overlapped = _both(H100, PAIRED, gbs, sharding=sharding)
+    if sharding == "allreduce":
+        logits = plain.memory["activations"] - (overlapped.memory["activations"] - plain.memory["activations"])
+        assert 0 < logits < 0.1 * plain.memory["activations"]
+        return
+    stage = plain.detail["params_per_rank"][0]
+    blocks = 2 * (stage.total - stage.ends)   # Mixtral has no gated shared expert
+    before, after = plain.detail["step_phases"], overlapped.detail["step_phases"]
+    assert after["gather"] == before["gather"]
+    assert after["root"] - before["root"] == pytest.approx(blocks)
+    one_more = after["backward"] - before["backward"] - blocks
+    assert one_more > 0 and after["loss"] - before["loss"] == pytest.approx(blocks + one_more)
