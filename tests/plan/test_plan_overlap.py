@@ -125,3 +125,35 @@ def test_overlap_without_pp_holds_the_second_micro_batchs_activations(sharding):
     assert after["root"] - before["root"] == pytest.approx(blocks)
     one_more = after["backward"] - before["backward"] - blocks
     assert one_more > 0 and after["loss"] - before["loss"] == pytest.approx(blocks + one_more)
+
+
+@pytest.mark.parametrize("name, gpus, seq, gbs", [("tiny-deepseek-v3", 8, 128, 16), ("tiny-mixtral", 4, 64, 8)])
+def test_every_overlapped_layout_the_search_proposes_is_accepted_by_meshfold_train(name, gpus, seq, gbs):
+    """plan(a2a_overlap=True) keeps both variants of each layout overlap runs on, and every
+    overlapped one passes ``meshfold train``'s validation with the overrides it prints."""
+    from meshfold.plan import plan
+    from meshfold.train.config import load_config
+
+    found = plan(name, gpus, "h100", seq, gbs, max_mbs=2, a2a_overlap=True)
+    overlapped = [e.layout for e in found if e.layout.a2a_overlap]
+    assert overlapped and all(dataclasses.replace(lay, a2a_overlap=False) in {e.layout for e in found}
+                              for lay in overlapped)
+    for lay in {tuple(lay.train_overrides(name, seq, gbs)): lay for lay in overlapped}.values():
+        spec, _ = load_config(None, lay.train_overrides(name, seq, gbs)).validate()
+        assert spec == lay.spec and lay.spec.pp == 1 and lay.spec.ep > 1
+    assert not any(e.layout.a2a_overlap for e in plan(name, gpus, "h100", seq, gbs, max_mbs=2))
+
+
+def test_the_cli_costs_overlap_when_asked_and_shows_the_share_hidden(capsys):
+    import argparse
+
+    from meshfold.cli import plan as cli
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    args = parser.parse_args(["--model", "tiny-mixtral", "--gpus", "4", "--seq", "64", "--gbs", "8", "--top", "200",
+                              "--a2a-overlap"])
+    assert cli.main(args) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("#")]
+    hidden = [row[-1] for row in rows]   # the last column: the share hidden, "-" on rows without overlap
+    assert "-" in hidden and any(h.endswith("%") and 0 < float(h[:-1]) <= 100 for h in hidden)
