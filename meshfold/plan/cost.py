@@ -81,7 +81,7 @@ class Layout:
         a2a_overlap: two micro-batches of a rank take turns so that one's MoE dispatch and
             combine all-to-alls travel while the other computes (``train.a2a_overlap``): without
             pp accumulated micro-batches in pairs, with pp ``dualpipev``'s overlapped actions
-            (:func:`check_layout` says where it runs).
+            (:func:`check_layout` says where it runs; :mod:`meshfold.plan.overlap` what it hides).
 
     Runs on meshfold as ``meshfold train`` with :meth:`train_overrides` (bf16 compute over fp32
     master weights; ``train.data_parallel = sharding``).
