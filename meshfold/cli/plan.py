@@ -58,6 +58,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "train.redundant_experts=R: only folds with pp = 1 and ep >= 2 dividing R)")
     parser.add_argument("--cp1", action="store_true",
                         help="only folds with cp=1 (the setting of the paper's Table 1)")
+    parser.add_argument("--a2a-overlap", action="store_true",
+                        help="also cost each fold that train.a2a_overlap runs on with it (two micro-batches in "
+                             "turns hide each other's expert all-to-alls; pp = 1, m >= 2, ep > 1): both are "
+                             "ranked, and the 'a2a hid' column shows the share of the all-to-alls hidden")
 
 
 def placement_overrides(placement: str) -> list[str]:
@@ -74,9 +78,12 @@ def _fold(e: Estimate) -> str:
 
 
 def format_table(rows: list[tuple[str, Estimate]], extra: dict[str, str] | None = None) -> str:
-    """A plain-text table: label, fold (CP/TP/EP/PP/ETP), knobs, memory, time terms, MFU."""
+    """A plain-text table: label, fold (CP/TP/EP/PP/ETP), knobs, memory, time terms, MFU (and,
+    where a row runs a2a_overlap, the share of its all-to-alls hidden)."""
+    overlap = any(e.layout.a2a_overlap for _, e in rows)   # a column only where some row overlaps
     head = ["", "fold CP/TP/EP/PP/ETP", "mbs", "vpp", "sched", "rc", "shard", "mem GiB"] + \
-        [f"{t} s" for t in TIME_TERMS] + ["step s", "MFU", "busiest ep"] + (["paper"] if extra else [])
+        [f"{t} s" for t in TIME_TERMS] + ["step s", "MFU", "busiest ep"] + (["a2a hid"] if overlap else []) + \
+        (["paper"] if extra else [])
     body = []
     for label, e in rows:
         lay = e.layout
@@ -86,6 +93,8 @@ def format_table(rows: list[tuple[str, Estimate]], extra: dict[str, str] | None 
         cells += [f"{e.time[t]:.2f}" for t in TIME_TERMS]
         cells += [f"{e.step_time:.2f}", f"{100 * e.mfu:.1f}%" if e.feasible else "OOM",
                   f"{100 * e.detail['busiest_share']:.1f}%"]
+        if overlap:
+            cells.append(f"{100 * e.detail['a2a_hidden_fraction']:.0f}%" if lay.a2a_overlap else "-")
         if extra:
             cells.append(extra.get(label, ""))
         body.append(cells)
@@ -103,7 +112,8 @@ def main(args: argparse.Namespace) -> int:
         where = (lambda lay: lay.spec.cp == 1) if getattr(args, "cp1", False) else None
         routing = parse_routing_load(getattr(args, "routing", "balanced"))
         placement = parse_placement(getattr(args, "placement", "static"))
-        results = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where, routing=routing, placement=placement)
+        results = plan(shape, args.gpus, hw, args.seq, args.gbs, where=where, routing=routing, placement=placement,
+                       a2a_overlap=getattr(args, "a2a_overlap", False))
         megatron = plan(shape, args.gpus, megatron_hw, args.seq, args.gbs, where=where,
                         shardings=MEGATRON_SHARDINGS, routing=routing, placement=placement) if args.compare else []
     except ValueError as err:

@@ -20,7 +20,7 @@ Seconds come from Hardware: dense and grouped GEMMs, flash attention and collect
 measured rate for their shape (sequence length, rows per expert, message size, node span).
 
     t_mb(r) = compute of pipeline rank r's layers (+ the head on the last) + its per-micro-batch
-              collectives / m
+              collectives / m, less the all-to-all seconds a2a_overlap hides (meshfold.plan.overlap)
     step    = m * max_r t_mb(r) + bubble + max_r (its once-per-step collectives)
     bubble  = (pp - 1) / vpp * t_mb for 1F1B and its interleaving; less for the zero-bubble
               schedules (:mod:`meshfold.plan.schedules`, from t_mb's forward and backward halves)
@@ -37,11 +37,12 @@ from meshfold.mesh import FoldSpec
 from meshfold.plan.collectives import MICROBATCH, STEP, collective_traffic, loop_traffic
 from meshfold.plan.hardware import GIB, Hardware
 from meshfold.plan.memory import memory_terms
+from meshfold.plan.overlap import a2a_hidden
 from meshfold.plan.schedules import bubble
 from meshfold.plan.models import ModelShape
 from meshfold.plan.placement import check_replicas
 from meshfold.plan.routing import Routing, busiest_rank_fetches, busiest_rank_shares, copy_slots, parse_placement
-from meshfold.plan.traffic import traffic_seconds
+from meshfold.plan.traffic import collective_seconds, traffic_seconds
 
 __all__ = ["Layout", "Estimate", "estimate", "check_layout", "RECOMPUTE", "SHARDINGS", "MEGATRON_SHARDINGS",
            "SCHEDULES", "TIME_TERMS", "MEMORY_TERMS"]
@@ -77,6 +78,10 @@ class Layout:
         schedule: the pipeline schedule (``train.schedule``) with pp > 1: ``"1f1b"``, ``"gpipe"``
             (meshfold's choice where micro-batches < pp, which 1F1B cannot run) or
             ``"interleaved-1f1b"`` (set automatically when vpp > 1).
+        a2a_overlap: two micro-batches of a rank take turns so that one's MoE dispatch and
+            combine all-to-alls travel while the other computes (``train.a2a_overlap``): without
+            pp accumulated micro-batches in pairs, with pp ``dualpipev``'s overlapped actions
+            (:func:`check_layout` says where it runs; :mod:`meshfold.plan.overlap` what it hides).
 
     Runs on meshfold as ``meshfold train`` with :meth:`train_overrides` (bf16 compute over fp32
     master weights; ``train.data_parallel = sharding``).
@@ -88,6 +93,7 @@ class Layout:
     recompute: str = "none"
     sharding: str = "fsdp"
     schedule: str = "1f1b"
+    a2a_overlap: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -108,7 +114,8 @@ class Layout:
                 f"fold.pp={s.pp}", f"fold.ep={s.ep}", f"fold.etp={s.etp}", f"train.batch={global_batch}",
                 f"train.seq={seq}", f"train.microbatches={m}", f"train.schedule={self.schedule}",
                 f"train.virtual={self.vpp}", f"train.recompute={self.recompute}",
-                f"train.data_parallel={self.sharding}", "train.dtype=bfloat16"]
+                f"train.data_parallel={self.sharding}", "train.dtype=bfloat16"] + (
+                    ["train.a2a_overlap=true"] if self.a2a_overlap else [])
 
     def paper_config(self) -> str:
         """The paper's notation CP/TP/EP/PP/ETP, e.g. ``1/2/8/8/1``."""
@@ -120,7 +127,8 @@ class Layout:
         s = self.spec
         rc = {"none": "", "selective": " rc-sel", "full": " rc"}[self.recompute]
         sched = f" {self.schedule}" if s.pp > 1 else ""
-        knobs = f"mbs{self.mbs} vpp{self.vpp}{rc} {self.sharding}{sched}"
+        ovl = " a2a-ovl" if self.a2a_overlap else ""
+        knobs = f"mbs{self.mbs} vpp{self.vpp}{rc} {self.sharding}{sched}{ovl}"
         return f"tp{s.tp} cp{s.cp} dp{s.dp} pp{s.pp} | ep{s.ep} etp{s.etp} edp{s.edp} | {knobs}"
 
 
@@ -204,9 +212,11 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
     1F1B with at least pp micro-batches, interleaved 1F1B with a multiple of pp; and no
     recomputation under a pipeline with FSDP2, which meshfold runs but the planner does not model
     (its pipeline moments, ``memory._pipeline_activations``, hold no recomputed block's working
-    set and were compared with the dry run without recomputation). The Megatron
+    set and were compared with the dry run without recomputation). ``a2a_overlap`` where
+    ``check_a2a_overlap`` and ``TrainConfig.validate`` allow it: MoE layers and ep > 1, and two
+    micro-batches to take turns (pp = 1: m >= 2 accumulated; pp > 1: dualpipev). The Megatron
     comparison rows (``zero1``) keep Megatron-Core's rules instead: pp * vpp divides the layers,
-    cp divides the sequence.
+    cp divides the sequence, and no a2a_overlap (meshfold's, not Megatron-Core's).
     """
     s = layout.spec
     if layout.sharding not in SHARDINGS + MEGATRON_SHARDINGS:
@@ -224,13 +234,23 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
         (global_batch % (s.dp * layout.mbs) == 0,
          f"dp*mbs={s.dp * layout.mbs} must divide global batch={global_batch}"),
     )
+    overlap = () if not layout.a2a_overlap else (
+        (not layout.megatron, "a2a_overlap is meshfold's train.a2a_overlap; the zero1 rows are Megatron-Core's"),
+        (s.ep > 1, "a2a_overlap with ep=1: there is no expert all-to-all to overlap; valid: ep > 1"),
+        (model.moe_layers > 0, f"a2a_overlap: {model.name} has no MoE layers, so no all-to-all to overlap"),
+        (s.pp > 1 or m >= 2, f"a2a_overlap with pp=1 and micro-batches={m}: micro-batches overlap in pairs; "
+                             f"valid: 2 or more (global batch >= 2 dp mbs)"),
+        (s.pp == 1 or layout.schedule == "dualpipev",
+         f"a2a_overlap with pp={s.pp} and schedule {layout.schedule!r}: only dualpipev pairs one micro-batch's "
+         f"forward with another's backward; valid: schedule 'dualpipev'"),
+    )
     if layout.megatron:
         rules = common + (
             (model.layers % chunks == 0, f"pp*vpp={chunks} must divide layers={model.layers}"),
             (seq % s.cp == 0, f"cp={s.cp} must divide seq={seq}"),
             (layout.vpp == 1 or (s.pp > 1 and m % s.pp == 0),
              f"vpp={layout.vpp} needs pp>1 and micro-batches a multiple of pp={s.pp}"),
-        )
+        ) + overlap
     else:
         pipelined = s.pp > 1
         rules = common + (
@@ -256,7 +276,7 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
             (not (pipelined and layout.sharding == "fsdp" and layout.recompute != "none"),
              f"recompute={layout.recompute!r} with pp={s.pp} under FSDP2 is not modelled by the planner "
              f"(meshfold runs it); valid: recompute='none', or sharding='allreduce'"),
-        )
+        ) + overlap
     return next((why for ok, why in rules if not ok), "")
 
 
@@ -269,6 +289,10 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     ones) set the rows the busiest ep rank's experts receive: its expert GEMMs, its all-to-all
     bytes and its activations are charged, since every ep rank waits for it. Copies add their
     weights' fetch and their gradients' return over ep and the fetched weights' memory.
+    ``layout.a2a_overlap``: each pipeline rank's ep term is less the dispatch and combine seconds
+    its paired micro-batches hide (:mod:`meshfold.plan.overlap`); the bubble is charged as without
+    it. ``detail``'s ``a2a_s``, ``a2a_hidden_s`` and ``a2a_hidden_fraction``: the slowest rank's
+    dispatch + combine seconds per step, the seconds hidden, and their ratio.
 
     Raises ``ValueError`` (see :func:`check_layout`) when the layout cannot run the model at all;
     a layout that runs but does not fit in memory gives ``feasible=False`` with the reason.
@@ -376,18 +400,34 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
             seconds[id(t)] = traffic_seconds(hw, sp, t)
     comm = [seconds[id(t)] for t in draft.traffic_per_rank]
 
+    # ---- train.a2a_overlap: what a partner micro-batch's compute hides (meshfold.plan.overlap) ------
+    # t: one MoE layer's forward dispatch + combine of one micro-batch (the rank's rows out, its
+    # experts' rows back); the phases between hand-overs: the attention side (attention, shared
+    # expert, their memory-bound kernels) and the expert side (experts, the dispatcher's kernels)
+    a2a_t = collective_seconds(hw, sp, "all_to_all", "ep", (1 + recv) * Tr * k * h * a, 2)
+    attn_side = c_attn + c_shared + hw.hbm_time(attn_bytes + mlp_bytes[True] - moe_bytes)
+    expert_side = c_experts + hw.hbm_time(moe_bytes)
+    passes = 2 if layout.recompute != "none" else 1
+    moe_of = [sum(map(model.is_moe_layer, st.layers)) for st in stages]
+    a2a = [m * (passes + 1) * n * a2a_t for n in moe_of]    # per step, each pipeline rank
+    hidden = [a2a_hidden(pp, m, st.rank, moe_of[st.rank], a2a_t, attn_side, expert_side)
+              if layout.a2a_overlap else 0.0 for st in stages]
+
     # ---- step time: the slowest pipeline rank sets the pace -----------------------------------------
     def per_microbatch(st) -> dict[str, float]:
-        n_moe = sum(model.is_moe_layer(i) for i in st.layers)
+        n_moe = moe_of[st.rank]
         t = {"compute": n_moe * layer_compute[True] + (len(st.layers) - n_moe) * layer_compute[False]
              + (head if st.last else 0.0)}
         for term, sec in comm[st.rank][MICROBATCH].items():
             t[term] = t.get(term, 0.0) + sec / m
+        if hidden[st.rank]:
+            t["ep"] = max(0.0, t["ep"] - hidden[st.rank] / m)
         return t
 
     def forward_backward(st) -> tuple[float, float, float]:
         """Pipeline rank's seconds per micro-batch: forward, input gradients, weight gradients
-        (its collectives half in the forward, half in the input gradients)."""
+        (its collectives half in the forward, half in the input gradients; all-to-alls that
+        a2a_overlap hides included: the bubble is charged as without it)."""
         parts = [sum(layer_fbw[model.is_moe_layer(i)][j] for i in st.layers) + (head / 3 if st.last else 0.0)
                  for j in range(3)]
         comm_mb = sum(comm[st.rank][MICROBATCH].values()) / m
@@ -419,7 +459,10 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
                   attn_core_fraction=core_flops / ((c_core + c_core_bwd) * peak),
                   expert_s=c_experts,   # one MoE layer's forward expert GEMMs on the busiest ep rank
                   expert_rows=recv * Tr * k * etp,   # the rows they receive
-                  expert_gemm_fraction=6 * recv * Tr * k * h * f_e / (c_experts * peak))
+                  expert_gemm_fraction=6 * recv * Tr * k * h * f_e / (c_experts * peak),
+                  # the slowest rank's dispatch + combine all-to-alls per step, and what a2a_overlap hides
+                  a2a_s=a2a[slow], a2a_hidden_s=hidden[slow],
+                  a2a_hidden_fraction=hidden[slow] / a2a[slow] if a2a[slow] else 0.0)
     out = Estimate(layout, memory, time, step, mfu, feasible, reason, detail)
     out.__dict__["traffic_per_rank"] = draft.traffic_per_rank   # computed once (cached_property's slot)
     return out

@@ -40,8 +40,11 @@ The planner's memory model (docs/plan.md, *Memory*), per pipeline rank ``r`` of 
   not have it): bf16 parameters and fp32 gradients replicated, fp32 master and Adam moments
   sharded, 2 + 4 + 12 / n bytes; vocabulary-parallel embedding and head.
 * **activations**: micro-batches in flight (:func:`in_flight`) times what each layer keeps for
-  backward (:func:`layer_activations`), plus one layer rematerialized under recomputation and the
-  logits on the rank with the head (in the loss phase only, under FSDP2 without pp).
+  backward (:func:`layer_activations`), plus one layer rematerialized under recomputation (one
+  per micro-batch of an ``a2a_overlap`` pair, either may be inside a recomputed block when the
+  turn passes) and the logits on the rank with the head (in the loss phase only, under FSDP2
+  without pp). Under FSDP2 without pp, ``a2a_overlap`` also keeps every block gathered from its
+  forward to the step's end (:func:`fsdp_step_phases`).
 """
 
 from __future__ import annotations
@@ -55,14 +58,15 @@ from meshfold.plan.stages import (BF16, FP32, StageParams, expert_shard, regathe
                                   stage_params, wide_shared)
 
 __all__ = ["StageParams", "stage_layers", "stage_params", "in_flight", "layer_activations", "memory_terms", "copy_weights",
-           "expert_shard", "REDUCE_BUCKET_BYTES"]
+           "expert_shard", "gathered_blocks", "REDUCE_BUCKET_BYTES"]
 
 REDUCE_BUCKET_BYTES = 16 * 2**20  # meshfold.parallel.data_parallel.REDUCE_BUCKET_BYTES (a test checks)
 
 
 def in_flight(layout, microbatches: int, rank: int) -> float:
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of all
-    of its layers: 1 without pp (accumulation runs them one after another); GPipe all m; 1F1B
+    of its layers: 1 without pp (accumulation runs them one after another), 2 with
+    ``a2a_overlap`` (a pair in turns: both forwards run before either backward); GPipe all m; 1F1B
     ``min(pp - r, m)``; interleaved 1F1B ``((v - 1) pp + 2 (pp - 1 - r) + 1) / v`` chunks' worth
     (torch's warm-up, = Korthikanti et al. 2022's ``pp (1 + (pp - 1) / (pp v))`` on rank 0);
     interleaved-zb and zbv ``2 pp / v``, dualpipev ``(2 pp + 1) / v`` on every rank (torch's
@@ -70,7 +74,7 @@ def in_flight(layout, microbatches: int, rank: int) -> float:
     schedules' peak is then costed with 1F1B's moments (:func:`_pipeline_activations`)."""
     pp, m, v = layout.spec.pp, microbatches, layout.vpp
     if pp == 1:
-        return 1.0
+        return min(2.0, float(m)) if layout.a2a_overlap else 1.0
     if layout.schedule == "gpipe":
         return float(m)
     if layout.schedule == "1f1b":
@@ -154,6 +158,12 @@ def largest_group(model: ModelShape, layout, layers) -> float:
     return out
 
 
+def gathered_blocks(model: ModelShape, layout, st: StageParams) -> float:
+    """Bytes of every block of ``st`` gathered at once under FSDP2 (the root apart): bf16, and
+    a gated shared expert in fp32 under tp > 1 (its group's master dtype)."""
+    return BF16 * (st.total - st.ends) + (FP32 - BF16) * wide_shared(model, layout, st.layers)
+
+
 def fsdp_step_phases(model: ModelShape, layout, st: StageParams, acts_of_stage: dict, m: int, logits: float,
                      head_copy: float, sharded: float) -> dict[str, dict[str, float]]:
     """What one rank holds in each phase of a step under FSDP2 without pp, as ``{phase: {"grads",
@@ -187,6 +197,13 @@ def fsdp_step_phases(model: ModelShape, layout, st: StageParams, acts_of_stage: 
       reduce-scatter), beside the last
       block group's fp32 reduce-scatter input (FSDP2 holds it until the next reduce-scatter) and
       the sharded gradients formed so far.
+
+    With ``a2a_overlap`` (a pair of micro-batches in turns, ``acts_of_stage`` both of theirs) no
+    block is resharded from its forward to the step's end (``Pipeline``'s ``_keep_gathered``,
+    ``hold_fsdp_gradients``), so the phases from the forward on (``loss``, ``backward``, ``root``,
+    and ``gather`` from the second pair on, m > 2) also hold every block's gathered weights
+    (:func:`gathered_blocks`); each keeps its one-group buffers as well, for the partner's
+    all-gather in flight and the gradients of the group in backward.
     """
     s, a = layout.spec, BF16
     wide = FP32 if s.tp > 1 else a          # the root's dtype, and its gradients'
@@ -205,6 +222,9 @@ def fsdp_step_phases(model: ModelShape, layout, st: StageParams, acts_of_stage: 
     if m > 1:
         out["backward"] = {"grads": accumulated, "buffers": root + 3 * a * G, "activations": kept}
         out["root"] = {"grads": accumulated, "buffers": root + FP32 * block, "activations": 0.0}
+        if layout.a2a_overlap:
+            for phase in ("loss", "backward", "root") + (("gather",) if m > 2 else ()):
+                out[phase]["buffers"] += gathered_blocks(model, layout, st)
     else:
         out["backward"] = {"grads": 0.0, "buffers": root + (a + FP32) * G + head, "activations": kept}
         out["root"] = {"grads": FP32 * (sharded - st.ends / (s.dp * s.cp)),
@@ -292,12 +312,14 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int,
         stored = sum(acts[kind][0] for kind in kinds)
         working = max(acts[kind][1] for kind in kinds) if layout.recompute != "none" else 0.0
         flight = in_flight(layout, m, st.rank)
+        if s.pp == 1:   # a pair in turns (a2a_overlap): each may be inside a recomputed block
+            working *= flight
         mem = {"activations": flight * stored + working + (logits + head_copy if st.last else 0.0)}
         sharded = st.dense / n_dense + st.experts * exp_share
         if layout.sharding == "zero1":
             mem.update(params=a * st.total, grads=FP32 * st.total, optimizer=12 * sharded, buffers=0.0)
         elif layout.sharding == "fsdp" and s.pp == 1:
-            step = fsdp_step_phases(model, layout, st, acts_of_stage={"stored": stored, "working": working},
+            step = fsdp_step_phases(model, layout, st, acts_of_stage={"stored": flight * stored, "working": working},
                                     m=m, logits=logits, head_copy=head_copy, sharded=sharded)
             phase = max(step, key=lambda k: sum(step[k].values()))
             mem = {"params": FP32 * sharded, "optimizer": 8 * sharded, **step[phase]}
@@ -306,7 +328,7 @@ def memory_terms(model: ModelShape, layout, seq: int, global_batch: int,
         elif layout.sharding == "fsdp":
             root = st.ends * (FP32 if s.tp > 1 else a)          # stays gathered forward to backward
             # every group stays unsharded after its first backward
-            gathered = a * (st.total - st.ends) + root + (FP32 - a) * wide_shared(model, layout, st.layers)
+            gathered = gathered_blocks(model, layout, st) + root
             if layout.vpp > 1 and layout.schedule not in ZERO_BUBBLE:
                 mem["activations"] = interleaved_activations(model, layout, seq, m, st, acts, logits, head_copy,
                                                              gathered)

@@ -26,13 +26,16 @@ torch's ``ScheduleInterleavedZeroBubble`` order gives. torch's ``ScheduleZBVZero
 ``benchmarks/RESULTS.md`` (*Pipeline bubbles*) measures: ``meshfold.dryrun.bubble`` plays torch's
 own orders with the same times, and ``python -m meshfold.dryrun.check --bubbles`` puts the two side
 by side. Communication is left out (stages hand over at once), as in the papers.
+
+:func:`overlapped_pairs` counts what ``train.a2a_overlap`` runs in turns on a rank: accumulated
+micro-batches in pairs without pp, DualPipeV's overlapped forward-beside-backward actions with pp.
 """
 
 from __future__ import annotations
 
 from meshfold.catalog import SCHEDULES
 
-__all__ = ["bubble"]
+__all__ = ["bubble", "overlapped_pairs"]
 
 
 def bubble(schedule: str, pp: int, vpp: int, m: int, f: float, b: float, w: float) -> float:
@@ -49,3 +52,18 @@ def bubble(schedule: str, pp: int, vpp: int, m: int, f: float, b: float, w: floa
     # weight pass (both chunks') without a bubble to fill
     short = max(0, 2 * pp - 1 - m) * w if schedule == "zbv" else 0.0
     return (pp - 1) * per_stage + short
+
+
+def overlapped_pairs(pp: int, m: int, rank: int) -> int:
+    """Pairs pipeline rank ``rank`` runs in turns under ``train.a2a_overlap`` in a step of ``m``
+    micro-batches. Without pp (``pp = 1``): ``m // 2`` pairs of whole micro-batches (forward and
+    backward each; an odd one runs alone). With pp, DualPipeV (m >= 2 pp): torch's
+    ``ScheduleDualPipeV`` order gives rank r ``2 m - 2 pp - max(1, pp - 1 - r)`` ``OVERLAP_F_B``
+    actions, each one micro-batch's forward on one of the rank's two chunks beside another's whole
+    backward on the other (its warm-up and cool-down run forwards and backwards alone; a test
+    counts torch's order)."""
+    if pp == 1:
+        return m // 2
+    if m < 2 * pp or not 0 <= rank < pp:
+        raise ValueError(f"dualpipev with pp={pp}: needs micro-batches={m} >= 2 pp and rank={rank} in 0..{pp - 1}")
+    return 2 * m - 2 * pp - max(1, pp - 1 - rank)

@@ -17,10 +17,13 @@ sharding (``zero1``) is searched only when asked for (``shardings``), for the co
 Pruning never drops a layout that could rank first: full recomputation only saves memory and
 costs a forward pass, so it is tried only where the same layout without it does not fit (and
 then both are kept: the one without recomputation, out of memory, and the one with it).
+``train.a2a_overlap``, when asked for, is tried beside every layout it runs on (it hides
+all-to-all time but holds more memory, so neither variant can be pruned for the other).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Iterator
 
 from meshfold.mesh import FoldSpec
@@ -88,7 +91,7 @@ def _rank_key(e: Estimate) -> tuple:
 def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100", seq: int = 4096,
          global_batch: int = 256, where: Callable[[Layout], bool] | None = None,
          shardings: tuple[str, ...] = SHARDINGS, max_mbs: int = 8, routing: Routing | None = None,
-         placement: str = "static") -> list[Estimate]:
+         placement: str = "static", a2a_overlap: bool = False) -> list[Estimate]:
     """Estimate every layout of ``model`` on ``gpus`` GPUs; best first.
 
     Args:
@@ -104,6 +107,9 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
             and the copies' fetch and memory (``estimate``). ``balanced`` tries only the layouts
             ``train.expert_placement = "balanced"`` runs on (ep >= 2, pp = 1), ``replicated:R``
             those ``train.redundant_experts = R`` runs on (also ep dividing R, R <= E).
+        a2a_overlap: also estimate each layout that ``train.a2a_overlap`` runs on with it
+            (:func:`~meshfold.plan.cost.check_layout`; the schedules tried stay the same, so
+            here that is pp = 1 with two micro-batches or more); both variants are ranked.
 
     Returns feasible estimates by decreasing MFU, then infeasible ones (out of memory, with
     ``reason``) by increasing memory. Recomputation is tried for a layout only where the layout
@@ -119,6 +125,10 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
     placement = parse_placement(placement)
     R = copy_slots(placement)
     out = []
+
+    def runs(lay: Layout) -> bool:   # kept by the constraint, and meshfold runs it
+        return (where is None or where(lay)) and not check_layout(shape, lay, seq, global_batch)
+
     for layout in candidates(shape, gpus, seq, global_batch, shardings, max_mbs):
         if where is not None and not where(layout):
             continue
@@ -126,16 +136,16 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
             continue  # meshfold train re-places experts only there
         if R and check_replicas(R, shape.experts, layout.spec.ep, layout.spec.pp):
             continue
-        e = estimate(shape, hw, layout, seq, global_batch, routing, placement)
-        out.append(e)
-        for mode in ("selective", "full"):  # cheaper recomputation first, each only if still out of memory
-            if e.feasible:
-                break
-            rc = Layout(layout.spec, layout.mbs, layout.vpp, mode, layout.sharding, layout.schedule)
-            if (where is not None and not where(rc)) or check_layout(shape, rc, seq, global_batch):
-                break
-            e = estimate(shape, hw, rc, seq, global_batch, routing, placement)
+        overlapped = replace(layout, a2a_overlap=True)
+        for variant in [layout] + ([overlapped] if a2a_overlap and runs(overlapped) else []):
+            e = estimate(shape, hw, variant, seq, global_batch, routing, placement)
             out.append(e)
+            for mode in ("selective", "full"):  # cheaper recomputation first, each only if still out of memory
+                rc = replace(variant, recompute=mode)
+                if e.feasible or not runs(rc):
+                    break
+                e = estimate(shape, hw, rc, seq, global_batch, routing, placement)
+                out.append(e)
     if not out:
         raise ValueError(
             f"no layout of {gpus} GPUs can run {shape.name} with seq={seq}, global batch={global_batch}"

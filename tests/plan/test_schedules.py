@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from meshfold.dryrun.bubble import play, played_bubble
 from meshfold.dryrun.check import TOLERANCE, bubble_cases, bubble_rows
 from meshfold.parallel.pipeline import schedule_order
-from meshfold.plan.schedules import bubble
+from meshfold.plan.schedules import bubble, overlapped_pairs
 
 seconds = st.floats(0.05, 3.0)
 
@@ -89,3 +89,30 @@ def test_micro_batches_in_flight_are_those_of_torchs_order(schedule, pp, rounds)
             fullest = max(fullest, held) if kind in ("B", "I") else fullest
             held -= kind in ("B", "W")
         assert in_flight(layout, m, rank) * 2 == fullest, rank
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (2, 7), (3, 6), (3, 13), (4, 8), (4, 11), (4, 32), (8, 16), (8, 23)])
+def test_overlapped_pairs_are_the_overlapped_actions_of_torchs_dualpipev_order(pp, m):
+    """What train.a2a_overlap runs in turns under dualpipev: every rank's OVERLAP_F_B actions in
+    torch's own ScheduleDualPipeV order (stand-ins for the stages, as schedule_order builds them)."""
+    import types
+
+    from torch import nn
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    from meshfold.catalog import rank_chunks
+
+    n = 2 * pp
+    stages = [types.SimpleNamespace(stage_index=s, num_stages=n, group_size=pp, group_rank=0, is_first=s == 0,
+                                    is_last=s == n - 1, submod=nn.Identity(), has_backward=True)
+              for s in rank_chunks(pp, 2, 0, "dualpipev")]
+    order = pipelining.ScheduleDualPipeV(stages, m).pipeline_order
+    assert sorted(order) == list(range(pp))
+    for rank, actions in order.items():
+        overlapped = sum(a is not None and a.computation_type == OVERLAP_F_B for a in actions)
+        assert overlapped_pairs(pp, m, rank) == overlapped, rank
+
+
+def test_without_pp_accumulated_micro_batches_overlap_in_pairs():
+    assert [overlapped_pairs(1, m, 0) for m in (1, 2, 3, 8)] == [0, 1, 1, 4]
