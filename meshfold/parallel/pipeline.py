@@ -292,14 +292,25 @@ def _split_backward(chunk: nn.Module) -> None:
     read_twice(chunk)
 
 
-def _keep_gathered(model: nn.Module) -> None:
+def _keep_gathered(model: nn.Module, in_turns: bool = False) -> None:
     """FSDP2 keeps each block of ``model`` gathered from its forward until the backward's end (no
-    reshard after forward; nothing for a model without FSDP2)."""
+    reshard after forward; nothing for a model without FSDP2). ``in_turns``: two micro-batches
+    run each block's forward in turns (a2a_overlap). FSDP2 keeps one state per block: the first
+    to leave sets it idle, and the second's leaving then reshards the block (FSDP2 reshards an
+    idle block in its post-forward whatever the setting), to gather it again for the backward;
+    so each block's state is put back to "in forward" just before FSDP2's post-forward."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    def in_forward(module, args, output):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            group._training_state = TrainingState.FORWARD
 
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_reshard_after_forward(False, recurse=False)
+            if in_turns:
+                m.register_forward_hook(in_forward, prepend=True)
 
 
 def check_a2a_overlap(spec, microbatches: int, schedule: str) -> None:
@@ -455,7 +466,7 @@ class Pipeline:
             parallelize(model, folded, plan, data_parallel=data_parallel, compute_dtype=compute_dtype,
                         recompute=recompute)
             if a2a_overlap:  # two micro-batches in one block at once: neither may reshard it
-                _keep_gathered(model)
+                _keep_gathered(model, in_turns=True)
             self._accumulating(model, folded, microbatches, plan)
             return
         self._loss_terms = _loss_terms(model)
@@ -505,7 +516,7 @@ class Pipeline:
         self = cls.__new__(cls)
         if a2a_overlap:
             check_a2a_overlap(folded.spec, microbatches, "1f1b")
-            _keep_gathered(model)
+            _keep_gathered(model, in_turns=True)
         self.a2a_overlap, self.turn_stats = a2a_overlap, []
         self._accumulating(model, folded, microbatches, model_plan(model) if plan is None else plan)
         return self

@@ -273,8 +273,12 @@ def _data_parallel(c: _Tally, model, layout, st, n_moe, params, sizes, a, master
     # so a forward right after a backward and a backward right after a backward gather nothing:
     # m + 1 gathers per step for GPipe and 1F1B (measured), taken for interleaved 1F1B too; the
     # root once per step. One fp32 reduce-scatter per step (sync is on only for the last
-    # backward). FSDP2 issues nothing on a group of one rank.
-    groups, roots = (m + 1, 1) if s.pp > 1 else (2 * m, m)
+    # backward). FSDP2 issues nothing on a group of one rank. With a2a_overlap and no pp every
+    # group stays gathered from its first forward to the step's end: gathered once per step.
+    if s.pp > 1:
+        groups, roots = m + 1, 1
+    else:
+        groups, roots = (1, 1) if getattr(layout, "a2a_overlap", False) else (2 * m, m)
     if n_d > 1:
         c.add("all_gather", dense_dim, (groups * (narrow * a + (wide - st.ends) * master)
                                         + roots * st.ends * root_dtype) / n_d,

@@ -46,7 +46,7 @@ def _labels(spec, rank) -> tuple[dict, callable]:
     return names, label
 
 
-def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq, microbatches):
+def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq, microbatches, overlap=False):
     """One training step (the second: the first settles pipelining's shape inference) recorded as
     {(kind, label): input bytes}, and this rank's dim labels."""
     import torch.distributed as dist
@@ -59,7 +59,7 @@ def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq,
     from meshfold.parallel.data_parallel import reduce_gradients
     from meshfold.parallel.batch import shard_batch
     from meshfold.testing.worlds import cached_fold
-    from meshfold.parallel.pipeline import accumulate
+    from meshfold.parallel.pipeline import _keep_gathered, accumulate
 
     names, label = _labels(spec, rank)
     seen: dict = defaultdict(float)
@@ -87,6 +87,8 @@ def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq,
                          recompute=recompute)
     else:
         parallelize(model, folded, data_parallel=data_parallel, compute_dtype=torch.bfloat16, recompute=recompute)
+        if overlap:  # as Pipeline(..., a2a_overlap=True) lays it out
+            _keep_gathered(model, in_turns=True)
     tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     local, pos = shard_batch(tokens, spec, rank)
     for step in range(2):
@@ -97,7 +99,7 @@ def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq,
         if spec.pp > 1:
             model.step(local, local, pos)
         else:
-            accumulate(model, local, local, pos, [1.0] * microbatches, backward=True)
+            accumulate(model, local, local, pos, [1.0] * microbatches, backward=True, overlap=overlap)
             reduce_gradients(model)
         if mode is not None:
             mode.__exit__(None, None, None)
@@ -108,18 +110,20 @@ def _recorded_step(rank, world_size, spec, data_parallel, recompute, batch, seq,
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("spec, data_parallel, recompute, microbatches", [
-    (FoldSpec(4, tp=2, ep=2), "fsdp", "none", 2),           # tp + FSDP2 over dp and edp, accumulation
-    (FoldSpec(4, cp=2, ep=2, etp=2), "allreduce", "none", 1),  # ring attention, ragged etp, all-reduce
-    (FoldSpec(4, tp=2, ep=4), "fsdp", "full", 1),           # recomputation reissues forward collectives
-    (FoldSpec(4, pp=2, tp=2, ep=2), "fsdp", "none", 2),     # pipeline P2P, uneven chunks [0] and [1, 2]
-    (FoldSpec(4, pp=2, ep=2), "fsdp", "none", 4),           # FSDP2 under 1F1B: m + 1 gathers, not 2 m
+@pytest.mark.parametrize("spec, data_parallel, recompute, microbatches, overlap", [
+    (FoldSpec(4, tp=2, ep=2), "fsdp", "none", 2, False),           # tp + FSDP2 over dp and edp, accumulation
+    (FoldSpec(4, cp=2, ep=2, etp=2), "allreduce", "none", 1, False),  # ring attention, ragged etp, all-reduce
+    (FoldSpec(4, tp=2, ep=4), "fsdp", "full", 1, False),           # recomputation reissues forward collectives
+    (FoldSpec(4, pp=2, tp=2, ep=2), "fsdp", "none", 2, False),     # pipeline P2P, uneven chunks [0] and [1, 2]
+    (FoldSpec(4, pp=2, ep=2), "fsdp", "none", 4, False),           # FSDP2 under 1F1B: m + 1 gathers, not 2 m
+    (FoldSpec(4, ep=2), "fsdp", "none", 4, True),                  # a2a_overlap: blocks gathered once a step
 ])
-def test_collective_bytes_are_what_a_gloo_step_issues(worlds, spec, data_parallel, recompute, microbatches):
+def test_collective_bytes_are_what_a_gloo_step_issues(worlds, spec, data_parallel, recompute, microbatches, overlap):
     batch, seq = 2 * spec.dp * microbatches, 32
-    lay = Layout(spec, mbs=batch // (spec.dp * microbatches), recompute=recompute, sharding=data_parallel)
+    lay = Layout(spec, mbs=batch // (spec.dp * microbatches), recompute=recompute, sharding=data_parallel,
+                 a2a_overlap=overlap)
     planned = collective_bytes(MODELS[NAME], lay, seq, batch, backend="gloo")
-    results = worlds(4).run(_recorded_step, spec, data_parallel, recompute, batch, seq, microbatches,
+    results = worlds(4).run(_recorded_step, spec, data_parallel, recompute, batch, seq, microbatches, overlap,
                             timeout=300)  # a loaded machine: the session world's 60 s is too short
     for stage, want_by_dim in enumerate(planned):
         ranks = [(seen, names) for r, seen, names in results if r == stage]

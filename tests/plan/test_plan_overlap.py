@@ -60,8 +60,13 @@ def test_overlap_lowers_the_ep_term_by_the_hidden_seconds_and_nothing_else(layou
     assert plain.detail["a2a_hidden_s"] == 0.0
     assert overlapped.detail["slowest_rank"] == plain.detail["slowest_rank"]
     assert plain.time["ep"] - overlapped.time["ep"] == pytest.approx(hidden, rel=1e-9)
+    # FSDP2 without pp: every block stays gathered from its first forward, so it is gathered
+    # once a step instead of twice a micro-batch (tests/plan/test_plan_collectives.py counts it)
+    fewer_gathers = layout.spec.pp == 1 and layout.sharding == "fsdp"
     for term in TIME_TERMS:
-        if term != "ep":
+        if term == "dp" and fewer_gathers:
+            assert overlapped.time[term] < plain.time[term]
+        elif term != "ep":
             assert overlapped.time[term] == pytest.approx(plain.time[term], rel=1e-12), term
 
 
