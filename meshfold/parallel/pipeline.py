@@ -80,7 +80,7 @@ from meshfold.parallel.transformer import model_plan, parallelize
 from meshfold.placements import sum_in_place
 from meshfold.runtime.overlap import TurnStats, run_in_turns
 
-__all__ = ["SCHEDULES", "check_a2a_overlap", "ModelChunk", "chunk_layers", "schedule_order", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
+__all__ = ["SCHEDULES", "check_a2a_overlap", "combined_1f1b_order", "ModelChunk", "chunk_layers", "schedule_order", "check_pipeline", "Pipeline", "accumulate", "microbatch_counts",
            "local_microbatch_counts", "model_loss"]
 
 
@@ -316,16 +316,17 @@ def _keep_gathered(model: nn.Module, in_turns: bool = False) -> None:
 def check_a2a_overlap(spec, microbatches: int, schedule: str) -> None:
     """Raise ``ValueError`` naming the setting when ``train.a2a_overlap`` cannot run: it needs
     expert all-to-alls (``ep`` > 1) and two micro-batches to take turns: without pp, two or more
-    accumulated micro-batches (in pairs); with pp, the ``dualpipev`` schedule, whose steady state
-    pairs one micro-batch's forward with another's backward (torch's ``OVERLAP_F_B`` actions)."""
+    accumulated micro-batches (in pairs); with pp, ``1f1b`` (run as :func:`combined_1f1b_order`)
+    or ``dualpipev``, whose steady states pair one micro-batch's forward with another's backward
+    (torch's ``OVERLAP_F_B`` actions)."""
     if spec.ep == 1:
         raise ValueError("a2a_overlap with fold.ep = 1: there is no expert all-to-all to overlap; set ep > 1")
     if spec.pp == 1 and microbatches < 2:
         raise ValueError(f"a2a_overlap with microbatches = {microbatches}: micro-batches overlap in pairs; "
                          f"valid: 2 or more")
-    if spec.pp > 1 and schedule != "dualpipev":
-        raise ValueError(f"a2a_overlap with fold.pp = {spec.pp} and schedule {schedule!r}: only dualpipev pairs "
-                         f"one micro-batch's forward with another's backward; set schedule = dualpipev")
+    if spec.pp > 1 and schedule not in ("1f1b", "dualpipev"):
+        raise ValueError(f"a2a_overlap with fold.pp = {spec.pp} and schedule {schedule!r}: 1f1b (combined) and "
+                         f"dualpipev pair one micro-batch's forward with another's backward; set one of them")
 
 
 def _forward_only(stages: list, microbatches: int, loss_fn):
@@ -348,6 +349,29 @@ def _forward_only(stages: list, microbatches: int, loss_fn):
              for r, chunks in held.items()}
     schedule.pipeline_order_with_comms = _add_send_recv(order, stage_to_rank=ranks.__getitem__, num_stages=2 * pp)
     return schedule
+
+
+def combined_1f1b_order(pp: int, microbatches: int) -> dict[int, list]:
+    """1F1B with its steady state's forward and backward overlapped, as Megatron-Core's combined
+    1F1B runs it: pipeline rank r runs ``w = min(pp - r, m)`` forwards (one more than 1F1B's
+    warm-up), then each micro-batch k's backward beside micro-batch k + w's forward (torch's
+    ``OVERLAP_F_B`` action), then the last w backwards. 1F1B's own steady state cannot pair
+    them: its last stage runs micro-batch k's forward and then the same k's backward. The extra
+    warm-up forward keeps the ranks free of cycles (rank r's k-th pair needs rank r + 1's k-th
+    pair's input gradient, which needs only rank r's (k-1)-th pair's output) and costs one
+    micro-batch's activations more than 1F1B's in flight. torch's runtime adds the sends and
+    receives (``_prepare_schedule_with_comms``)."""
+    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, OVERLAP_F_B, _Action
+
+    order = {}
+    for r in range(pp):
+        w = min(pp - r, microbatches)
+        actions = [_Action(r, FORWARD, i) for i in range(w)]
+        actions += [_Action(-1, OVERLAP_F_B, None, (_Action(r, FORWARD, w + k), _Action(r, FULL_BACKWARD, k)))
+                    for k in range(microbatches - w)]
+        actions += [_Action(r, FULL_BACKWARD, k) for k in range(microbatches - w, microbatches)]
+        order[r] = actions
+    return order
 
 
 def _overlapped_forward_backward(stats: list):
@@ -447,8 +471,9 @@ class Pipeline:
     runs when the schedule runs that microbatch's backward of the block. ``a2a_overlap``
     (``train.a2a_overlap``, :func:`check_a2a_overlap`): two micro-batches take turns
     (:mod:`meshfold.runtime.overlap`) so that one's expert all-to-alls travel while the other
-    computes: with pp = 1 accumulated micro-batches in pairs, with ``dualpipev`` the schedule's
-    overlapped forward and backward; :meth:`overlap_stats` counts what each step saw.
+    computes: with pp = 1 accumulated micro-batches in pairs; with pp, ``1f1b`` runs as
+    :func:`combined_1f1b_order` and ``dualpipev`` with its overlapped forward and backward;
+    :meth:`overlap_stats` counts what each step saw.
     """
 
     def __init__(self, model: nn.Module, folded, microbatches: int, schedule: str = "1f1b",
@@ -485,6 +510,8 @@ class Pipeline:
             parallelize(chunk, folded, data_parallel=data_parallel, compute_dtype=compute_dtype, recompute=recompute)
             if schedule in ZERO_BUBBLE:
                 _split_backward(chunk)
+            if a2a_overlap:  # a forward and a backward of one chunk may run in turns: keep it gathered
+                _keep_gathered(chunk, in_turns=True)
         group = folded.attn["pp"].get_group()
         stages = [pipelining.PipelineStage(c, s, n, folded.device, group=group)
                   for c, s in zip(self.chunks, self.stage_ids)]
@@ -499,11 +526,14 @@ class Pipeline:
         cls = getattr(pipelining, _SCHEDULE_CLASSES[schedule])
         self.schedule = cls(stages if len(stages) > 1 else stages[0], microbatches, loss_fn=self._loss,
                             scale_grads=False)
-        if a2a_overlap:
-            from torch.distributed.pipelining.schedules import OVERLAP_F_B
-
-            self.schedule.register_custom_function(OVERLAP_F_B, _overlapped_forward_backward(self.turn_stats))
         self._evaluation = _forward_only(stages, microbatches, self._loss) if schedule in V_SCHEDULES else self.schedule
+        if a2a_overlap:
+            from torch.distributed.pipelining.schedules import OVERLAP_F_B, _PipelineScheduleRuntime
+
+            if schedule == "1f1b":  # Megatron-Core's combined 1F1B; evaluation stays plain 1F1B's
+                self.schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=self._loss, scale_grads=False)
+                self.schedule._prepare_schedule_with_comms(combined_1f1b_order(pp, microbatches))
+            self.schedule.register_custom_function(OVERLAP_F_B, _overlapped_forward_backward(self.turn_stats))
 
     @classmethod
     def laid_out(cls, model: nn.Module, folded, microbatches: int = 1, plan: Plan | None = None,

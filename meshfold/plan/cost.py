@@ -240,9 +240,9 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
         (model.moe_layers > 0, f"a2a_overlap: {model.name} has no MoE layers, so no all-to-all to overlap"),
         (s.pp > 1 or m >= 2, f"a2a_overlap with pp=1 and micro-batches={m}: micro-batches overlap in pairs; "
                              f"valid: 2 or more (global batch >= 2 dp mbs)"),
-        (s.pp == 1 or layout.schedule == "dualpipev",
-         f"a2a_overlap with pp={s.pp} and schedule {layout.schedule!r}: only dualpipev pairs one micro-batch's "
-         f"forward with another's backward; valid: schedule 'dualpipev'"),
+        (s.pp == 1 or layout.schedule in ("1f1b", "dualpipev"),
+         f"a2a_overlap with pp={s.pp} and schedule {layout.schedule!r}: 1f1b (combined) and dualpipev pair one "
+         f"micro-batch's forward with another's backward; valid: schedule '1f1b' or 'dualpipev'"),
     )
     if layout.megatron:
         rules = common + (
@@ -410,7 +410,7 @@ def estimate(model: ModelShape, hw: Hardware, layout: Layout, seq: int, global_b
     passes = 2 if layout.recompute != "none" else 1
     moe_of = [sum(map(model.is_moe_layer, st.layers)) for st in stages]
     a2a = [m * (passes + 1) * n * a2a_t for n in moe_of]    # per step, each pipeline rank
-    hidden = [a2a_hidden(pp, m, st.rank, moe_of[st.rank], a2a_t, attn_side, expert_side)
+    hidden = [a2a_hidden(pp, m, st.rank, moe_of[st.rank], a2a_t, attn_side, expert_side, layout.schedule)
               if layout.a2a_overlap else 0.0 for st in stages]
 
     # ---- step time: the slowest pipeline rank sets the pace -----------------------------------------

@@ -67,7 +67,7 @@ def in_flight(layout, microbatches: int, rank: int) -> float:
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of all
     of its layers: 1 without pp (accumulation runs them one after another), 2 with
     ``a2a_overlap`` (a pair in turns: both forwards run before either backward); GPipe all m; 1F1B
-    ``min(pp - r, m)``; interleaved 1F1B ``((v - 1) pp + 2 (pp - 1 - r) + 1) / v`` chunks' worth
+    ``min(pp - r, m)`` (combined 1F1B under ``a2a_overlap``: ``min(pp - r + 1, m)``); interleaved 1F1B ``((v - 1) pp + 2 (pp - 1 - r) + 1) / v`` chunks' worth
     (torch's warm-up, = Korthikanti et al. 2022's ``pp (1 + (pp - 1) / (pp v))`` on rank 0);
     interleaved-zb and zbv ``2 pp / v``, dualpipev ``(2 pp + 1) / v`` on every rank (torch's
     orders hold them from a forward to its weight pass; a test counts them). The zero-bubble
@@ -77,8 +77,8 @@ def in_flight(layout, microbatches: int, rank: int) -> float:
         return min(2.0, float(m)) if layout.a2a_overlap else 1.0
     if layout.schedule == "gpipe":
         return float(m)
-    if layout.schedule == "1f1b":
-        return float(min(pp - rank, m))
+    if layout.schedule == "1f1b":  # combined 1F1B (a2a_overlap) warms up with one forward more
+        return float(min(pp - rank + (1 if layout.a2a_overlap else 0), m))
     if layout.schedule in ("interleaved-zb", "zbv"):  # 2 pp chunk-micro-batches on every rank
         return min(2 * pp / v, float(m))
     if layout.schedule == "dualpipev":

@@ -20,8 +20,9 @@ Without pp (``overlapped_pairs``: ``m // 2`` pairs) both micro-batches of a pair
 side by side, then their backwards; the odd one out hides nothing. Under DualPipeV an overlapped
 action runs one micro-batch's forward of a chunk (half the rank's layers) beside another's backward
 of the other chunk: the forward's all-to-alls travel beside backward phases, the backward's beside
-forward phases, so an action hides the same two terms for half the rank's MoE layers. The
-recomputation's re-run forward all-to-alls are taken as not hidden.
+forward phases, so an action hides the same two terms for half the rank's MoE layers. 1F1B runs
+as combined 1F1B (``parallel.pipeline.combined_1f1b_order``): a forward beside another micro-batch's
+backward of the rank's one chunk, all its MoE layers. The recomputation's re-run forward all-to-alls are taken as not hidden.
 """
 
 from __future__ import annotations
@@ -40,13 +41,17 @@ def hidden_per_layer(t: float, attn_side: float, expert_side: float) -> tuple[fl
             min(half, 2 * attn_side) + min(half, 2 * expert_side))
 
 
-def a2a_hidden(pp: int, m: int, rank: int, moe_layers: int, t: float, attn_side: float, expert_side: float) -> float:
+def a2a_hidden(pp: int, m: int, rank: int, moe_layers: int, t: float, attn_side: float, expert_side: float,
+               schedule: str = "dualpipev") -> float:
     """Seconds per step of pipeline rank ``rank``'s dispatch + combine all-to-alls that its
     ``moe_layers`` MoE layers hide under ``train.a2a_overlap`` with ``m`` micro-batches (without
-    pp: accumulated pairs; with pp: dualpipev's overlapped actions; module docstring)."""
+    pp: accumulated pairs; with pp: dualpipev's or combined 1F1B's overlapped actions; module
+    docstring)."""
     beside_forward, beside_backward = hidden_per_layer(t, attn_side, expert_side)
-    pairs = overlapped_pairs(pp, m, rank)
+    pairs = overlapped_pairs(pp, m, rank, schedule)
     if pp == 1:   # two micro-batches a pair, each forward beside forward and backward beside backward
         return pairs * 2 * moe_layers * (beside_forward + beside_backward)
-    # a chunk's forward beside backward phases, the other chunk's backward beside forward phases
-    return pairs * moe_layers / 2 * (beside_backward + beside_forward)
+    # a forward beside backward phases, a backward beside forward phases: under dualpipev each of
+    # the rank's two chunks (half its layers), under combined 1F1B its one chunk (all of them)
+    chunk = moe_layers / 2 if schedule == "dualpipev" else moe_layers
+    return pairs * chunk * (beside_backward + beside_forward)

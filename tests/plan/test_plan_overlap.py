@@ -20,6 +20,7 @@ H100 = HARDWARE["h100"]
 FAST = hardware("h100", nvlink_gbps=1e9, internode_gbps=1e9, nvlink_latency_us=0.0, internode_latency_us=0.0)
 SLOW = hardware("h100", nvlink_gbps=1e-3, internode_gbps=1e-3)
 PAIRED = Layout(FoldSpec(16, tp=2, ep=8), a2a_overlap=True)   # dp 8: global batch 24 is m = 3 micro-batches
+COMBINED = Layout(FoldSpec(32, tp=2, ep=8, pp=2), sharding="allreduce", a2a_overlap=True)   # 1F1B, combined
 DUALPIPEV = Layout(FoldSpec(32, tp=2, ep=8, pp=2), vpp=2, schedule="dualpipev", sharding="allreduce",
                    a2a_overlap=True)
 
@@ -33,9 +34,8 @@ def _both(hw, layout, gbs, **knobs):
 @pytest.mark.parametrize("layout, gbs, reason", [
     (Layout(FoldSpec(8, ep=1), a2a_overlap=True), 16, "ep=1: there is no expert all-to-all"),
     (Layout(FoldSpec(8, ep=8), a2a_overlap=True), 8, "pp=1 and micro-batches=1: micro-batches overlap in pairs"),
-    (Layout(FoldSpec(16, ep=4, pp=2), a2a_overlap=True), 16, "schedule '1f1b': only dualpipev"),
     (Layout(FoldSpec(16, ep=4, pp=2), vpp=2, schedule="interleaved-1f1b", a2a_overlap=True), 16,
-     "schedule 'interleaved-1f1b': only dualpipev"),
+     "schedule 'interleaved-1f1b': 1f1b (combined) and dualpipev"),
     (Layout(FoldSpec(16, ep=4, pp=2), sharding="zero1", a2a_overlap=True), 16, "Megatron-Core's"),
 ])
 def test_the_planner_refuses_a2a_overlap_where_meshfold_does_naming_why(layout, gbs, reason):
@@ -44,6 +44,7 @@ def test_the_planner_refuses_a2a_overlap_where_meshfold_does_naming_why(layout, 
 
 
 @pytest.mark.parametrize("layout", [Layout(FoldSpec(8, ep=8), a2a_overlap=True),
+                                    Layout(FoldSpec(16, ep=4, pp=2), a2a_overlap=True),
                                     Layout(FoldSpec(16, ep=4, pp=2), vpp=2, schedule="dualpipev", a2a_overlap=True)])
 def test_a2a_overlap_runs_on_accumulated_pairs_and_on_dualpipev(layout):
     assert check_layout(MIXTRAL, layout, SEQ, 64) == ""
@@ -51,8 +52,8 @@ def test_a2a_overlap_runs_on_accumulated_pairs_and_on_dualpipev(layout):
     assert layout.describe().endswith(" a2a-ovl")
 
 
-@pytest.mark.parametrize("layout, gbs", [(PAIRED, 24), (PAIRED, 64), (DUALPIPEV, 64)],
-                         ids=["pp1-m3", "pp1-m8", "dualpipev"])
+@pytest.mark.parametrize("layout, gbs", [(PAIRED, 24), (PAIRED, 64), (DUALPIPEV, 64), (COMBINED, 64)],
+                         ids=["pp1-m3", "pp1-m8", "dualpipev", "combined-1f1b"])
 def test_overlap_lowers_the_ep_term_by_the_hidden_seconds_and_nothing_else(layout, gbs):
     plain, overlapped = _both(H100, layout, gbs)
     hidden = overlapped.detail["a2a_hidden_s"]
@@ -104,11 +105,24 @@ def test_under_dualpipev_each_rank_hides_on_its_overlapped_actions():
         assert after < before, rank
 
 
+def test_under_combined_1f1b_each_rank_hides_on_its_steady_pairs():
+    """Short all-to-alls: of a rank's m forwards and m backwards per MoE layer, each of its
+    m - min(pp - r, m) pairs hides one forward's and one backward's over all its layers."""
+    pp, gbs = 2, 64
+    m = gbs // COMBINED.spec.dp
+    _, overlapped = _both(FAST, COMBINED, gbs)
+    r = overlapped.detail["slowest_rank"]
+    assert overlapped.detail["a2a_hidden_fraction"] == pytest.approx((m - min(pp - r, m)) / m)
+
+
 def test_a_pair_in_turns_holds_two_micro_batches_activations_without_pp():
     from meshfold.plan.memory import in_flight
 
     assert in_flight(PAIRED, 3, 0) == 2.0
     assert in_flight(dataclasses.replace(PAIRED, a2a_overlap=False), 3, 0) == 1.0
+    # combined 1F1B warms up with one forward more than 1F1B
+    assert [in_flight(COMBINED, 8, r) for r in (0, 1)] == [3.0, 2.0]
+    assert [in_flight(dataclasses.replace(COMBINED, a2a_overlap=False), 8, r) for r in (0, 1)] == [2.0, 1.0]
 
 
 @pytest.mark.parametrize("sharding", ["allreduce", "fsdp"])
@@ -145,7 +159,7 @@ def test_every_overlapped_layout_the_search_proposes_is_accepted_by_meshfold_tra
                               for lay in overlapped)
     for lay in {tuple(lay.train_overrides(name, seq, gbs)): lay for lay in overlapped}.values():
         spec, _ = load_config(None, lay.train_overrides(name, seq, gbs)).validate()
-        assert spec == lay.spec and lay.spec.pp == 1 and lay.spec.ep > 1
+        assert spec == lay.spec and lay.spec.ep > 1 and (lay.spec.pp == 1 or lay.schedule == "1f1b")
     assert not any(e.layout.a2a_overlap for e in plan(name, gpus, "h100", seq, gbs, max_mbs=2))
 
 

@@ -114,5 +114,26 @@ def test_overlapped_pairs_are_the_overlapped_actions_of_torchs_dualpipev_order(p
         assert overlapped_pairs(pp, m, rank) == overlapped, rank
 
 
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 5), (4, 4), (4, 9), (8, 32)])
+def test_combined_1f1b_pairs_each_steady_forward_with_a_backward(pp, m):
+    """1F1B under train.a2a_overlap (combined_1f1b_order): every micro-batch's forward and
+    backward once on each rank, in dependency order (a rank's backward of k after its forward of
+    k), and overlapped_pairs counts its OVERLAP_F_B actions."""
+    from torch.distributed.pipelining.schedules import FORWARD, OVERLAP_F_B
+
+    from meshfold.parallel.pipeline import combined_1f1b_order
+
+    for rank, actions in combined_1f1b_order(pp, m).items():
+        flat = [b for a in actions for b in (a.sub_actions if a.computation_type == OVERLAP_F_B else (a,))]
+        forwards = [a.microbatch_index for a in flat if a.computation_type == FORWARD]
+        backwards = [a.microbatch_index for a in flat if a.computation_type != FORWARD]
+        assert forwards == backwards == list(range(m)) and {a.stage_index for a in flat} == {rank}
+        assert all(flat.index(next(a for a in flat if a.computation_type == FORWARD and a.microbatch_index == k))
+                   < flat.index(next(a for a in flat if a.computation_type != FORWARD and a.microbatch_index == k))
+                   for k in range(m))
+        overlapped = sum(a.computation_type == OVERLAP_F_B for a in actions)
+        assert overlapped_pairs(pp, m, rank, "1f1b") == overlapped == m - min(pp - rank, m), rank
+
+
 def test_without_pp_accumulated_micro_batches_overlap_in_pairs():
     assert [overlapped_pairs(1, m, 0) for m in (1, 2, 3, 8)] == [0, 1, 1, 4]

@@ -38,12 +38,13 @@ def test_zero_bubble_schedules_train_the_losses_of_1f1b(tmp_path):
 
 @pytest.mark.slow
 def test_a2a_overlap_trains_the_losses_without_it(tmp_path):
-    """Three steps with and without ``train.a2a_overlap``: dualpipev on pp 2, and the default fold
+    """Three steps with and without ``train.a2a_overlap``: dualpipev and 1F1B (run as combined
+    1F1B) on pp 2, and the default fold
     (tp2 x dp2 | ep4) accumulating 2 micro-batches; each step's metrics count the all-to-alls
     that travelled while the other micro-batch computed."""
     pp1 = [*SMALL, "--set", "train.dtype=\"float64\"", "--set", "train.microbatches=2", "--set", "train.batch=8"]
     dualpipev = [*PP2, "--set", "train.schedule=\"dualpipev\"", "--set", "train.virtual=2"]
-    for name, args in (("pp1", pp1), ("dualpipev", dualpipev)):
+    for name, args in (("pp1", pp1), ("dualpipev", dualpipev), ("combined 1f1b", PP2)):
         runs = {}
         for overlap in ("false", "true"):
             out = tmp_path / f"{name}_{overlap}"
@@ -89,7 +90,8 @@ def test_a2a_overlap_shows_on_the_profiler_timeline(tmp_path):
     (["train.schedule=\"zbv\""], "the V schedules hold exactly 2 chunks per rank"),
     (["train.schedule=\"dualpipev\"", "train.virtual=2", "train.microbatches=2"], "microbatches = 2 < 2 pp = 4"),
     (["train.schedule=\"zbv\"", "train.virtual=2", "train.compile=true"], "train.schedule = 'zbv' with train.compile"),
-    (["train.a2a_overlap=true", "train.microbatches=4"], "train.a2a_overlap with fold.pp = 2 and schedule '1f1b'"),
+    (["train.a2a_overlap=true", "train.schedule=\"interleaved-1f1b\"", "train.virtual=2", "train.microbatches=4"],
+     "train.a2a_overlap with fold.pp = 2 and schedule 'interleaved-1f1b'"),
     (["train.a2a_overlap=true", "fold.pp=1", "train.microbatches=2", "train.compile=true"],
      "train.a2a_overlap with train.compile"),
     (["train.a2a_overlap=true", "fold.pp=1", "fold.ep=1"], "train.a2a_overlap with fold.ep = 1"),
