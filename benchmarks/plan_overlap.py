@@ -4,6 +4,7 @@
 
 For each model and GPU count, ``meshfold plan --a2a-overlap``'s search (H100, sequence 4096,
 global batch 256): the best feasible layout without pp (pairs of accumulated micro-batches), the
+best with pp, where 1F1B runs as combined 1F1B, the
 best pp 2 layout turned to dualpipev without recomputation (overlapped forward and backward), and the overall best of the whole
 search (which the overlap may not reach: the search tries no dualpipev), each with and without
 the overlap. The ep and dp terms show where the time goes: under FSDP2 without pp the overlap
@@ -48,6 +49,11 @@ def main() -> None:
             on = on_pp1[0]
             off = estimate(model, hw, dataclasses.replace(on.layout, a2a_overlap=False), SEQ, GBS)
             print(_row(f"{name}, {gpus}: best with pairs (pp 1)", off, on))
+        on_pp = [e for e in found if e.layout.a2a_overlap and e.layout.spec.pp > 1]  # 1f1b, run combined
+        if on_pp:
+            on = on_pp[0]
+            off = estimate(model, hw, dataclasses.replace(on.layout, a2a_overlap=False), SEQ, GBS)
+            print(_row(f"{name}, {gpus}: best combined 1F1B (pp {on.layout.spec.pp})", off, on))
         # dualpipev on pp 2 from the best pp 2 layout of the search
         pp2 = next((e for e in found if e.layout.spec.pp == 2 and not e.layout.a2a_overlap), None)
         if pp2 is not None:  # without recomputation, which the planner refuses under dualpipev
