@@ -43,8 +43,7 @@ Model (every part): Mixtral-style, vocab 256, hidden 256, 4 layers, 8 heads / 4 
 
 (e) **train.a2a_overlap off vs on, 4 gloo ranks** (one thread each): the ``meshfold train`` step
     (``build``) of a model of hidden 512 with 4 MoE layers (8 experts of ffn 1024, top-2), batch
-    16 x 512, on four folds (:data:`OVERLAP_FOLDS`: accumulation in pairs under FSDP2 and
-    all-reduce, dualpipev and 1F1B (run as combined 1F1B when on) on pp 2), off and on side by
+    16 x 512, on four folds (:data:`OVERLAP_FOLDS`: accumulation under FSDP2 and all-reduce, dualpipev and 1F1B (run as combined 1F1B when on) on pp 2), off and on side by
     side, timed interleaved. Beside the
     step time, the time each rank spends blocked in its expert all-to-alls' waits (the slowest
     rank's): what the overlap is meant to remove; and rank 0's TurnStats (all-to-alls waited for
@@ -383,8 +382,8 @@ def part_d(rounds: int) -> dict:
 OVERLAP_MODEL = (dict(hidden=512, layers=4, heads=8, kv_heads=4, head_dim=64, ffn=1024, max_seq=512),
                  dict(ffn=1024, num_experts=8, topk=2), 16, 512)  # model, MoE, batch, seq
 OVERLAP_FOLDS = [  # (name, fold, train settings): 4 ranks
-    ("dp4 | ep4, fsdp, 4 micro-batches (2 pairs)", dict(ep=4), dict(microbatches=4)),
-    ("dp4 | ep4, allreduce, 4 micro-batches (2 pairs)", dict(ep=4, data_parallel="allreduce"), dict(microbatches=4)),
+    ("dp4 | ep4, fsdp, 4 micro-batches", dict(ep=4), dict(microbatches=4)),
+    ("dp4 | ep4, allreduce, 4 micro-batches", dict(ep=4, data_parallel="allreduce"), dict(microbatches=4)),
     ("pp2 x dp2 | pp2 x ep2, fsdp, dualpipev, 4 micro-batches", dict(pp=2, ep=2),
      dict(schedule="dualpipev", virtual=2, microbatches=4)),
     ("pp2 x dp2 | pp2 x ep2, fsdp, 1f1b (combined), 4 micro-batches", dict(pp=2, ep=2),

@@ -60,7 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="only folds with cp=1 (the setting of the paper's Table 1)")
     parser.add_argument("--a2a-overlap", action="store_true",
                         help="also cost each fold that train.a2a_overlap runs on with it (two micro-batches in "
-                             "turns hide each other's expert all-to-alls; pp = 1, m >= 2, ep > 1): both are "
+                             "turns hide each other's expert all-to-alls; ep > 1, and pp = 1 with m >= 2 or 1f1b, run "
+                             "as combined 1F1B): both are "
                              "ranked, and the 'a2a hid' column shows the share of the all-to-alls hidden")
 
 

@@ -162,7 +162,10 @@ class MoELayer(nn.Module):
         scale = self.balancing_scale
         for value in losses.values():
             probs_TK = attach_loss(probs_TK, value if scale == 1 else value * scale)
-        self._loss_shares, self._loss_totals = {name: v.detach() for name, v in losses.items()}, None
+        # kept here too: the layer's own attribute may be another micro-batch's by the end of this
+        # forward (micro-batches in turns, meshfold.runtime.overlap)
+        loss_shares = {name: v.detach() for name, v in losses.items()}
+        self._loss_shares, self._loss_totals = loss_shares, None
 
         # rows in slot order (the expert placement and its copies; by default each expert's own id)
         perm = permute(x_TH, comm.slot_ids(experts_TK), probs_TK, comm.num_slots(cfg.num_experts), keep_TK,
@@ -181,7 +184,7 @@ class MoELayer(nn.Module):
         if self.training:  # evaluation forwards do not steer the aux-loss-free bias, nor count in the step
             seen = self._bias_counts
             self._bias_counts = stats.routed_all if seen is None else seen + stats.routed_all
-            shares = {name: v * scale for name, v in self._loss_shares.items()}
+            shares = {name: v * scale for name, v in loss_shares.items()}
             self._step_entry = (shares, stats.routed_all, stats.kept_all)
             self._step = add_step_entries(self._step, self._step_entry)
         return y_TH.reshape(shape)

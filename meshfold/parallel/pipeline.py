@@ -295,14 +295,29 @@ def _split_backward(chunk: nn.Module) -> None:
 def _keep_gathered(model: nn.Module, in_turns: bool = False) -> None:
     """FSDP2 keeps each block of ``model`` gathered from its forward until the backward's end (no
     reshard after forward; nothing for a model without FSDP2). ``in_turns``: two micro-batches
-    run each block's forward in turns (a2a_overlap). FSDP2 keeps one state per block: the first
-    to leave sets it idle, and the second's leaving then reshards the block (FSDP2 reshards an
-    idle block in its post-forward whatever the setting), to gather it again for the backward;
-    so each block's state is put back to "in forward" just before FSDP2's post-forward."""
+    run a block's forward (or one its forward, the other its backward) in turns (a2a_overlap),
+    while FSDP2 keeps one state per block, set for one pass at a time. Two hooks around FSDP2's
+    make each forward look like the only one:
+
+    * entering: the block is marked idle, so FSDP2 registers this forward's post-backward hook
+      (it skips that for a block already in forward, or in backward, and the gradients of this
+      forward would then wait in the parameters' compute dtype to be summed with another
+      micro-batch's, not moved to the fp32 accumulation);
+    * leaving: the block is marked in forward, so FSDP2's post-forward does not reshard it (it
+      reshards an idle block whatever the setting: the first to leave set it idle).
+
+    A recomputation's forward (inside a backward) is left to FSDP2, as without turns."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    def in_forward(module, args, output):
+    def entering(module, args):
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
+            state = module._get_fsdp_state()
+            state._training_state = TrainingState.IDLE
+            for group in state._fsdp_param_groups:
+                group._training_state = TrainingState.IDLE
+
+    def leaving(module, args, output):
         for group in module._get_fsdp_state()._fsdp_param_groups:
             group._training_state = TrainingState.FORWARD
 
@@ -310,19 +325,20 @@ def _keep_gathered(model: nn.Module, in_turns: bool = False) -> None:
         if isinstance(m, FSDPModule):
             m.set_reshard_after_forward(False, recurse=False)
             if in_turns:
-                m.register_forward_hook(in_forward, prepend=True)
+                m.register_forward_pre_hook(entering, prepend=True)
+                m.register_forward_hook(leaving, prepend=True)
 
 
 def check_a2a_overlap(spec, microbatches: int, schedule: str) -> None:
     """Raise ``ValueError`` naming the setting when ``train.a2a_overlap`` cannot run: it needs
     expert all-to-alls (``ep`` > 1) and two micro-batches to take turns: without pp, two or more
-    accumulated micro-batches (in pairs); with pp, ``1f1b`` (run as :func:`combined_1f1b_order`)
+    accumulated micro-batches (each forward beside the previous one's backward); with pp, ``1f1b`` (run as :func:`combined_1f1b_order`)
     or ``dualpipev``, whose steady states pair one micro-batch's forward with another's backward
     (torch's ``OVERLAP_F_B`` actions)."""
     if spec.ep == 1:
         raise ValueError("a2a_overlap with fold.ep = 1: there is no expert all-to-all to overlap; set ep > 1")
     if spec.pp == 1 and microbatches < 2:
-        raise ValueError(f"a2a_overlap with microbatches = {microbatches}: micro-batches overlap in pairs; "
+        raise ValueError(f"a2a_overlap with microbatches = {microbatches}: a forward overlaps another micro-batch's backward; "
                          f"valid: 2 or more")
     if spec.pp > 1 and schedule not in ("1f1b", "dualpipev"):
         raise ValueError(f"a2a_overlap with fold.pp = {spec.pp} and schedule {schedule!r}: 1f1b (combined) and "
@@ -471,7 +487,8 @@ class Pipeline:
     runs when the schedule runs that microbatch's backward of the block. ``a2a_overlap``
     (``train.a2a_overlap``, :func:`check_a2a_overlap`): two micro-batches take turns
     (:mod:`meshfold.runtime.overlap`) so that one's expert all-to-alls travel while the other
-    computes: with pp = 1 accumulated micro-batches in pairs; with pp, ``1f1b`` runs as
+    computes: with pp = 1 each accumulated micro-batch's forward beside the previous one's
+    backward (:func:`accumulate`); with pp, ``1f1b`` runs as
     :func:`combined_1f1b_order` and ``dualpipev`` with its overlapped forward and backward;
     :meth:`overlap_stats` counts what each step saw.
     """
@@ -789,10 +806,12 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list, backward: 
     reduce-scatters. ``parts`` (a dict, filled in): the model's loss parts (:func:`model_loss`),
     weighted as the loss is.
 
-    ``overlap`` (``train.a2a_overlap``): micro-batches run in pairs, each pair's two in turns
+    ``overlap`` (``train.a2a_overlap``): combined, as Megatron-Core's combined 1F1B on one stage:
+    micro-batch i + 1's forward runs beside micro-batch i's backward, the two in turns
     (:func:`meshfold.runtime.overlap.run_in_turns`), so that one's dispatch and combine
-    all-to-alls travel while the other computes; the same values up to the order of the gradient
-    sums. ``stats`` (a list, appended to): each pair's
+    all-to-alls travel while the other computes; the same values. Never two backwards at once:
+    under FSDP2 two micro-batches' gradients would meet in the compute dtype in the gathered
+    weights before reaching its fp32 accumulation. ``stats`` (a list, appended to): each pair's
     :class:`~meshfold.runtime.overlap.TurnStats`. Under FSDP2 the gradients are then reduced once,
     after the last micro-batch (:func:`~meshfold.parallel.data_parallel.hold_fsdp_gradients`),
     and the model must keep its blocks gathered after their forward (:class:`Pipeline` sets it).
@@ -807,41 +826,42 @@ def accumulate(model, tokens_bs, targets_bs, positions, counts: list, backward: 
     cut = {name: t.chunk(m) for name, t in (per_token or {}).items()}
     pieces = list(zip(tokens_bs.chunk(m), targets_bs.chunk(m)))
 
-    def one(i: int) -> tuple[float, dict]:
-        """Micro-batch i's forward and backward: (its weighted loss, its weighted parts)."""
+    def forward(i: int) -> tuple[torch.Tensor, dict]:
+        """Micro-batch i's forward: (its weighted loss, its weighted parts)."""
         tokens_ms, targets_ms = pieces[i]
         inputs = {name: cut_[i] for name, cut_ in cut.items()}
         # a term no position of the batch counts is 0 / 0 in the whole batch too (NaN)
         w = [c / t if t else float("nan") for c, t in zip(rows[i], totals)]
         if len(w) > 1:  # one weight per term: the model scales each mean by its own
             named = dict(model.loss_parts(tokens_ms, targets_ms, positions, weights=w, **inputs))
-            part = named.pop("loss")
-        else:
-            part, named = model_loss(model, tokens_ms, targets_ms, positions, **inputs)
-            part, named = part * w[0], {name: value * w[0] for name, value in named.items()}
-        if backward:
-            part.backward()
-        return part.item(), named
+            return named.pop("loss"), named
+        part, named = model_loss(model, tokens_ms, targets_ms, positions, **inputs)
+        return part * w[0], {name: value * w[0] for name, value in named.items()}
 
     loss = 0.0
     try:
         done = []
-        if overlap and backward:  # pairs in turns: one's all-to-all travels while the other computes
+        if overlap and backward:  # combined: forward i + 1 beside backward i, in turns
             if sync is not None:  # FSDP2: reduce once all are done
                 hold_fsdp_gradients(model)
-            for i in range(0, m - 1, 2):
-                pair, seen = run_in_turns(lambda i=i: one(i), lambda i=i: one(i + 1))
-                done += pair
+            done.append(forward(0))
+            for i in range(1, m):
+                (ahead, _), seen = run_in_turns(lambda i=i: forward(i), done[-1][0].backward)
+                done.append(ahead)
                 if stats is not None:
                     stats.append(seen)
-        for i in range(len(done), m):  # without overlap, or the odd one out
-            if sync is not None and backward and not overlap:
-                sync(i == m - 1)
-            done.append(one(i))
-        if overlap and backward and sync is not None:
-            reduce_fsdp_gradients(model)
+            done[-1][0].backward()
+            if sync is not None:
+                reduce_fsdp_gradients(model)
+        else:
+            for i in range(m):
+                if sync is not None and backward:
+                    sync(i == m - 1)
+                done.append(forward(i))
+                if backward:
+                    done[-1][0].backward()
         for part, named in done:
-            loss += part
+            loss += part.item()
             if parts is not None:
                 for name, value in named.items():
                     parts[name] = parts.get(name, 0) + value

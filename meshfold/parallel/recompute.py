@@ -58,6 +58,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from meshfold.catalog import RECOMPUTE, check_choice
 from meshfold.models.moe import MoELayer
+from meshfold.runtime.overlap import keeping_turn
 
 __all__ = ["RECOMPUTE", "ROUTING_OPS", "SAVED_PRODUCTS", "check_recompute", "BlockRecompute",
            "Checkpointed", "apply_recompute", "read_twice"]
@@ -172,7 +173,10 @@ def _replay_state(layers, seen: list):
     now = _state(layers)
     _set_state(layers, seen)
     try:
-        yield
+        # in turns (a2a_overlap), the other micro-batch must not run while the layers hold the
+        # replayed state: its forward would count into it, and the restore below would drop that
+        with keeping_turn():
+            yield
     finally:
         _set_state(layers, now)
 

@@ -79,8 +79,9 @@ class Layout:
             (meshfold's choice where micro-batches < pp, which 1F1B cannot run) or
             ``"interleaved-1f1b"`` (set automatically when vpp > 1).
         a2a_overlap: two micro-batches of a rank take turns so that one's MoE dispatch and
-            combine all-to-alls travel while the other computes (``train.a2a_overlap``): without
-            pp accumulated micro-batches in pairs, with pp ``dualpipev``'s overlapped actions
+            combine all-to-alls travel while the other computes (``train.a2a_overlap``): one
+            micro-batch's forward beside another's backward, without pp and under ``1f1b`` (run as
+            combined 1F1B) and ``dualpipev``
             (:func:`check_layout` says where it runs; :mod:`meshfold.plan.overlap` what it hides).
 
     Runs on meshfold as ``meshfold train`` with :meth:`train_overrides` (bf16 compute over fp32
@@ -214,7 +215,7 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
     (its pipeline moments, ``memory._pipeline_activations``, hold no recomputed block's working
     set and were compared with the dry run without recomputation). ``a2a_overlap`` where
     ``check_a2a_overlap`` and ``TrainConfig.validate`` allow it: MoE layers and ep > 1, and two
-    micro-batches to take turns (pp = 1: m >= 2 accumulated; pp > 1: dualpipev). The Megatron
+    micro-batches to take turns (pp = 1: m >= 2 accumulated; pp > 1: 1f1b or dualpipev). The Megatron
     comparison rows (``zero1``) keep Megatron-Core's rules instead: pp * vpp divides the layers,
     cp divides the sequence, and no a2a_overlap (meshfold's, not Megatron-Core's).
     """

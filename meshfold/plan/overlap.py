@@ -8,21 +8,19 @@ The hand-overs cut one MoE layer's forward into two compute phases:
     Ce  the expert side: the expert GEMMs and the token dispatcher's memory-bound kernels
 
 and its backward into the same two at about twice the time (2 Ca, 2 Ce). With ``t`` the seconds of
-one micro-batch's dispatch + combine in one layer's forward (the backward sends the same bytes back,
-``t`` again), follow a pair A, B through a layer's forward: A's dispatch travels during B's
-attention side, B's dispatch during A's expert side, A's combine during B's expert side, B's
-combine during A's attention side. Each all-to-all (``t / 2``) is hidden up to the phase beside it:
+one micro-batch's dispatch + combine in one layer's forward, each all-to-all (``t / 2``) is hidden
+up to the partner's phase beside it. Every pair is a forward of one micro-batch beside a backward
+of another, so the forward's dispatch and combine travel beside backward phases:
 
-    a forward's pair, beside forward phases     min(t/2, Ca) + min(t/2, Ce)      per micro-batch,
-    a backward's pair, beside backward phases   min(t/2, 2 Ca) + min(t/2, 2 Ce)  per MoE layer
+    hidden per MoE layer and pair    min(t/2, 2 Ca) + min(t/2, 2 Ce)
 
-Without pp (``overlapped_pairs``: ``m // 2`` pairs) both micro-batches of a pair run their forwards
-side by side, then their backwards; the odd one out hides nothing. Under DualPipeV an overlapped
-action runs one micro-batch's forward of a chunk (half the rank's layers) beside another's backward
-of the other chunk: the forward's all-to-alls travel beside backward phases, the backward's beside
-forward phases, so an action hides the same two terms for half the rank's MoE layers. 1F1B runs
-as combined 1F1B (``parallel.pipeline.combined_1f1b_order``): a forward beside another micro-batch's
-backward of the rank's one chunk, all its MoE layers. The recomputation's re-run forward all-to-alls are taken as not hidden.
+The backward's own all-to-alls are not counted: on a GPU autograd runs the backward's nodes on its
+device thread, which holds no turn, so they wait there as without overlap (on CPU they take turns
+too, which the planner does not model). Pairs (``overlapped_pairs``): without pp ``m - 1``
+(micro-batch i + 1's forward beside i's backward, ``parallel.pipeline.accumulate``), over all the
+rank's MoE layers; combined 1F1B (``parallel.pipeline.combined_1f1b_order``) ``m - min(pp - r, m)``,
+over all of them; DualPipeV's overlapped actions, each over one of the rank's two chunks (half
+its MoE layers). The recomputation's re-run forward all-to-alls are taken as not hidden.
 """
 
 from __future__ import annotations
@@ -47,11 +45,10 @@ def a2a_hidden(pp: int, m: int, rank: int, moe_layers: int, t: float, attn_side:
     ``moe_layers`` MoE layers hide under ``train.a2a_overlap`` with ``m`` micro-batches (without
     pp: accumulated pairs; with pp: dualpipev's or combined 1F1B's overlapped actions; module
     docstring)."""
-    beside_forward, beside_backward = hidden_per_layer(t, attn_side, expert_side)
+    _, beside_backward = hidden_per_layer(t, attn_side, expert_side)
     pairs = overlapped_pairs(pp, m, rank, schedule)
-    if pp == 1:   # two micro-batches a pair, each forward beside forward and backward beside backward
-        return pairs * 2 * moe_layers * (beside_forward + beside_backward)
-    # a forward beside backward phases, a backward beside forward phases: under dualpipev each of
-    # the rank's two chunks (half its layers), under combined 1F1B its one chunk (all of them)
-    chunk = moe_layers / 2 if schedule == "dualpipev" else moe_layers
-    return pairs * chunk * (beside_backward + beside_forward)
+    # a forward's all-to-alls beside backward phases: under dualpipev over one of the rank's two
+    # chunks (half its layers), otherwise over its one chunk (all of them); the backward's own
+    # all-to-alls are not hidden on a GPU (its nodes run on autograd's device thread, no turn)
+    chunk = moe_layers / 2 if pp > 1 and schedule == "dualpipev" else moe_layers
+    return pairs * chunk * beside_backward

@@ -56,16 +56,18 @@ def bubble(schedule: str, pp: int, vpp: int, m: int, f: float, b: float, w: floa
 
 def overlapped_pairs(pp: int, m: int, rank: int, schedule: str = "dualpipev") -> int:
     """Pairs pipeline rank ``rank`` runs in turns under ``train.a2a_overlap`` in a step of ``m``
-    micro-batches. Without pp (``pp = 1``): ``m // 2`` pairs of whole micro-batches (forward and
-    backward each; an odd one runs alone). With pp, DualPipeV (m >= 2 pp): torch's
+    micro-batches. Without pp (``pp = 1``): ``m - 1`` pairs, each micro-batch's forward beside the
+    previous one's backward (``parallel.pipeline.accumulate``). With pp, DualPipeV (m >= 2 pp): torch's
     ``ScheduleDualPipeV`` order gives rank r ``2 m - 2 pp - max(1, pp - 1 - r)`` ``OVERLAP_F_B``
     actions, each one micro-batch's forward on one of the rank's two chunks beside another's whole
     backward on the other (its warm-up and cool-down run forwards and backwards alone; a test
     counts torch's order). 1F1B, run as combined 1F1B (``parallel.pipeline.combined_1f1b_order``,
     m >= pp): ``m - min(pp - r, m)`` pairs, each a forward beside another micro-batch's backward
     of the rank's one chunk."""
+    if schedule not in ("1f1b", "dualpipev"):
+        raise ValueError(f"a2a_overlap with schedule {schedule!r}: valid: '1f1b', 'dualpipev'")
     if pp == 1:
-        return m // 2
+        return max(m - 1, 0)
     if schedule == "1f1b":
         if m < pp or not 0 <= rank < pp:
             raise ValueError(f"1f1b with pp={pp}: needs micro-batches={m} >= pp and rank={rank} in 0..{pp - 1}")

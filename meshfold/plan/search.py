@@ -109,7 +109,8 @@ def plan(model: str | ModelShape | object, gpus: int, hw: str | Hardware = "h100
             those ``train.redundant_experts = R`` runs on (also ep dividing R, R <= E).
         a2a_overlap: also estimate each layout that ``train.a2a_overlap`` runs on with it
             (:func:`~meshfold.plan.cost.check_layout`; the schedules tried stay the same, so
-            here that is pp = 1 with two micro-batches or more); both variants are ranked.
+            here that is pp = 1 with two micro-batches or more, and 1f1b, run as combined 1F1B);
+            both variants are ranked.
 
     Returns feasible estimates by decreasing MFU, then infeasible ones (out of memory, with
     ``reason``) by increasing memory. Recomputation is tried for a layout only where the layout

@@ -18,10 +18,17 @@ issues are ordered by its own code); between turns, the async all-to-alls in fli
 process group's own threads (gloo) or stream (NCCL) while the Python thread computes.
 
 What each turn sees: grad mode, dispatch modes (a dry run's fake tensors) and (on CUDA) the
-current device of the caller; everything else
-torch keeps per process (the RNG, parameters and their ``.grad``) is shared, and the turns make
-the order of its use deterministic. A piece that raises ends its turns; :func:`run_in_turns`
-re-raises the first error after both pieces stopped.
+current device of the caller; everything else torch keeps per process (the RNG, parameters and
+their ``.grad``, a module's own attributes) is shared, and the turns make the order of its use
+deterministic. Work that must not interleave with the other piece's runs under
+:func:`keeping_turn` (a recomputation replaying saved state). A piece that raises ends its turns
+and makes the other raise at its next wait; :func:`run_in_turns` re-raises the first error.
+
+Where the waits run: forward, on the piece's thread. Backward, where autograd runs the node: on
+CPU the thread that called backward (the piece's), so the backward's all-to-alls take turns too;
+on CUDA autograd runs a device's nodes on its own device thread, which holds no turn, so there
+only the forwards' all-to-alls are overlapped (a forward beside the other piece's backward
+included) and a backward runs in one turn.
 
 :class:`TurnStats` counts what happened: how many all-to-alls a piece waited for, how many of them
 were in flight while the other piece computed, and how many had already arrived when waited for
@@ -75,6 +82,8 @@ class _Turns:
         self.turn = 0
         self.running = [True] * n
         self.stats = TurnStats()
+        self.failed: BaseException | None = None  # the first error a piece raised
+        self.kept = 0  # > 0: the running piece keeps its turn through its waits (keeping_turn)
 
     def _next(self, me: int) -> int | None:
         n = len(self.running)
@@ -111,16 +120,41 @@ def in_turns() -> bool:
     return getattr(_here, "turns", None) is not None
 
 
-def wait_for(work) -> None:
-    """Wait for a collective this thread started (``work``: what ``async_op=True`` returned).
-    Inside :func:`run_in_turns` the other piece computes first, for one turn; outside, a plain
-    ``work.wait()``."""
+@contextlib.contextmanager
+def keeping_turn():
+    """Inside, the running piece's waits do not pass the turn (plain waits): for work that must
+    not interleave with the other piece's, e.g. a recomputation running with state it restores
+    afterwards. Outside :func:`run_in_turns`, nothing."""
     turns = getattr(_here, "turns", None)
     if turns is None:
+        yield
+        return
+    turns.kept += 1
+    try:
+        yield
+    finally:
+        turns.kept -= 1
+
+
+def _check_partner(turns: _Turns) -> None:
+    if turns.failed is not None:  # its collectives stopped: ours would wait for peers that pair
+        raise RuntimeError(f"a2a_overlap: the other micro-batch on this rank raised "  # with it
+                           f"{type(turns.failed).__name__}: {turns.failed}") from turns.failed
+
+
+def wait_for(work) -> None:
+    """Wait for a collective this thread started (``work``: what ``async_op=True`` returned).
+    Inside :func:`run_in_turns` the other piece computes first, for one turn; outside (or under
+    :func:`keeping_turn`), a plain ``work.wait()``. Raises if the other piece has raised: this
+    piece's next collectives would pair with the peers' pieces in another order."""
+    turns = getattr(_here, "turns", None)
+    if turns is None or turns.kept:
         work.wait()
         return
+    _check_partner(turns)
     with torch.profiler.record_function(IN_FLIGHT):  # on a trace: the other piece computes meanwhile
         crossed = turns.hand_over(_here.me)
+    _check_partner(turns)
     arrived = crossed and work.is_completed()
     t0 = time.perf_counter()
     work.wait()
@@ -158,13 +192,22 @@ def run_in_turns(*pieces) -> tuple[list, TurnStats]:
     """Run the callables ``pieces`` (two, typically) in turns, the first first: ``(their results
     in order, the TurnStats of the run)``. Each piece runs on a thread of its own (kept for the
     next call, :mod:`meshfold.runtime.pools`; n pieces never share one of its n threads, as each
-    waits for its turn) with the caller's grad mode (and CUDA device); the caller waits until all have
-    finished. The first exception
-    a piece raised is re-raised here (the others run to their end first)."""
+    waits for its turn) with the caller's grad mode, dispatch modes and CUDA device; the caller
+    waits until all have finished. The first exception a piece raised is re-raised here; the
+    others raise at their next wait (their collectives would no longer pair with their peers').
+    Calls from several threads run one at a time."""
     if len(pieces) < 2:
         raise ValueError(f"run_in_turns takes two or more pieces of work, got {len(pieces)}")
     if in_turns():
         raise RuntimeError("run_in_turns inside run_in_turns: a piece's turns cannot be split again")
+    with _one_run_at_a_time:  # the kept threads serve one run: two would hold them all and wait
+        return _run(pieces)
+
+
+_one_run_at_a_time = threading.Lock()
+
+
+def _run(pieces) -> tuple[list, TurnStats]:
     turns = _Turns(len(pieces))
     modes = _dispatch_modes()
     grad = torch.is_grad_enabled()
@@ -182,6 +225,8 @@ def run_in_turns(*pieces) -> tuple[list, TurnStats]:
                 results[i] = pieces[i]()
         except BaseException as e:  # re-raised by the caller
             errors[i] = e
+            with turns.cv:
+                turns.failed = turns.failed or e
         finally:
             _here.turns = None
             turns.finish(i)

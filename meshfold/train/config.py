@@ -256,7 +256,7 @@ class TrainSettings:
                             "CPU: tens of seconds per distinct shape), later steps reuse the graphs")
     a2a_overlap: bool = setting(False, bool, "run two micro-batches in turns so that one's expert dispatch and "
                                 "combine all-to-alls travel while the other computes (meshfold.runtime.overlap): "
-                                "without pp accumulated micro-batches in pairs; with pp, schedule 1f1b runs as "
+                                "without pp each accumulated micro-batch's forward beside the previous one's backward; with pp, schedule 1f1b runs as "
                                 "combined 1F1B (each steady forward beside another micro-batch's backward, one more "
                                 "warm-up forward) and dualpipev with its overlapped forward and backward; the same "
                                 "values; needs MoE layers and ep > 1; under FSDP2 each block stays gathered from its "

@@ -135,5 +135,7 @@ def test_combined_1f1b_pairs_each_steady_forward_with_a_backward(pp, m):
         assert overlapped_pairs(pp, m, rank, "1f1b") == overlapped == m - min(pp - rank, m), rank
 
 
-def test_without_pp_accumulated_micro_batches_overlap_in_pairs():
-    assert [overlapped_pairs(1, m, 0) for m in (1, 2, 3, 8)] == [0, 1, 1, 4]
+def test_without_pp_each_forward_pairs_with_the_previous_backward():
+    assert [overlapped_pairs(1, m, 0, "1f1b") for m in (1, 2, 3, 8)] == [0, 1, 2, 7]
+    with pytest.raises(ValueError, match="schedule 'gpipe'"):
+        overlapped_pairs(2, 8, 0, "gpipe")

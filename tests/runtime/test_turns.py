@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshfold.runtime.overlap import in_turns, run_in_turns, wait_for
+from meshfold.runtime.overlap import in_turns, keeping_turn, run_in_turns, wait_for
 
 
 class _Work:
@@ -56,16 +56,38 @@ def test_an_all_to_all_not_yet_arrived_is_counted_crossed_but_not_arrived():
     assert (stats.waited, stats.crossed, stats.arrived) == (2, 2, 1)
 
 
-def test_an_error_in_one_piece_is_raised_after_the_other_finishes():
-    log = []
+def test_an_error_in_one_piece_is_raised_and_stops_the_other_at_its_next_wait():
+    """The other piece's next collectives would pair with the peers' pieces in another order:
+    it raises at its next wait instead of issuing them."""
+    log, seen = [], []
 
     def broken():
         wait_for(_Work(log, "x"))
         raise ValueError("piece failed")
 
+    def other():
+        try:
+            _piece(log, "b", 3)()
+        except RuntimeError as e:
+            seen.append(str(e))
+            raise
+
     with pytest.raises(ValueError, match="piece failed"):
-        run_in_turns(broken, _piece(log, "b", 2))
-    assert log[-1] == "b1 waited"  # the other ran to its end
+        run_in_turns(broken, other)
+    assert "b2" not in log and seen and "the other micro-batch on this rank raised ValueError" in seen[0]
+
+
+def test_keeping_the_turn_makes_waits_plain():
+    log = []
+
+    def keeper():
+        with keeping_turn():
+            wait_for(_Work(log, "k0"))  # no hand-over: b has not started
+        wait_for(_Work(log, "k1"))
+
+    _, stats = run_in_turns(keeper, _piece(log, "b", 1))
+    assert log == ["k0 waited", "b0", "k1 waited", "b0 waited"]
+    assert (stats.waited, stats.crossed) == (2, 2)  # the kept wait is not counted
 
 
 def test_pieces_run_in_the_callers_grad_mode_and_dispatch_modes_and_cannot_nest():
