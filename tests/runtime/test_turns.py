@@ -111,3 +111,27 @@ def test_pieces_run_in_the_callers_grad_mode_and_dispatch_modes_and_cannot_nest(
         run_in_turns(lambda: run_in_turns(piece, piece), piece)
     with pytest.raises(ValueError, match="two or more"):
         run_in_turns(piece)
+
+
+def test_a_recomputation_keeps_its_turn_so_the_other_micro_batchs_counts_survive():
+    """A recomputation runs with the MoE layers' state as its forward found it, then puts back
+    the state it found (meshfold.parallel.recompute). Were its all-to-all waits to pass the turn,
+    the other micro-batch's forward would count into the replayed state, and the put-back would
+    drop that count (the expert-bias counts of a step)."""
+    from meshfold.models import MoEConfig, MoELayer
+    from meshfold.parallel.recompute import _replay_state, _state
+
+    layer = MoELayer(MoEConfig(hidden=4, ffn=4, num_experts=2, topk=1, expert_bias=True))
+    saved = _state([layer])              # as the block's forward found it: nothing counted yet
+    layer._bias_counts = torch.tensor([1, 0])  # what the step counted since
+
+    def recompute():
+        with _replay_state([layer], saved):
+            wait_for(_Work([], "recompute's all-to-all"))
+
+    def other_forward():                 # the other micro-batch's forward counts its rows
+        seen = layer._bias_counts
+        layer._bias_counts = torch.tensor([0, 5]) if seen is None else seen + torch.tensor([0, 5])
+
+    run_in_turns(recompute, other_forward)
+    assert layer._bias_counts.tolist() == [1, 5]
