@@ -3,7 +3,7 @@
     python benchmarks/plan_overlap.py
 
 For each model and GPU count, ``meshfold plan --a2a-overlap``'s search (H100, sequence 4096,
-global batch 256): the best feasible layout without pp (pairs of accumulated micro-batches), the
+global batch 256): the best feasible layout without pp (each forward beside the previous backward), the
 best with pp, where 1F1B runs as combined 1F1B, the
 best pp 2 layout turned to dualpipev without recomputation (overlapped forward and backward), and the overall best of the whole
 search (which the overlap may not reach: the search tries no dualpipev), each with and without
@@ -48,7 +48,7 @@ def main() -> None:
         if on_pp1:
             on = on_pp1[0]
             off = estimate(model, hw, dataclasses.replace(on.layout, a2a_overlap=False), SEQ, GBS)
-            print(_row(f"{name}, {gpus}: best with pairs (pp 1)", off, on))
+            print(_row(f"{name}, {gpus}: best without pp", off, on))
         on_pp = [e for e in found if e.layout.a2a_overlap and e.layout.spec.pp > 1]  # 1f1b, run combined
         if on_pp:
             on = on_pp[0]
