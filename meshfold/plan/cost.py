@@ -239,7 +239,7 @@ def check_layout(model: ModelShape, layout: Layout, seq: int, global_batch: int)
         (not layout.megatron, "a2a_overlap is meshfold's train.a2a_overlap; the zero1 rows are Megatron-Core's"),
         (s.ep > 1, "a2a_overlap with ep=1: there is no expert all-to-all to overlap; valid: ep > 1"),
         (model.moe_layers > 0, f"a2a_overlap: {model.name} has no MoE layers, so no all-to-all to overlap"),
-        (s.pp > 1 or m >= 2, f"a2a_overlap with pp=1 and micro-batches={m}: micro-batches overlap in pairs; "
+        (s.pp > 1 or m >= 2, f"a2a_overlap with pp=1 and micro-batches={m}: a forward overlaps another micro-batch's backward; "
                              f"valid: 2 or more (global batch >= 2 dp mbs)"),
         (s.pp == 1 or layout.schedule in ("1f1b", "dualpipev"),
          f"a2a_overlap with pp={s.pp} and schedule {layout.schedule!r}: 1f1b (combined) and dualpipev pair one "

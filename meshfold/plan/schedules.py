@@ -27,8 +27,9 @@ torch's ``ScheduleInterleavedZeroBubble`` order gives. torch's ``ScheduleZBVZero
 own orders with the same times, and ``python -m meshfold.dryrun.check --bubbles`` puts the two side
 by side. Communication is left out (stages hand over at once), as in the papers.
 
-:func:`overlapped_pairs` counts what ``train.a2a_overlap`` runs in turns on a rank: accumulated
-micro-batches in pairs without pp, DualPipeV's overlapped forward-beside-backward actions with pp.
+:func:`overlapped_pairs` counts what ``train.a2a_overlap`` runs in turns on a rank: each
+accumulated micro-batch's forward beside the previous one's backward without pp, combined 1F1B's
+and DualPipeV's overlapped forward-beside-backward actions with pp.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def _stats(worlds, spec, microbatches, schedule, data_parallel, recompute, overl
 
 @pytest.mark.parametrize("spec, microbatches, data_parallel, recompute", [
     (FoldSpec(2, ep=2), 2, "allreduce", "none"),          # dp2 | ep2: one pair
-    (FoldSpec(4, tp=2, ep=2), 3, "allreduce", "none"),    # tp2 x dp2 | ep2 x edp2: two pairs
+    (FoldSpec(4, tp=2, ep=2), 3, "allreduce", "none"),    # tp2 x dp2 | ep2 x edp2: two pairs (odd m)
     (FoldSpec(4, ep=2), 4, "fsdp", "none"),               # dp4 | ep2 x edp2, FSDP2: three pairs
     (FoldSpec(2, ep=2), 2, "fsdp", "selective"),
 ])

@@ -33,7 +33,7 @@ def _both(hw, layout, gbs, **knobs):
 
 @pytest.mark.parametrize("layout, gbs, reason", [
     (Layout(FoldSpec(8, ep=1), a2a_overlap=True), 16, "ep=1: there is no expert all-to-all"),
-    (Layout(FoldSpec(8, ep=8), a2a_overlap=True), 8, "pp=1 and micro-batches=1: micro-batches overlap in pairs"),
+    (Layout(FoldSpec(8, ep=8), a2a_overlap=True), 8, "pp=1 and micro-batches=1: a forward overlaps another micro-batch's backward"),
     (Layout(FoldSpec(16, ep=4, pp=2), vpp=2, schedule="interleaved-1f1b", a2a_overlap=True), 16,
      "schedule 'interleaved-1f1b': 1f1b (combined) and dualpipev"),
     (Layout(FoldSpec(16, ep=4, pp=2), sharding="zero1", a2a_overlap=True), 16, "Megatron-Core's"),
